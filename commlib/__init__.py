@@ -1,0 +1,40 @@
+"""commlib: data-parallel gradient averaging for custom numpy/cupy training loops.
+
+    import commlib
+    comm = commlib.init()
+    comm.all_reduce(grads, division=True)
+
+``import commlib`` works without cupy, NCCL or a GPU.
+"""
+from . import errors
+from .bootstrap import NcclId
+from .communicator import Communicator
+from .errors import (ArgumentError, ArrayTypeError, BackendUnavailableError, ClosedError,
+                     CollectiveTimeoutError, CommlibError, ConsistencyError,
+                     DeviceMismatchError)
+
+__version__ = "0.1.0"
+
+
+def init(**options):
+    """A Communicator bootstrapped from the environment.
+
+    Under ``commlib.launch``'s forked workers (``COMMLIB_NCCL_ID`` set) it
+    uses :meth:`Communicator.from_nccl_id`; otherwise
+    :meth:`Communicator.from_mpi` (under mpiexec, or as an MPI singleton of
+    size 1). ``options`` go to the constructor (``bucket_bytes``, ``check``,
+    ``timeout``, ``device``, ``backend`` for MPI).
+    """
+    from .bootstrap import launcher_env
+    found = launcher_env()
+    if found is not None:
+        nid, rank, size, local_rank, local_size = found
+        options.pop("backend", None)
+        return Communicator.from_nccl_id(nid, rank, size, local_rank=local_rank,
+                                         local_size=local_size, **options)
+    return Communicator.from_mpi(**options)
+
+
+__all__ = ["Communicator", "NcclId", "init", "errors", "ArgumentError", "ArrayTypeError",
+           "BackendUnavailableError", "ClosedError", "CollectiveTimeoutError",
+           "CommlibError", "ConsistencyError", "DeviceMismatchError"]

@@ -1,0 +1,28 @@
+"""The element types commlib's collectives accept.
+
+bfloat16 arrays are recognised by their dtype name (``ml_dtypes.bfloat16``
+for numpy); the CUDA kernels also take bfloat16 as uint16 bit patterns.
+"""
+import numpy as np
+
+#: dtype names accepted by every collective, in documentation order.
+SUPPORTED = ("float16", "bfloat16", "float32", "float64", "int32", "int64", "uint8")
+
+#: names whose ``avg`` / ``division=True`` is defined (floating point).
+FLOATING = ("float16", "bfloat16", "float32", "float64")
+
+#: reduction operators, as accepted by the ``op=`` argument.
+OPS = ("sum", "avg", "max", "min", "prod")
+
+
+def name_of(dtype):
+    """Canonical name of a numpy/cupy dtype (``"float32"``, ``"bfloat16"``)."""
+    return np.dtype(dtype).name
+
+
+def is_supported(dtype):
+    return name_of(dtype) in SUPPORTED
+
+
+def is_floating(dtype):
+    return name_of(dtype) in FLOATING

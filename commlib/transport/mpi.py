@@ -1,0 +1,165 @@
+"""MPI transport (mpi4py): numpy buffers, and cupy buffers staged through host
+memory unless the MPI library is CUDA-aware.
+
+Every collective is started non-blocking and completed by ``Wait`` or, with a
+deadline, by polling ``Test`` (the watch dog). Reductions of float16 and
+bfloat16, which MPI lacks, use user-defined operators computed with numpy.
+Large all-reduces are split into ``chunk_bytes`` pieces, which keeps each
+piece cache-resident in MPI's shared-memory path.
+"""
+import contextlib
+
+import numpy as np
+
+from ..errors import BackendUnavailableError
+from ..ops._arrays import is_cupy
+from .base import Transport
+
+_MPI = None
+
+
+def mpi():
+    """The ``mpi4py.MPI`` module, imported on first use."""
+    global _MPI
+    if _MPI is None:
+        try:
+            from mpi4py import MPI
+        except ImportError as exc:
+            raise BackendUnavailableError(
+                "commlib: mpi4py is not installed; install commlib with the 'mpi' extra "
+                "(pip install 'commlib[mpi]')") from exc
+        _MPI = MPI
+    return _MPI
+
+
+_NATIVE = {"float32": "FLOAT", "float64": "DOUBLE", "int32": "INT32_T",
+           "int64": "INT64_T", "uint8": "UINT8_T"}
+_NATIVE_OPS = {"sum": "SUM", "max": "MAX", "min": "MIN", "prod": "PROD"}
+_UFUNCS = {"sum": np.add, "max": np.maximum, "min": np.minimum, "prod": np.multiply}
+_user_ops = {}
+
+
+def _user_op(dtype, op):
+    """An MPI.Op reducing 16-bit floats with the numpy ufunc for ``op``."""
+    key = (dtype.name, op)
+    if key not in _user_ops:
+        ufunc = _UFUNCS[op]
+
+        def reduce(inbuf, inoutbuf, datatype):
+            a = np.frombuffer(inbuf, dtype=dtype)
+            b = np.frombuffer(inoutbuf, dtype=dtype)
+            ufunc(b, a, out=b)
+
+        _user_ops[key] = mpi().Op.Create(reduce, commute=True)
+    return _user_ops[key]
+
+
+def _mpi_type(dtype):
+    MPI = mpi()
+    name = _NATIVE.get(dtype.name)
+    return getattr(MPI, name) if name else MPI.UINT16_T   # float16, bfloat16
+
+
+def _mpi_op(dtype, op):
+    if dtype.name in _NATIVE:
+        return getattr(mpi(), _NATIVE_OPS[op])
+    return _user_op(dtype, op)
+
+
+def _cuda_aware():
+    MPI = mpi()
+    query = getattr(MPI, "Query_cuda_support", None)
+    try:
+        return bool(query()) if query else False
+    except Exception:
+        return False
+
+
+class MpiTransport(Transport):
+    """Collectives over an ``mpi4py`` communicator.
+
+    ``mpi_comm`` is used as given (not duplicated here); ``chunk_bytes`` caps
+    one all-reduce message.
+    """
+
+    name = "mpi"
+
+    def __init__(self, mpi_comm, chunk_bytes=16 << 20):
+        super().__init__(mpi_comm.Get_rank(), mpi_comm.Get_size())
+        self.comm = mpi_comm
+        self.chunk_bytes = int(chunk_bytes)
+        self.cuda_aware = _cuda_aware()
+
+    # -- staging -------------------------------------------------------------
+    @contextlib.contextmanager
+    def _host(self, buf, writeback):
+        """Yield a buffer MPI can use for ``buf``; copy results back after."""
+        if not is_cupy(buf):
+            yield buf
+            return
+        import cupy
+        if self.cuda_aware:
+            cupy.cuda.get_current_stream().synchronize()
+            yield buf
+            return
+        host = cupy.asnumpy(buf)
+        yield host
+        if writeback:
+            buf.set(host)
+
+    def _spec(self, buf):
+        return [buf, buf.size, _mpi_type(buf.dtype)]
+
+    def _wait(self, request, deadline, what):
+        self.check_usable()
+        if deadline is None:
+            request.Wait()
+        else:
+            self.poll_until(request.Test, deadline, what)
+
+    # -- collectives ---------------------------------------------------------
+    def all_reduce(self, buf, op, deadline=None):
+        IN_PLACE = mpi().IN_PLACE
+        with self._host(buf, True) as h:
+            mop = _mpi_op(h.dtype, op)
+            step = max(1, self.chunk_bytes // h.itemsize)
+            for start in range(0, h.size, step):
+                piece = h[start:start + step]
+                self._wait(self.comm.Iallreduce(IN_PLACE, self._spec(piece), mop),
+                           deadline, "all_reduce")
+
+    def broadcast(self, buf, root, deadline=None):
+        with self._host(buf, self.rank != root) as h:
+            self._wait(self.comm.Ibcast(self._spec(h), root=root), deadline, "broadcast")
+
+    def reduce(self, buf, root, op, deadline=None):
+        MPI = mpi()
+        with self._host(buf, self.rank == root) as h:
+            spec = self._spec(h)
+            if self.rank == root:
+                req = self.comm.Ireduce(MPI.IN_PLACE, spec, _mpi_op(h.dtype, op), root=root)
+            else:
+                req = self.comm.Ireduce(spec, None, _mpi_op(h.dtype, op), root=root)
+            self._wait(req, deadline, "reduce")
+
+    def all_gather(self, sendbuf, recvbuf, deadline=None):
+        with self._host(sendbuf, False) as s, self._host(recvbuf, True) as r:
+            self._wait(self.comm.Iallgather(self._spec(s), [r, s.size, _mpi_type(r.dtype)]),
+                       deadline, "all_gather")
+
+    def all_gatherv(self, sendbuf, recvbuf, counts, deadline=None):
+        counts = [int(c) for c in counts]
+        displs = np.concatenate(([0], np.cumsum(counts)[:-1])).astype(int).tolist()
+        with self._host(sendbuf, False) as s, self._host(recvbuf, True) as r:
+            self._wait(self.comm.Iallgatherv(self._spec(s),
+                                             [r, counts, displs, _mpi_type(r.dtype)]),
+                       deadline, "all_gatherv")
+
+    def reduce_scatter(self, sendbuf, recvbuf, op, deadline=None):
+        with self._host(sendbuf, False) as s, self._host(recvbuf, True) as r:
+            self._wait(self.comm.Ireduce_scatter_block(
+                [s, r.size, _mpi_type(s.dtype)], self._spec(r), _mpi_op(s.dtype, op)),
+                deadline, "reduce_scatter")
+
+    def barrier(self, deadline=None):
+        self._wait(self.comm.Ibarrier(), deadline, "barrier")

@@ -1,0 +1,45 @@
+"""Packaging for commlib.
+
+The CUDA sources live in the top-level ``kernels/`` folder; ``build_py``
+copies them into the package as ``commlib/_kernels`` so an installed commlib
+(``pip install .``, not only ``-e``) finds them.
+"""
+from pathlib import Path
+
+from setuptools import setup
+from setuptools.command.build_py import build_py
+
+HERE = Path(__file__).resolve().parent
+
+
+class build_py_with_kernels(build_py):
+    """build_py that also ships kernels/*.cu and *.cuh inside the package."""
+
+    def run(self):
+        super().run()
+        target = Path(self.build_lib) / "commlib" / "_kernels"
+        target.mkdir(parents=True, exist_ok=True)
+        for src in sorted((HERE / "kernels").glob("*.cu*")):
+            self.copy_file(str(src), str(target / src.name))
+
+
+setup(
+    name="commlib",
+    version="0.1.0",
+    description="Data-parallel gradient all-reduce for custom numpy/cupy training loops "
+                "over NCCL and MPI, with CUDA compression kernels",
+    long_description=(HERE / "README.md").read_text(encoding="utf-8"),
+    long_description_content_type="text/markdown",
+    license="Apache-2.0",
+    python_requires=">=3.9",
+    packages=["commlib", "commlib.ops", "commlib.transport"],
+    install_requires=["numpy>=1.22"],
+    extras_require={
+        "mpi": ["mpi4py>=4.0", "mpich"],
+        "test": ["pytest>=7", "hypothesis>=6", "mpi4py>=4.0", "mpich"],
+        "cuda12": ["cupy-cuda12x>=13", "nvidia-nccl-cu12"],
+        "cuda13": ["cupy-cuda13x>=14", "nvidia-nccl-cu13"],
+    },
+    entry_points={"console_scripts": ["commlib-run = commlib.launch:main"]},
+    cmdclass={"build_py": build_py_with_kernels},
+)

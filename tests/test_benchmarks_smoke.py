@@ -1,0 +1,43 @@
+"""Smoke run of benchmarks/allreduce.py at 2 ranks with tiny cases.
+
+Checks that the table is printed, parses, and reports correct results;
+never asserts on timings.
+"""
+import json
+
+from mpirun import ROOT, run_mpi
+
+SCRIPT = ROOT / "benchmarks" / "allreduce.py"
+NUMERIC = ["bytes", "tensors", "commlib ms", "per-tensor ms", "flat ms",
+           "commlib algbw GB/s", "busbw GB/s", "commlib / best baseline"]
+
+
+def parse_table(stdout):
+    """Markdown table in ``stdout`` -> list of {column title: cell}."""
+    lines = [ln for ln in stdout.splitlines() if ln.startswith("|")]
+    split = [[c.strip() for c in ln.strip("|").split("|")] for ln in lines]
+    header, body = split[0], split[2:]
+    return [dict(zip(header, cells)) for cells in body]
+
+
+def test_allreduce_benchmark_smoke(tmp_path):
+    out = tmp_path / "results.json"
+    args = ["--cases", "flat,mnist_cnn,1000x256", "--sizes", "4K,64K",
+            "--repeats", "2", "--warmup", "1", "--max-bytes", "4M",
+            "--json", str(out)]
+    code = "import runpy; runpy.run_path(%r, run_name='__main__')" % str(SCRIPT)
+    proc = run_mpi(2, code, timeout=120, args=args)
+
+    rows = parse_table(proc.stdout)
+    assert [r["case"] for r in rows] == ["flat-4KiB", "flat-64KiB", "mnist_cnn", "1000x256"]
+    assert [int(r["bytes"]) for r in rows] == [4096, 65536, 431080 * 4, 1024000]
+    assert [int(r["tensors"]) for r in rows] == [1, 1, 8, 1000]
+    for row in rows:
+        assert row["check"] == "ok", row
+        for column in NUMERIC:
+            assert float(row[column]) > 0, (column, row)
+
+    results = json.loads(out.read_text())
+    assert results["config"]["ranks"] == 2
+    assert [r["case"] for r in results["results"]] == [r["case"] for r in rows]
+    assert all(len(r["samples_ms"]["commlib"]) == 2 for r in results["results"])
