@@ -35,7 +35,8 @@ def run_mpi(n, code, timeout=60, env=None, args=(), expect_fail=False):
         "commlib_mpi_%d_%d.py" % (os.getpid(), abs(hash(code))))
     script.write_text(textwrap.dedent(code))
     full_env = dict(os.environ)
-    full_env["PYTHONPATH"] = str(ROOT) + os.pathsep + full_env.get("PYTHONPATH", "")
+    full_env["PYTHONPATH"] = os.pathsep.join(
+        [str(ROOT), str(ROOT / "tests"), full_env.get("PYTHONPATH", "")])
     full_env.update(env or {})
     cmd = [mpiexec(), "-n", str(n), sys.executable, str(script), *args]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE,

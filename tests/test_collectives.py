@@ -1,0 +1,39 @@
+"""Every collective against numpy, in real MPI jobs of 1 to 4 ranks."""
+import pytest
+
+from mpirun import ROOT, run_mpi
+
+SIZES = [1, 2, 3, 4]
+
+
+def run_checks(n, which, timeout=120):
+    code = ("import sys, collective_checks\n"
+            "collective_checks.main(sys.argv[1], sys.argv[2])\n")
+    proc = run_mpi(n, code, timeout=timeout,
+                   args=[which, str(ROOT / "tests" / "data" / "resnet50.json")])
+    assert proc.stdout.count(" ok") == n, proc.stdout
+
+
+@pytest.mark.parametrize("n", SIZES)
+def test_all_reduce_every_dtype_op_and_length(n):
+    run_checks(n, "all_reduce")
+
+
+@pytest.mark.parametrize("n", SIZES)
+def test_all_reduce_many_small_mixed_arrays_and_buckets(n):
+    run_checks(n, "many,buckets")
+
+
+@pytest.mark.parametrize("n", SIZES)
+def test_broadcast_and_reduce_every_root(n):
+    run_checks(n, "broadcast_reduce")
+
+
+@pytest.mark.parametrize("n", SIZES)
+def test_all_gather_reduce_scatter_gatherv_barrier(n):
+    run_checks(n, "gather_scatter")
+
+
+@pytest.mark.parametrize("n", [2, 4])
+def test_all_reduce_resnet50_gradient_list(n):
+    run_checks(n, "resnet50", timeout=240)
