@@ -1,0 +1,62 @@
+"""The bucket plan: which arrays are fused, which reduced in place."""
+import numpy as np
+
+from commlib import bucketing
+
+
+def arrays_of(*specs):
+    return [np.zeros(n, dtype=dt) for dt, n in specs]
+
+
+def test_small_arrays_fill_buckets_in_order_and_large_go_direct():
+    arrays = arrays_of(("float32", 10), ("float32", 300), ("float32", 20), ("float32", 5))
+    plan = bucketing.plan_for(arrays, bucket_bytes=400)   # 100 floats per bucket
+    assert plan.direct == (1,)
+    assert [b.indices for b in plan.buckets] == [(0, 2, 3)]
+    assert [b.size for b in plan.buckets] == [35]
+
+
+def test_bucket_boundary_and_exact_fit():
+    arrays = arrays_of(*[("float64", 25)] * 5)               # 200 bytes each
+    plan = bucketing.plan_for(arrays, bucket_bytes=400)
+    assert plan.direct == ()
+    assert [b.indices for b in plan.buckets] == [(0, 1), (2, 3), (4,)]
+    plan = bucketing.plan_for(arrays, bucket_bytes=200)       # each fills a bucket: direct
+    assert plan.direct == (0, 1, 2, 3, 4) and plan.buckets == ()
+
+
+def test_dtypes_get_separate_buckets_and_empty_arrays_are_skipped():
+    arrays = arrays_of(("float32", 3), ("int64", 2), ("float32", 0), ("float32", 4), ("int64", 1))
+    plan = bucketing.plan_for(arrays, bucket_bytes=1 << 20)
+    by_dtype = {str(b.dtype): b.indices for b in plan.buckets}
+    assert by_dtype == {"float32": (0, 3), "int64": (1, 4)}
+    assert all(2 not in b.indices for b in plan.buckets) and 2 not in plan.direct
+
+
+def test_plan_is_cached_and_hashable_by_layout():
+    a = arrays_of(("float32", 7), ("float32", 9))
+    b = arrays_of(("float32", 7), ("float32", 9))
+    p1, p2 = bucketing.plan_for(a, 4096), bucketing.plan_for(b, 4096)
+    assert p1 is p2 and hash(p1.key) == hash(p2.key)
+    assert bucketing.plan_for(a, 8192) is not p1
+
+
+def test_pack_unpack_round_trip_with_scale():
+    rng = np.random.default_rng(0)
+    arrays = [rng.standard_normal(s).astype(np.float32) for s in ((3, 4), (5,), (1, 1, 2), ())]
+    before = [a.copy() for a in arrays]
+    buf = np.empty(12 + 5 + 2 + 1, np.float32)
+    bucketing.pack(arrays, range(4), buf)
+    assert np.array_equal(buf, np.concatenate([a.ravel() for a in before]))
+    bucketing.unpack(buf, arrays, range(4), scale=0.5)
+    for a, b in zip(arrays, before):
+        assert a.shape == b.shape and np.array_equal(a, b * np.float32(0.5))
+
+
+def test_scratch_reuses_and_grows():
+    s = bucketing.Scratch()
+    x = s.get(np, np.dtype("float32"), 10)
+    y = s.get(np, np.dtype("float32"), 5)
+    assert x.size == 10 and y.size == 5 and np.shares_memory(x, y)
+    z = s.get(np, np.dtype("float32"), 100)
+    assert z.size == 100
