@@ -7,12 +7,24 @@ most ``bucket_bytes``. The plan depends only on the (dtype, size) sequence,
 so it is hashable, cached, and identical on every rank that passes the same
 shapes — later compression stages key their per-bucket state (error-feedback
 residuals) on ``(plan.key, bucket index)``.
+
+A training loop usually passes the same gradient arrays every step.
+:class:`FusionCache` recognises such a list by the identity of its arrays and
+keeps a :class:`PreparedList` for it: the plan, bucket buffers and views, so
+a repeated call skips the per-array checks and planning. An entry is dropped
+as soon as any of its arrays is garbage-collected (weak references), so the
+cache never keeps user arrays alive nor mistakes a new array for an old one.
 """
 import functools
 import operator
+import weakref
 from typing import NamedTuple, Tuple
 
+import numpy as np
+
+from . import dtypes
 from .ops import pack as _pack
+from .ops._arrays import array_module
 
 #: default bucket size per transport, in bytes (see benchmarks/allreduce.py)
 DEFAULT_BUCKET_BYTES = {"mpi": 1 << 20, "nccl": 25 << 20}
@@ -44,14 +56,13 @@ def _plan(layout, bucket_bytes):
     open_buckets = {}      # dtype -> (indices, size)
     buckets = []
     for i, (dt, size) in enumerate(layout):
-        itemsize = dt.itemsize
         if size == 0:
             continue
-        if size * itemsize >= bucket_bytes:
+        if size * dt.itemsize >= bucket_bytes:
             direct.append(i)
             continue
         indices, total = open_buckets.get(dt, ((), 0))
-        if (total + size) * itemsize > bucket_bytes:
+        if (total + size) * dt.itemsize > bucket_bytes:
             buckets.append(Bucket(dt, indices, total))
             indices, total = (), 0
         open_buckets[dt] = (indices + (i,), total + size)
@@ -61,30 +72,105 @@ def _plan(layout, bucket_bytes):
     return BucketPlan((layout, bucket_bytes), tuple(direct), tuple(buckets))
 
 
-class Scratch:
-    """Reusable flat buffers, one per (array module, dtype), grown on demand."""
+def _getter(indices):
+    """A C-level picker: ``_getter(ix)(items)`` is the tuple of ``items[i]``."""
+    if len(indices) == 1:
+        i = indices[0]
+        return lambda items: (items[i],)
+    return operator.itemgetter(*indices)
 
-    def __init__(self):
-        self._buffers = {}
 
-    def get(self, xp, dtype, size):
-        """A 1-D ``xp`` array of ``size`` elements of ``dtype`` (contents undefined)."""
-        key = (xp.__name__, dtype)
-        buf = self._buffers.get(key)
-        if buf is None or buf.size < size:
-            buf = xp.empty(max(size, 1), dtype=dtype)
-            self._buffers[key] = buf
-        return buf[:size]
+class PreparedList:
+    """A plan bound to one list of arrays, with its own bucket buffers.
+
+    ``kind`` is ``"numpy"`` or ``"cupy"``. Buckets are iterated with
+    :meth:`buckets`; arrays reduced in place with :meth:`direct`.
+    """
+
+    def __init__(self, arrays, plan, kind, writeable):
+        xp = array_module(arrays[0])
+        self.plan, self.kind = plan, kind
+        #: whether the arrays passed the writeable/contiguous checks
+        self.writeable = writeable
+        #: whether every array has a floating dtype (averaging allowed)
+        self.floating = all(dtypes.is_floating(dt) for dt, _ in plan.key[0])
+        self._buffers = [xp.empty(b.size, dtype=b.dtype) for b in plan.buckets]
+        self._pick = [_getter(b.indices) for b in plan.buckets]
+        self._pick_direct = _getter(plan.direct) if plan.direct else (lambda items: ())
+        self._views = []          # numpy: per bucket, a view of the buffer per array
+        if kind == "numpy":
+            for buf, pick in zip(self._buffers, self._pick):
+                views, offset = [], 0
+                for a in pick(arrays):
+                    views.append(buf[offset:offset + a.size].reshape(a.shape))
+                    offset += a.size
+                self._views.append(tuple(views))
+
+    def buckets(self):
+        """Indices 0..n-1 of the buckets, with their flat buffers."""
+        return enumerate(self._buffers)
+
+    def pack(self, items, i):
+        """Copy bucket ``i``'s arrays of ``items`` into its buffer; returns it."""
+        buf = self._buffers[i]
+        if self.kind != "numpy":
+            return _pack.pack(self._pick[i](items), buf)
+        return np.concatenate(self._pick[i](items), axis=None, out=buf)
+
+    def unpack(self, items, i, scale=None):
+        """Copy bucket ``i``'s buffer back into its arrays of ``items``,
+        times ``scale``."""
+        buf = self._buffers[i]
+        if self.kind != "numpy":
+            _pack.unpack(buf, self._pick[i](items), scale=scale)
+            return
+        if scale is not None:
+            buf *= scale
+        for dst, src in zip(self._pick[i](items), self._views[i]):
+            dst[...] = src
+
+    def direct(self, items):
+        """Flat views of the arrays reduced in place."""
+        return [a.reshape(-1) for a in self._pick_direct(items)]
+
+
+class FusionCache:
+    """PreparedLists of recently used lists, keyed by their arrays' identity.
+
+    An entry is made the second time the same list is seen (a list used once
+    costs nothing extra) and dropped when any of its arrays dies.
+    """
+
+    def __init__(self, max_entries=8):
+        self.max_entries = max_entries
+        self._entries = {}
+        self._last_key = None
+
+    def lookup(self, items):
+        """(key, PreparedList or None) for the list ``items``."""
+        key = tuple(map(id, items))
+        return key, self._entries.get(key)
+
+    def prepare(self, key, items, plan, kind, writeable):
+        """A PreparedList for ``items``; remembered if ``key`` repeats."""
+        prepared = PreparedList(items, plan, kind, writeable)
+        if key != self._last_key:
+            self._last_key = key
+            return prepared
+        try:
+            drop = functools.partial(self._drop, key)
+            prepared._refs = [weakref.ref(a, lambda _, drop=drop: drop()) for a in items]
+        except TypeError:       # an array type without weak references: not cached
+            return prepared
+        if len(self._entries) >= self.max_entries:
+            self._entries.pop(next(iter(self._entries)))
+        self._entries[key] = prepared
+        return prepared
+
+    def _drop(self, key):
+        self._entries.pop(key, None)
 
     def clear(self):
-        self._buffers.clear()
+        self._entries.clear()
+        self._last_key = None
 
-
-def pack(arrays, indices, out):
-    """Pack ``arrays[i] for i in indices`` into ``out``; returns ``out``."""
-    return _pack.pack([arrays[i] for i in indices], out)
-
-
-def unpack(buf, arrays, indices, scale=None):
-    """Copy ``buf`` back into ``arrays[i] for i in indices``, times ``scale``."""
-    _pack.unpack(buf, [arrays[i] for i in indices], scale=scale)

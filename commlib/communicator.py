@@ -109,7 +109,7 @@ class Communicator:
         self._bucket_bytes = bucket_bytes
         self._check = _env_flag(ENV_CHECK) if check is None else bool(check)
         self._timeout = _default_timeout() if timeout is None else _check_timeout(timeout)
-        self._scratch = bucketing.Scratch()
+        self._fusion = bucketing.FusionCache()
         self._seq = 0
         self._closed = False
 
@@ -246,16 +246,25 @@ class Communicator:
         return validation.check_arrays(arrays, rank=self._rank, device=self._device,
                                        writeable=writeable, floating=floating)
 
-    def _fused(self, arrays, kind, step):
-        """Run ``step(transport, flat_buffer, bucket_or_None)`` over the plan."""
+    def _fused_checks(self, items, prepared, writeable, floating):
+        """Array checks for a fused collective; a list already prepared with
+        checks at least this strict skips them."""
+        if (prepared is not None and (prepared.writeable or not writeable)
+                and (prepared.floating or not floating)):
+            return prepared.kind
+        return self._array_checks(items, writeable=writeable, floating=floating)
+
+    def _fused(self, items, kind, key, prepared, writeable, step):
+        """Run ``step(transport, flat_buffer, bucket_index_or_None, prepared)``
+        for every bucket and every in-place array of the list."""
         transport = self._transport(kind)
-        plan = bucketing.plan_for(arrays, self._bucket_bytes_for(transport))
-        xp = array_module(arrays[0])
-        for bucket in plan.buckets:
-            buf = self._scratch.get(xp, bucket.dtype, bucket.size)
-            step(transport, buf, bucket)
-        for i in plan.direct:
-            step(transport, arrays[i].reshape(-1), None)
+        if prepared is None:
+            plan = bucketing.plan_for(items, self._bucket_bytes_for(transport))
+            prepared = self._fusion.prepare(key, items, plan, kind, writeable)
+        for i, buf in prepared.buckets():
+            step(transport, buf, i, prepared)
+        for flat in prepared.direct(items):
+            step(transport, flat, None, prepared)
 
     # -- collectives -----------------------------------------------------------------
     def all_reduce(self, arrays, op="sum", division=False):
@@ -267,10 +276,11 @@ class Communicator:
         """
         items, _ = validation.as_list(arrays)
         averaging = op == "avg" or (division is True and op == "sum")
+        key, prepared = self._fusion.lookup(items)
 
         def checks():
             validation.check_op(op, division, self._rank)
-            return self._array_checks(items, floating=averaging)
+            return self._fused_checks(items, prepared, True, averaging)
 
         kind = self._begin("all_reduce", items, {"op": op, "division": division}, checks)
         if kind is None:
@@ -279,41 +289,42 @@ class Communicator:
         scale = 1.0 / self._size if averaging else None
         deadline = self._deadline()
 
-        def step(transport, buf, bucket):
-            if bucket is not None:
-                bucketing.pack(items, bucket.indices, buf)
+        def step(transport, buf, i, prepared):
+            if i is not None:
+                prepared.pack(items, i)
             transport.all_reduce(buf, reduce_op, deadline)
-            if bucket is not None:
-                bucketing.unpack(buf, items, bucket.indices, scale)
+            if i is not None:
+                prepared.unpack(items, i, scale)
             elif scale is not None:
                 buf *= scale
 
-        self._fused(items, kind, step)
+        self._fused(items, kind, key, prepared, True, step)
         return arrays
 
     def broadcast(self, arrays, root=0):
         """Copy ``arrays`` of rank ``root`` into every rank's ``arrays``, in place.
         Returns ``arrays``."""
         items, _ = validation.as_list(arrays)
+        key, prepared = self._fusion.lookup(items)
+        is_root = self._rank == root
 
         def checks():
             validation.check_root(root, self._size, self._rank)
-            return self._array_checks(items, writeable=self._rank != root)
+            return self._fused_checks(items, prepared, not is_root, False)
 
         kind = self._begin("broadcast", items, {"root": root}, checks)
         if kind is None:
             return arrays
-        is_root = self._rank == root
         deadline = self._deadline()
 
-        def step(transport, buf, bucket):
-            if bucket is not None and is_root:
-                bucketing.pack(items, bucket.indices, buf)
+        def step(transport, buf, i, prepared):
+            if i is not None and is_root:
+                prepared.pack(items, i)
             transport.broadcast(buf, root, deadline)
-            if bucket is not None and not is_root:
-                bucketing.unpack(buf, items, bucket.indices)
+            if i is not None and not is_root:
+                prepared.unpack(items, i)
 
-        self._fused(items, kind, step)
+        self._fused(items, kind, key, prepared, not is_root, step)
         return arrays
 
     def reduce(self, arrays, root=0, op="sum", division=False):
@@ -322,11 +333,12 @@ class Communicator:
         items, _ = validation.as_list(arrays)
         averaging = op == "avg" or (division is True and op == "sum")
         is_root = self._rank == root
+        key, prepared = self._fusion.lookup(items)
 
         def checks():
             validation.check_root(root, self._size, self._rank)
             validation.check_op(op, division, self._rank)
-            return self._array_checks(items, writeable=is_root, floating=averaging)
+            return self._fused_checks(items, prepared, is_root, averaging)
 
         kind = self._begin("reduce", items, {"root": root, "op": op, "division": division},
                            checks)
@@ -336,16 +348,16 @@ class Communicator:
         scale = 1.0 / self._size if averaging else None
         deadline = self._deadline()
 
-        def step(transport, buf, bucket):
-            if bucket is not None:
-                bucketing.pack(items, bucket.indices, buf)
+        def step(transport, buf, i, prepared):
+            if i is not None:
+                prepared.pack(items, i)
             transport.reduce(buf, root, reduce_op, deadline)
-            if is_root and bucket is not None:
-                bucketing.unpack(buf, items, bucket.indices, scale)
+            if is_root and i is not None:
+                prepared.unpack(items, i, scale)
             elif is_root and scale is not None:
                 buf *= scale
 
-        self._fused(items, kind, step)
+        self._fused(items, kind, key, prepared, is_root, step)
         return arrays
 
     def all_gather(self, array):
@@ -430,7 +442,7 @@ class Communicator:
         if self._closed:
             return
         self._closed = True
-        self._scratch.clear()
+        self._fusion.clear()
         if self._nccl is not None:
             self._nccl.close()
         if self._mpi is not None:

@@ -41,22 +41,36 @@ def test_plan_is_cached_and_hashable_by_layout():
     assert bucketing.plan_for(a, 8192) is not p1
 
 
-def test_pack_unpack_round_trip_with_scale():
+def test_prepared_list_pack_unpack_round_trip_with_scale():
     rng = np.random.default_rng(0)
     arrays = [rng.standard_normal(s).astype(np.float32) for s in ((3, 4), (5,), (1, 1, 2), ())]
+    arrays.append(rng.standard_normal(1000))                     # float64: own bucket
     before = [a.copy() for a in arrays]
-    buf = np.empty(12 + 5 + 2 + 1, np.float32)
-    bucketing.pack(arrays, range(4), buf)
-    assert np.array_equal(buf, np.concatenate([a.ravel() for a in before]))
-    bucketing.unpack(buf, arrays, range(4), scale=0.5)
-    for a, b in zip(arrays, before):
-        assert a.shape == b.shape and np.array_equal(a, b * np.float32(0.5))
+    plan = bucketing.plan_for(arrays, 1 << 20)
+    prepared = bucketing.PreparedList(arrays, plan, "numpy", writeable=True)
+    assert prepared.floating and [b.indices for b in plan.buckets] == [(0, 1, 2, 3), (4,)]
+    buf = prepared.pack(arrays, 0)
+    assert np.array_equal(buf, np.concatenate([a.ravel() for a in before[:4]]))
+    buf[:] = buf * 3
+    prepared.unpack(arrays, 0, scale=0.5)
+    for a, b in zip(arrays[:4], before):
+        assert a.shape == b.shape and np.array_equal(a, (b * np.float32(3)) * np.float32(0.5))
+    assert np.array_equal(arrays[4], before[4])
 
 
-def test_scratch_reuses_and_grows():
-    s = bucketing.Scratch()
-    x = s.get(np, np.dtype("float32"), 10)
-    y = s.get(np, np.dtype("float32"), 5)
-    assert x.size == 10 and y.size == 5 and np.shares_memory(x, y)
-    z = s.get(np, np.dtype("float32"), 100)
-    assert z.size == 100
+def test_fusion_cache_remembers_a_repeated_list_and_forgets_dead_arrays():
+    cache = bucketing.FusionCache()
+    arrays = [np.ones(4, np.float32), np.ones(3, np.int32)]
+    plan = bucketing.plan_for(arrays, 1 << 20)
+    key, hit = cache.lookup(arrays)
+    assert hit is None
+    cache.prepare(key, arrays, plan, "numpy", True)
+    assert cache.lookup(arrays)[1] is None            # seen once: not kept
+    prepared = cache.prepare(key, arrays, plan, "numpy", True)
+    assert cache.lookup(arrays)[1] is prepared and not prepared.floating
+    assert cache.lookup(arrays[:1])[1] is None
+    del arrays[1]                                       # one array dies: entry dropped
+    import gc
+    gc.collect()
+    assert cache.lookup([arrays[0], object()])[1] is None
+    assert len(cache._entries) == 0

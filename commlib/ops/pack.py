@@ -1,15 +1,27 @@
 """Batched pack / unpack: many arrays <-> one flat bucket.
 
-``pack(arrays, out)`` copies each (contiguous) array, flattened, into
-consecutive slices of the 1-D ``out``; ``unpack(buf, arrays)`` copies the
-slices back. With cupy inputs this is one launch of ``kernels/pack.cu``
-(a table of device pointers and offsets), not one copy per array. Optional
-``scale`` multiplies while copying and a different ``out`` dtype casts
-(e.g. float32 gradients into a float16 bucket).
+``pack(arrays, out)`` copies each array, flattened, into consecutive slices
+of the 1-D ``out``; ``unpack(buf, arrays)`` copies the slices back. With cupy
+inputs this is one launch of ``kernels/pack.cu`` per distinct array dtype (a
+cached table of device pointers and offsets), not one copy per array.
+Optional ``scale`` multiplies while copying and a different bucket dtype
+casts (e.g. float32 gradients into a float16 bucket).
+
+Three modes, chosen by :func:`copy_mode` the same way on both paths:
+
+* ``"raw"``: every dtype equals the bucket's, no scale, no accumulate, no
+  counting: an exact copy (any dtype, integers included).
+* ``"cast"``: all dtypes are float32 / float16 / uint16 (read as bfloat16
+  bits): the arithmetic, rounding and canonical NaNs of
+  :func:`commlib.ops.cast.cast`, bit for bit on both paths.
+* ``"generic"``: anything else (float64, integers with a scale, ...): numpy
+  casting rules, computed per array.
 """
 import numpy as np
 
+from ..errors import ArgumentError, ArrayTypeError
 from ._arrays import is_cupy
+from .cast import check_counter, check_scale, format_of, numpy_cast_into
 
 
 def offsets_of(arrays):
@@ -19,44 +31,140 @@ def offsets_of(arrays):
     return np.concatenate(([0], np.cumsum(sizes, dtype=np.int64)))
 
 
-def pack(arrays, out, scale=None):
+def copy_mode(dtypes, bucket_dtype, scale=None, accumulate=False, counting=False):
+    """``"raw"``, ``"cast"`` or ``"generic"`` (see the module docstring) for
+    arrays of ``dtypes`` and a bucket of ``bucket_dtype``."""
+    bucket_dtype = np.dtype(bucket_dtype)
+    dtypes = [np.dtype(d) for d in dtypes]
+    if scale is None and not accumulate and not counting \
+            and all(d == bucket_dtype for d in dtypes):
+        return "raw"
+    if format_of(bucket_dtype) is not None and all(format_of(d) is not None for d in dtypes):
+        return "cast"
+    return "generic"
+
+
+def pack(arrays, out, scale=None, *, nonfinite=None):
     """Copy ``arrays`` (flattened, in order) into the 1-D ``out``.
 
-    ``out`` must hold at least ``sum(a.size)`` elements; elements past that
-    are left untouched. ``scale`` (float or None) multiplies every value.
+    arrays: sequence of numpy (or cupy, with a cupy ``out``) arrays.
+    out: 1-D array holding at least ``sum(a.size)`` elements; elements past
+        that are left untouched.
+    scale: float or None; multiplies every value.
+    nonfinite: optional 0-d int64 array (same kind as ``out``); the number of
+        non-finite values written is added to it.
     Returns ``out``.
     """
-    total = sum(a.size for a in arrays)
-    dst = out[:total]
+    arrays = list(arrays)
     if is_cupy(out):
         from ._pack_cuda import pack_cuda
-        return pack_cuda(arrays, out, scale)
-    if arrays:
-        np.concatenate(arrays, axis=None, out=dst, casting="same_kind"
-                       if scale is None else "unsafe")
-    if scale is not None and total:
-        np.multiply(dst, scale, out=dst, casting="unsafe")
+        return pack_cuda(arrays, out, scale, nonfinite=nonfinite)
+    total = _check_numpy(arrays, out, "out")
+    counter = check_counter(nonfinite, False)
+    dst = out[:total]
+    mode = copy_mode([a.dtype for a in arrays], out.dtype, scale, False, counter is not None)
+    if mode == "raw":
+        if arrays:
+            np.concatenate(arrays, axis=None, out=dst)
+        return out
+    if mode == "cast":
+        scale32 = np.float32(1) if scale is None else check_scale(scale)
+        if all(a.dtype == out.dtype for a in arrays):
+            if arrays:
+                np.concatenate(arrays, axis=None, out=dst)
+            count = numpy_cast_into(dst, dst, scale32)
+        else:
+            count = 0
+            for a, lo, hi in _slices(arrays):
+                count += numpy_cast_into(a, dst[lo:hi], scale32)
+    else:
+        if arrays:
+            np.concatenate(arrays, axis=None, out=dst,
+                           casting="same_kind" if scale is None else "unsafe")
+        if scale is not None and total:
+            np.multiply(dst, scale, out=dst, casting="unsafe")
+        count = _count_nonfinite(dst) if counter is not None else 0
+    if counter is not None:
+        counter += count
     return out
 
 
-def unpack(buf, arrays, scale=None, accumulate=False):
+def unpack(buf, arrays, scale=None, accumulate=False, *, nonfinite=None):
     """Copy consecutive slices of the 1-D ``buf`` back into ``arrays``.
 
-    ``scale`` multiplies while copying; ``accumulate=True`` adds into the
-    arrays instead of overwriting them. Returns ``arrays``.
+    scale: float or None; multiplies while copying.
+    accumulate: add into the arrays instead of overwriting them.
+    nonfinite: optional 0-d int64 array (same kind as ``buf``); the number of
+        non-finite values written is added to it.
+    Returns ``arrays``.
     """
     if is_cupy(buf):
         from ._pack_cuda import unpack_cuda
-        return unpack_cuda(buf, arrays, scale, accumulate)
-    offset = 0
+        return unpack_cuda(buf, arrays, scale, accumulate, nonfinite=nonfinite)
+    arrays_list = list(arrays)
+    _check_numpy(arrays_list, buf, "buf")
+    counter = check_counter(nonfinite, False)
+    mode = copy_mode([a.dtype for a in arrays_list], buf.dtype, scale, accumulate,
+                     counter is not None)
+    scale32 = None
+    if mode == "cast":
+        scale32 = np.float32(1) if scale is None else check_scale(scale)
+    count = 0
+    for a, lo, hi in _slices(arrays_list):
+        src = buf[lo:hi]
+        if mode == "raw":
+            np.copyto(a, src.reshape(a.shape))
+        elif mode == "cast":
+            if a.flags.c_contiguous:
+                count += numpy_cast_into(src, a, scale32, accumulate)
+            else:
+                tmp = np.ascontiguousarray(a) if accumulate else np.empty(a.shape, a.dtype)
+                count += numpy_cast_into(src, tmp, scale32, accumulate)
+                np.copyto(a, tmp)
+        else:
+            src = src.reshape(a.shape)
+            if scale is not None:
+                src = src * scale
+            if accumulate:
+                np.add(a, src, out=a, casting="unsafe")
+            else:
+                np.copyto(a, src, casting="unsafe")
+            if counter is not None:
+                count += _count_nonfinite(a)
+    if counter is not None:
+        counter += count
+    return arrays
+
+
+def _slices(arrays):
+    """(array, start, stop) of each non-empty array in the bucket."""
+    lo = 0
     for a in arrays:
         n = a.size
-        src = buf[offset:offset + n].reshape(a.shape)
-        offset += n
-        if scale is not None:
-            src = src * scale
-        if accumulate:
-            np.add(a, src, out=a, casting="unsafe")
-        else:
-            np.copyto(a, src, casting="unsafe")
-    return arrays
+        if n:
+            yield a, lo, lo + n
+        lo += n
+
+
+def _check_numpy(arrays, bucket, what):
+    """Total element count after checking a numpy bucket and its arrays."""
+    if not isinstance(bucket, np.ndarray):
+        raise ArrayTypeError("%s: expected a numpy or cupy array, got %s"
+                             % (what, type(bucket).__name__))
+    if bucket.ndim != 1:
+        raise ArgumentError("%s: expected a 1-D bucket, got shape %s" % (what, bucket.shape))
+    for i, a in enumerate(arrays):
+        if not isinstance(a, np.ndarray):
+            raise ArrayTypeError("arrays[%d]: expected a numpy array (the bucket is numpy), "
+                                 "got %s" % (i, type(a).__name__))
+    total = sum(a.size for a in arrays)
+    if bucket.size < total:
+        raise ArgumentError("%s: expected at least %d elements (the arrays' total), got %d"
+                            % (what, total, bucket.size))
+    return total
+
+
+def _count_nonfinite(a):
+    if a.dtype.kind not in "fc":
+        return 0
+    return int(a.size - np.count_nonzero(np.isfinite(a)))

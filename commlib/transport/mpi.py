@@ -84,7 +84,7 @@ class MpiTransport(Transport):
 
     name = "mpi"
 
-    def __init__(self, mpi_comm, chunk_bytes=16 << 20):
+    def __init__(self, mpi_comm, chunk_bytes=4 << 20):
         super().__init__(mpi_comm.Get_rank(), mpi_comm.Get_size())
         self.comm = mpi_comm
         self.chunk_bytes = int(chunk_bytes)

@@ -1,0 +1,195 @@
+"""CUDA path of :func:`commlib.ops.pack.pack` / :func:`~commlib.ops.pack.unpack`.
+
+One launch of ``kernels/pack.cu`` per distinct array dtype moves every array
+of the list. The kernel reads a segment table (array addresses, bucket
+offsets, sizes, chunk prefix sums; see the header of ``pack.cu``) that is
+built on the host and uploaded once per distinct list: it is cached, keyed
+on the device and on the exact (address, offset, size) of every array, so a
+training loop that packs the same gradient buffers each step reuses it.
+"""
+import collections
+
+import numpy as np
+
+from ..errors import ArgumentError, ArrayTypeError
+from .cast import FORMAT_CODES, check_counter, check_scale, format_of
+from .pack import copy_mode
+
+THREADS = 256
+CAST_CHUNK = 8192            # elements per block-sized chunk for casting kernels
+RAW_CHUNK_BYTES = 32768      # bytes per chunk for bit copies
+TABLE_CACHE_SIZE = 64        # distinct array lists kept on each device
+
+Launch = collections.namedtuple("Launch", "kernel segments chunk")
+Launch.__doc__ = """One kernel launch: ``kernel`` (name in kernels/pack.cu),
+``segments`` (tuple of (address, bucket offset, count), offsets and counts in
+the kernel's units) and ``chunk`` (units per chunk)."""
+
+
+def plan(direction, dtypes, sizes, addresses, bucket_dtype, bucket_address, mode,
+         accumulate=False):
+    """Launches that move arrays of ``dtypes``/``sizes`` at ``addresses`` to
+    (``direction="pack"``) or from (``"unpack"``) a bucket; ``mode`` is
+    ``"raw"`` or ``"cast"`` (see :func:`commlib.ops.pack.copy_mode`).
+    Empty arrays are skipped. Pure host code: no cupy needed."""
+    bucket_dtype = np.dtype(bucket_dtype)
+    offsets = np.concatenate(([0], np.cumsum(sizes, dtype=np.int64)))
+    live = [(a, int(off), int(n), np.dtype(d))
+            for a, off, n, d in zip(addresses, offsets[:-1], sizes, dtypes) if n]
+    if not live:
+        return []
+    if mode == "raw":
+        itemsize = bucket_dtype.itemsize
+        unit = 8
+        while unit > 1 and (itemsize % unit or bucket_address % unit
+                            or any(a % unit for a, _, _, _ in live)):
+            unit //= 2
+        k = itemsize // unit
+        segments = tuple((a, off * k, n * k) for a, off, n, _ in live)
+        return [Launch("%s_raw%d" % (direction, unit), segments, RAW_CHUNK_BYTES // unit)]
+    if mode != "cast":
+        raise ArgumentError("mode: expected 'raw' or 'cast', got %r" % (mode,))
+    bucket_code = FORMAT_CODES[format_of(bucket_dtype)]
+    groups = collections.OrderedDict()
+    for a, off, n, d in live:
+        groups.setdefault(d, []).append((a, off, n))
+    launches = []
+    for d, segments in groups.items():
+        code = FORMAT_CODES[format_of(d)]
+        if direction == "pack":
+            name = "pack_%s_%s" % (code, bucket_code)
+        else:
+            name = "unpack_%s_%s%s" % (bucket_code, code, "_acc" if accumulate else "")
+        launches.append(Launch(name, tuple(segments), CAST_CHUNK))
+    return launches
+
+
+def build_table(segments, chunk):
+    """int64 segment table of ``pack.cu`` and its total chunk count."""
+    seg = np.array(segments, dtype=np.int64).reshape(-1, 3)
+    counts = seg[:, 2]
+    first = np.concatenate(([0], np.cumsum(-(-counts // chunk))))
+    table = np.concatenate((seg[:, 0], seg[:, 1], counts, first)).astype(np.int64)
+    return table, int(first[-1])
+
+
+# ---------------------------------------------------------------- cupy glue
+
+_tables = collections.OrderedDict()
+_dummy_counters = {}
+
+
+def _device_table(device_id, segments, chunk):
+    key = (device_id, chunk, segments)
+    hit = _tables.get(key)
+    if hit is not None:
+        _tables.move_to_end(key)
+        return hit
+    import cupy
+    host, nchunks = build_table(segments, chunk)
+    table = cupy.asarray(host)
+    # the upload may still be in flight on this stream; a later launch on
+    # another stream must not see a partial table
+    cupy.cuda.get_current_stream().synchronize()
+    _tables[key] = (table, nchunks)
+    while len(_tables) > TABLE_CACHE_SIZE:
+        _tables.popitem(last=False)
+    return table, nchunks
+
+
+def _dummy_counter(device_id):
+    c = _dummy_counters.get(device_id)
+    if c is None:
+        import cupy
+        c = _dummy_counters[device_id] = cupy.zeros((), dtype=np.int64)
+    return c
+
+
+def _check(arrays, bucket, what):
+    """Total element count after checking a cupy bucket and its arrays."""
+    if not (bucket.ndim == 1 and (bucket.size <= 1 or bucket.strides[0] == bucket.itemsize)):
+        raise ArrayTypeError("%s: expected a contiguous 1-D cupy array, got shape %s strides %s"
+                             % (what, bucket.shape, bucket.strides))
+    device = bucket.device.id
+    for i, a in enumerate(arrays):
+        if type(a).__module__.split(".")[0] != "cupy":
+            raise ArrayTypeError("arrays[%d]: expected a cupy array (the bucket is cupy), got %s"
+                                 % (i, type(a).__name__))
+        if a.size and a.device.id != device:
+            raise ArrayTypeError("arrays[%d]: expected an array on device %d (the bucket's), "
+                                 "got device %d" % (i, device, a.device.id))
+        if not a.flags.c_contiguous:
+            raise ArrayTypeError("arrays[%d]: expected a C-contiguous array" % i)
+        if a.size and a.data.ptr % a.itemsize:
+            raise ArrayTypeError("arrays[%d]: address is not a multiple of the itemsize" % i)
+    total = sum(a.size for a in arrays)
+    if bucket.size < total:
+        raise ArgumentError("%s: expected at least %d elements (the arrays' total), got %d"
+                            % (what, total, bucket.size))
+    return total
+
+
+def _run(direction, arrays, bucket, scale, accumulate, counter, mode):
+    from ._loader import get_function, launch_config
+    device = bucket.device.id
+    launches = plan(direction, [a.dtype for a in arrays], [a.size for a in arrays],
+                    [a.data.ptr if a.size else 0 for a in arrays], bucket.dtype,
+                    bucket.data.ptr, mode, accumulate)
+    scale32 = np.float32(1) if scale is None else check_scale(scale)
+    with bucket.device:
+        if counter is None:
+            counter = _dummy_counter(device)
+        for launch in launches:
+            table, nchunks = _device_table(device, launch.segments, launch.chunk)
+            kernel = get_function("pack.cu", launch.kernel)
+            grid, block = launch_config(nchunks * THREADS, THREADS)
+            kernel(grid, block, (table, np.int64(len(launch.segments)),
+                                 np.int64(launch.chunk), bucket, scale32, counter))
+
+
+def pack_cuda(arrays, out, scale=None, nonfinite=None):
+    """CUDA pack (see :func:`commlib.ops.pack.pack`); returns ``out``."""
+    import cupy
+    total = _check(arrays, out, "out")
+    counter = check_counter(nonfinite, True)
+    mode = copy_mode([a.dtype for a in arrays], out.dtype, scale, False, counter is not None)
+    if mode != "generic":
+        _run("pack", arrays, out, scale, False, counter, mode)
+        return out
+    dst = out[:total]
+    lo = 0
+    for a in arrays:
+        seg = dst[lo:lo + a.size]
+        lo += a.size
+        src = a.reshape(-1)
+        if scale is not None:
+            src = src * scale
+        cupy.copyto(seg, src, casting="same_kind" if scale is None else "unsafe")
+    if counter is not None and dst.dtype.kind in "fc" and total:
+        counter += dst.size - cupy.count_nonzero(cupy.isfinite(dst))
+    return out
+
+
+def unpack_cuda(buf, arrays, scale=None, accumulate=False, nonfinite=None):
+    """CUDA unpack (see :func:`commlib.ops.pack.unpack`); returns ``arrays``."""
+    import cupy
+    arrays_list = list(arrays)
+    _check(arrays_list, buf, "buf")
+    counter = check_counter(nonfinite, True)
+    mode = copy_mode([a.dtype for a in arrays_list], buf.dtype, scale, accumulate,
+                     counter is not None)
+    if mode != "generic":
+        _run("unpack", arrays_list, buf, scale, accumulate, counter, mode)
+        return arrays
+    lo = 0
+    for a in arrays_list:
+        src = buf[lo:lo + a.size].reshape(a.shape)
+        lo += a.size
+        if scale is not None:
+            src = src * scale
+        if accumulate:
+            src = a + src
+        cupy.copyto(a, src, casting="unsafe")
+        if counter is not None and a.dtype.kind in "fc" and a.size:
+            counter += a.size - cupy.count_nonzero(cupy.isfinite(a))
+    return arrays
