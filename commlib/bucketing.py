@@ -114,7 +114,7 @@ class PreparedList:
         """Copy bucket ``i``'s arrays of ``items`` into its buffer; returns it."""
         buf = self._buffers[i]
         if self.kind != "numpy":
-            return _pack.pack(self._pick[i](items), buf)
+            return _pack.pack(list(self._pick[i](items)), buf)
         return np.concatenate(self._pick[i](items), axis=None, out=buf)
 
     def unpack(self, items, i, scale=None):
@@ -122,7 +122,7 @@ class PreparedList:
         times ``scale``."""
         buf = self._buffers[i]
         if self.kind != "numpy":
-            _pack.unpack(buf, self._pick[i](items), scale=scale)
+            _pack.unpack(buf, list(self._pick[i](items)), scale=scale)
             return
         if scale is not None:
             buf *= scale
