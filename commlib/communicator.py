@@ -274,32 +274,7 @@ class Communicator:
         ``division=True`` divides the sum by ``size`` (same as ``"avg"``).
         Returns ``arrays``.
         """
-        items, _ = validation.as_list(arrays)
-        averaging = op == "avg" or (division is True and op == "sum")
-        key, prepared = self._fusion.lookup(items)
-
-        def checks():
-            validation.check_op(op, division, self._rank)
-            return self._fused_checks(items, prepared, True, averaging)
-
-        kind = self._begin("all_reduce", items, {"op": op, "division": division}, checks)
-        if kind is None:
-            return arrays
-        reduce_op = "sum" if op == "avg" else op
-        scale = 1.0 / self._size if averaging else None
-        deadline = self._deadline()
-
-        def step(transport, buf, i, prepared):
-            if i is not None:
-                prepared.pack(items, i)
-            transport.all_reduce(buf, reduce_op, deadline)
-            if i is not None:
-                prepared.unpack(items, i, scale)
-            elif scale is not None:
-                buf *= scale
-
-        self._fused(items, kind, key, prepared, True, step)
-        return arrays
+        return self._reduce("all_reduce", arrays, None, op, division)
 
     def broadcast(self, arrays, root=0):
         """Copy ``arrays`` of rank ``root`` into every rank's ``arrays``, in place.
@@ -330,18 +305,25 @@ class Communicator:
     def reduce(self, arrays, root=0, op="sum", division=False):
         """Reduce ``arrays`` into rank ``root``'s arrays, in place; other
         ranks' arrays are left unchanged. Returns ``arrays``."""
+        return self._reduce("reduce", arrays, root, op, division)
+
+    def _reduce(self, name, arrays, root, op, division):
+        """all_reduce (``root=None``: every rank receives) or reduce to ``root``."""
         items, _ = validation.as_list(arrays)
         averaging = op == "avg" or (division is True and op == "sum")
-        is_root = self._rank == root
+        receives = root is None or self._rank == root
         key, prepared = self._fusion.lookup(items)
 
         def checks():
-            validation.check_root(root, self._size, self._rank)
+            if root is not None:
+                validation.check_root(root, self._size, self._rank)
             validation.check_op(op, division, self._rank)
-            return self._fused_checks(items, prepared, is_root, averaging)
+            return self._fused_checks(items, prepared, receives, averaging)
 
-        kind = self._begin("reduce", items, {"root": root, "op": op, "division": division},
-                           checks)
+        params = {"op": op, "division": division}
+        if root is not None:
+            params["root"] = root
+        kind = self._begin(name, items, params, checks)
         if kind is None:
             return arrays
         reduce_op = "sum" if op == "avg" else op
@@ -351,13 +333,16 @@ class Communicator:
         def step(transport, buf, i, prepared):
             if i is not None:
                 prepared.pack(items, i)
-            transport.reduce(buf, root, reduce_op, deadline)
-            if is_root and i is not None:
+            if root is None:
+                transport.all_reduce(buf, reduce_op, deadline)
+            else:
+                transport.reduce(buf, root, reduce_op, deadline)
+            if receives and i is not None:
                 prepared.unpack(items, i, scale)
-            elif is_root and scale is not None:
+            elif receives and scale is not None:
                 buf *= scale
 
-        self._fused(items, kind, key, prepared, is_root, step)
+        self._fused(items, kind, key, prepared, receives, step)
         return arrays
 
     def all_gather(self, array):
