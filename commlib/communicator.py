@@ -53,9 +53,13 @@ def _check_timeout(timeout, what="timeout"):
     return float(timeout)
 
 
-def _default_device(local_rank):
+def _gpu_count():
     import cupy
-    return local_rank % cupy.cuda.runtime.getDeviceCount()
+    return cupy.cuda.runtime.getDeviceCount()
+
+
+def _default_device(local_rank):
+    return local_rank % _gpu_count()
 
 
 _abort_hook_installed = False
@@ -133,10 +137,15 @@ class Communicator:
         local_rank, local_size = local.Get_rank(), local.Get_size()
         local.Free()
         rank, size = comm.Get_rank(), comm.Get_size()
-        use_nccl = backend == "nccl" or (backend is None and nccl_unavailable_reason() is None)
-        if use_nccl and nccl_unavailable_reason() is not None:
-            raise BackendUnavailableError("rank %d: backend='nccl' but %s"
-                                          % (rank, nccl_unavailable_reason()))
+        reason = nccl_unavailable_reason()
+        if reason is None and device is None and _gpu_count() < local_size:
+            reason = ("%d ranks share this node but it has %d GPU(s); NCCL needs one GPU "
+                      "per rank" % (local_size, _gpu_count()))
+        if backend == "nccl" and reason is not None:
+            raise BackendUnavailableError("rank %d: backend='nccl' but %s" % (rank, reason))
+        # NCCL set-up is collective: use it only if every rank can
+        use_nccl = backend == "nccl" or (
+            backend is None and comm.allreduce(reason is None, op=MPI.LAND))
         if device is None and _gpu_available():
             device = _default_device(local_rank)
         nccl = None

@@ -17,6 +17,9 @@ Each worker runs ``python train.py args`` and calls :func:`commlib.init`.
   code for the launcher and aborts the MPI job, so that peers blocked in a
   collective do not wait forever.
 
+Workers inherit the launcher's environment; with N > 1 and no
+``OMP_NUM_THREADS`` set, it is set to (CPU cores // N).
+
 When a worker fails, the launcher ends the others (SIGTERM, then SIGKILL after
 ``--grace`` seconds), prints ``commlib.launch: rank R failed with exit code C``
 and exits with C. SIGINT or SIGTERM to the launcher, or ``--timeout``, ends
@@ -52,13 +55,14 @@ LAUNCH_ENV = (ENV_NCCL_ID, ENV_RANK, ENV_SIZE, ENV_LOCAL_RANK, ENV_LOCAL_SIZE)
 EXIT_TIMEOUT = 124
 POLL_S = 0.05
 SETTLE_S = 1.0  # after a failure, time for the job to end itself (MPI_Abort)
+OUTPUT_DRAIN_S = 0.25  # a failed rank's pause between its last output and MPI_Abort
 
 
 def _say(message):
     print("%s: %s" % (PROG, message), file=sys.stderr, flush=True)
 
 
-# -- arguments ---------------------------------------------------------------------
+# -- arguments ---------------------------------------------------------------------------
 
 def _positive_int(text):
     try:
@@ -86,7 +90,10 @@ def _seconds(zero_ok):
 
 def build_parser():
     parser = argparse.ArgumentParser(
-        prog=PROG, description="Run N data-parallel workers of a commlib training script.")
+        prog=PROG, description="Run N data-parallel workers of a commlib training script.",
+        epilog="Exit status: 0 when all workers succeed; the exit code of the first worker "
+               "that failed (the others are ended); %d after --timeout; 128 + N after "
+               "signal N; 2 for bad arguments." % EXIT_TIMEOUT)
     parser.add_argument("-n", "--nprocs", type=_positive_int, required=True,
                         help="number of workers (ranks)")
     parser.add_argument("--backend", choices=("auto", "nccl", "mpi"), default="auto",
@@ -154,6 +161,26 @@ def mpiexec_path():
 
 # -- worker environments -----------------------------------------------------------------
 
+def _common_env(base, n):
+    """Copy of ``base`` for one of ``n`` workers: no launch variables left over
+    from an outer launch, this commlib importable, and (when ``n`` > 1 and the
+    user did not choose) OMP_NUM_THREADS = CPU cores // n, so that the
+    workers' BLAS threads do not oversubscribe the cores."""
+    env = dict(base)
+    for name in LAUNCH_ENV:
+        env.pop(name, None)
+    here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    sites = set(site.getsitepackages()) | {site.getusersitepackages()}
+    parts = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
+    if here not in sites and here not in parts:  # not needed (nor wanted) when installed
+        env["PYTHONPATH"] = os.pathsep.join(parts + [here])
+    if n > 1 and "OMP_NUM_THREADS" not in env:
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") \
+            else (os.cpu_count() or 1)
+        env["OMP_NUM_THREADS"] = str(max(1, cores // n))
+    return env
+
+
 def worker_env(base, nccl_id, rank, size, local_rank=None, local_size=None):
     """Environment (a new dict) of forked worker ``rank`` of ``size``.
 
@@ -163,7 +190,7 @@ def worker_env(base, nccl_id, rank, size, local_rank=None, local_size=None):
     """
     if not 0 <= rank < size:
         raise ArgumentError("rank=%r, size=%r: expected 0 <= rank < size" % (rank, size))
-    env = dict(base)
+    env = _common_env(base, size)
     env.update({
         ENV_NCCL_ID: str(nccl_id),
         ENV_RANK: str(rank),
@@ -171,17 +198,6 @@ def worker_env(base, nccl_id, rank, size, local_rank=None, local_size=None):
         ENV_LOCAL_RANK: str(rank if local_rank is None else local_rank),
         ENV_LOCAL_SIZE: str(size if local_size is None else local_size),
     })
-    return _with_commlib_on_path(env)
-
-
-def _with_commlib_on_path(env):
-    """``env`` with this commlib's parent directory on PYTHONPATH, so workers
-    import the same package (not added when it is a site-packages directory)."""
-    here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    sites = set(site.getsitepackages()) | {site.getusersitepackages()}
-    parts = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
-    if here not in sites and here not in parts:
-        env["PYTHONPATH"] = os.pathsep.join(parts + [here])
     return env
 
 
@@ -261,10 +277,8 @@ class ForkedWorkers:
     def poll(self):
         """(all ended, first Failure or None)."""
         codes = [p.poll() for p in self.procs]
-        for rank, code in enumerate(codes):
-            if code:
-                return False, Failure(rank, code)
-        return all(c is not None for c in codes), None
+        failed = [Failure(rank, code) for rank, code in enumerate(codes) if code]
+        return all(c is not None for c in codes), failed[0] if failed else None
 
     def end(self, grace):
         _end(self.procs, grace)
@@ -286,9 +300,7 @@ class MpiJob:
     @classmethod
     def start(cls, script, args, n, mpiexec=None, base_env=None):
         status_dir = tempfile.mkdtemp(prefix="commlib-launch-")
-        env = _with_commlib_on_path(dict(os.environ if base_env is None else base_env))
-        for name in LAUNCH_ENV:  # left over from an outer launch: would select NCCL
-            env.pop(name, None)
+        env = _common_env(os.environ if base_env is None else base_env, n)
         env[ENV_STATUS_DIR] = status_dir
         cmd = [mpiexec or mpiexec_path(), "-n", str(n), sys.executable, "-m", PROG,
                WORKER_FLAG, script, *args]
@@ -328,7 +340,7 @@ class MpiJob:
         shutil.rmtree(self.status_dir, ignore_errors=True)
 
 
-# -- supervision ---------------------------------------------------------------------------
+# -- supervision -------------------------------------------------------------------------
 
 class _Signals:
     """Records SIGINT/SIGTERM/SIGHUP to the launcher while installed."""
@@ -393,11 +405,11 @@ def _after_failure(job, failure, grace):
     while time.monotonic() < settle and not job.poll()[0]:
         time.sleep(POLL_S)
     job.end(grace)
-    _say(failure.describe() + "; ended the other workers")
+    _say(failure.describe() + "; all workers ended")
     return failure.exit_status()
 
 
-# -- the per-rank wrapper under mpiexec ----------------------------------------------------------
+# -- the per-rank wrapper under mpiexec --------------------------------------------------
 
 def _mpi_rank_from_env():
     for names in _MPI_ENV:
@@ -434,6 +446,7 @@ def _report_failure(code):
         _say(Failure(rank, code).describe())
     sys.stdout.flush()
     sys.stderr.flush()
+    time.sleep(OUTPUT_DRAIN_S)  # mpiexec drops output still in its pipes at an abort
     mpi = sys.modules.get("mpi4py.MPI")
     if mpi is not None and mpi.Is_initialized() and not mpi.Is_finalized():
         mpi.COMM_WORLD.Abort(code)
@@ -475,7 +488,7 @@ def run_worker(script, args):
     return 0
 
 
-# -- entry point -------------------------------------------------------------------------------
+# -- entry point -------------------------------------------------------------------------
 
 def main(argv=None):
     """``commlib-run`` / ``python -m commlib.launch``; returns the exit status."""
