@@ -36,7 +36,7 @@ setup(
     install_requires=["numpy>=1.22"],
     extras_require={
         "mpi": ["mpi4py>=4.0", "mpich"],
-        "test": ["pytest>=7", "hypothesis>=6", "mpi4py>=4.0", "mpich"],
+        "test": ["pytest>=7", "hypothesis>=6", "mpi4py>=4.0", "mpich", "ml_dtypes"],
         "cuda12": ["cupy-cuda12x>=13", "nvidia-nccl-cu12"],
         "cuda13": ["cupy-cuda13x>=14", "nvidia-nccl-cu13"],
     },

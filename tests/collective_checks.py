@@ -158,6 +158,28 @@ def check_all_gather_reduce_scatter(comm, rng):
     comm.barrier(timeout=30)
 
 
+def check_bfloat16(comm, rng):
+    """bfloat16 (ml_dtypes) over MPI: user-defined reduction operators."""
+    import ml_dtypes
+    bf16 = ml_dtypes.bfloat16
+    for op in ("sum", "max", "min", "avg"):
+        arrays = [make(rng, "float32", (n,)).astype(bf16) for n in (1, 7, 1000, 300001)]
+        inputs = [gathered(a) for a in arrays]
+        comm.all_reduce(arrays, op=op)
+        for a, ins in zip(arrays, inputs):
+            assert a.dtype == bf16
+            want = expected_reduce([x.astype(np.float32) for x in ins], op, comm.size)
+            got = a.astype(np.float32)
+            if op == "avg":     # sum rounded to bfloat16, then scaled: 2 roundings
+                ok = np.allclose(got, want, rtol=2 ** -7, atol=2 ** -9)
+            else:               # sums of multiples of 1/4 below 64 are exact in bfloat16
+                ok = np.array_equal(got, want)
+            assert ok, "bfloat16 %s n=%d: %s vs %s" % (op, a.size, got[:4], want[:4])
+    x = make(rng, "float32", (6,)).astype(bf16)
+    assert_equal(comm.all_gather(x).astype(np.float32),
+                 np.stack(gathered(x)).astype(np.float32), "bfloat16 all_gather")
+
+
 def main(which, shapes_path=None):
     comm = commlib.Communicator.from_mpi()
     rng = np.random.default_rng(1234 + 7919 * comm.rank)
@@ -168,6 +190,7 @@ def main(which, shapes_path=None):
         "resnet50": lambda: check_resnet50(comm, rng, shapes_path),
         "broadcast_reduce": lambda: check_broadcast_reduce(comm, rng),
         "gather_scatter": lambda: check_all_gather_reduce_scatter(comm, rng),
+        "bfloat16": lambda: check_bfloat16(comm, rng),
     }
     for name in which.split(","):
         checks[name]()

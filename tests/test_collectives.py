@@ -37,3 +37,9 @@ def test_all_gather_reduce_scatter_gatherv_barrier(n):
 @pytest.mark.parametrize("n", [2, 4])
 def test_all_reduce_resnet50_gradient_list(n):
     run_checks(n, "resnet50", timeout=240)
+
+
+@pytest.mark.parametrize("n", [1, 3])
+def test_bfloat16_all_reduce_over_mpi(n):
+    pytest.importorskip("ml_dtypes", reason="bfloat16 on numpy needs ml_dtypes")
+    run_checks(n, "bfloat16")
