@@ -5,9 +5,13 @@ of the list. The kernel reads a segment table (array addresses, bucket
 offsets, sizes, chunk prefix sums; see the header of ``pack.cu``) that is
 built on the host and uploaded once per distinct list: it is cached, keyed
 on the device and on the exact (address, offset, size) of every array, so a
-training loop that packs the same gradient buffers each step reuses it.
+training loop that packs the same gradient buffers each step reuses it. The
+checked launch data of a list is cached too, recognised by the identity of
+its arrays (held by weak references), so a repeated call costs a few
+microseconds of Python, not a pass over every array's attributes.
 """
 import collections
+import weakref
 
 import numpy as np
 
@@ -19,6 +23,12 @@ THREADS = 256
 CAST_CHUNK = 8192            # elements per block-sized chunk for casting kernels
 RAW_CHUNK_BYTES = 32768      # bytes per chunk for bit copies
 TABLE_CACHE_SIZE = 64        # distinct array lists kept on each device
+
+_CODES = ("f32", "f16", "bf16")
+KERNEL_NAMES = tuple(
+    ["pack_%s_%s" % (a, b) for a in _CODES for b in _CODES]
+    + ["unpack_%s_%s%s" % (b, a, acc) for a in _CODES for b in _CODES for acc in ("", "_acc")]
+    + ["%s_raw%d" % (d, w) for d in ("pack", "unpack") for w in (1, 2, 4, 8)])
 
 Launch = collections.namedtuple("Launch", "kernel segments chunk")
 Launch.__doc__ = """One kernel launch: ``kernel`` (name in kernels/pack.cu),
@@ -75,8 +85,16 @@ def build_table(segments, chunk):
 
 # ---------------------------------------------------------------- cupy glue
 
-_tables = collections.OrderedDict()
+_tables = collections.OrderedDict()     # (device, chunk, segments) -> (table, nchunks)
+_prepared = collections.OrderedDict()   # one entry per recently seen list, see _prepare
 _dummy_counters = {}
+
+
+class _Prepared:
+    """What a repeated pack/unpack of one list needs: weak references to its
+    arrays (to recognise the list without re-reading every array), its total
+    size, device and copy mode, and the ready-made launches."""
+    __slots__ = ("refs", "total", "device", "mode", "launches")
 
 
 def _device_table(device_id, segments, chunk):
@@ -105,12 +123,14 @@ def _dummy_counter(device_id):
     return c
 
 
-def _check(arrays, bucket, what):
-    """Total element count after checking a cupy bucket and its arrays."""
+def _check_bucket(bucket, what):
     if not (bucket.ndim == 1 and (bucket.size <= 1 or bucket.strides[0] == bucket.itemsize)):
         raise ArrayTypeError("%s: expected a contiguous 1-D cupy array, got shape %s strides %s"
                              % (what, bucket.shape, bucket.strides))
-    device = bucket.device.id
+
+
+def _check_arrays(arrays, device):
+    """Total element count after checking the arrays against ``device``."""
     for i, a in enumerate(arrays):
         if type(a).__module__.split(".")[0] != "cupy":
             raise ArrayTypeError("arrays[%d]: expected a cupy array (the bucket is cupy), got %s"
@@ -122,41 +142,75 @@ def _check(arrays, bucket, what):
             raise ArrayTypeError("arrays[%d]: expected a C-contiguous array" % i)
         if a.size and a.data.ptr % a.itemsize:
             raise ArrayTypeError("arrays[%d]: address is not a multiple of the itemsize" % i)
-    total = sum(a.size for a in arrays)
-    if bucket.size < total:
-        raise ArgumentError("%s: expected at least %d elements (the arrays' total), got %d"
-                            % (what, total, bucket.size))
-    return total
+    return sum(a.size for a in arrays)
 
 
-def _run(direction, arrays, bucket, scale, accumulate, counter, mode):
-    from ._loader import get_function, launch_config
+def _prepare(direction, arrays, bucket, scale, accumulate, counting, what):
+    """Checked launch data for this list and bucket; cached per list, so a
+    training loop that passes the same arrays each step pays for the checks,
+    the plan and the table upload once."""
+    import cupy
+    _check_bucket(bucket, what)
     device = bucket.device.id
-    launches = plan(direction, [a.dtype for a in arrays], [a.size for a in arrays],
-                    [a.data.ptr if a.size else 0 for a in arrays], bucket.dtype,
-                    bucket.data.ptr, mode, accumulate)
+    key = (direction, tuple(map(id, arrays)), bucket.dtype, bucket.data.ptr & 15,
+           scale is None, accumulate, counting)
+    p = _prepared.get(key)
+    if p is not None and p.device == device \
+            and all(r() is a for r, a in zip(p.refs, arrays)):
+        _prepared.move_to_end(key)
+    else:
+        p = _Prepared()
+        p.device = device
+        p.total = _check_arrays(arrays, device)
+        p.mode = copy_mode([a.dtype for a in arrays], bucket.dtype, scale, accumulate, counting)
+        p.launches = []
+        if p.mode != "generic":
+            from ._loader import get_function, launch_config
+            with cupy.cuda.Device(device):
+                for launch in plan(direction, [a.dtype for a in arrays],
+                                   [a.size for a in arrays],
+                                   [a.data.ptr if a.size else 0 for a in arrays],
+                                   bucket.dtype, bucket.data.ptr, p.mode, accumulate):
+                    table, nchunks = _device_table(device, launch.segments, launch.chunk)
+                    grid, block = launch_config(nchunks * THREADS, THREADS)
+                    p.launches.append((get_function("pack.cu", launch.kernel), grid, block,
+                                       table, np.int64(len(launch.segments)),
+                                       np.int64(launch.chunk)))
+        try:
+            p.refs = tuple(weakref.ref(a) for a in arrays)
+        except TypeError:           # not weak-referenceable: no caching
+            p.refs = None
+        if p.refs is not None:
+            _prepared[key] = p
+            while len(_prepared) > TABLE_CACHE_SIZE:
+                _prepared.popitem(last=False)
+    if bucket.size < p.total:
+        raise ArgumentError("%s: expected at least %d elements (the arrays' total), got %d"
+                            % (what, p.total, bucket.size))
+    return p
+
+
+def _launch(p, bucket, scale, counter):
+    import cupy
     scale32 = np.float32(1) if scale is None else check_scale(scale)
-    with bucket.device:
-        if counter is None:
-            counter = _dummy_counter(device)
-        for launch in launches:
-            table, nchunks = _device_table(device, launch.segments, launch.chunk)
-            kernel = get_function("pack.cu", launch.kernel)
-            grid, block = launch_config(nchunks * THREADS, THREADS)
-            kernel(grid, block, (table, np.int64(len(launch.segments)),
-                                 np.int64(launch.chunk), bucket, scale32, counter))
+    if cupy.cuda.runtime.getDevice() != p.device:
+        with cupy.cuda.Device(p.device):
+            return _launch(p, bucket, scale, counter)
+    if counter is None:
+        counter = _dummy_counter(p.device)
+    for kernel, grid, block, table, nseg, chunk in p.launches:
+        kernel(grid, block, (table, nseg, chunk, bucket, scale32, counter))
 
 
 def pack_cuda(arrays, out, scale=None, nonfinite=None):
     """CUDA pack (see :func:`commlib.ops.pack.pack`); returns ``out``."""
     import cupy
-    total = _check(arrays, out, "out")
     counter = check_counter(nonfinite, True)
-    mode = copy_mode([a.dtype for a in arrays], out.dtype, scale, False, counter is not None)
-    if mode != "generic":
-        _run("pack", arrays, out, scale, False, counter, mode)
+    p = _prepare("pack", arrays, out, scale, False, counter is not None, "out")
+    if p.mode != "generic":
+        _launch(p, out, scale, counter)
         return out
-    dst = out[:total]
+    dst = out[:p.total]
     lo = 0
     for a in arrays:
         seg = dst[lo:lo + a.size]
@@ -165,7 +219,7 @@ def pack_cuda(arrays, out, scale=None, nonfinite=None):
         if scale is not None:
             src = src * scale
         cupy.copyto(seg, src, casting="same_kind" if scale is None else "unsafe")
-    if counter is not None and dst.dtype.kind in "fc" and total:
+    if counter is not None and dst.dtype.kind in "fc" and p.total:
         counter += dst.size - cupy.count_nonzero(cupy.isfinite(dst))
     return out
 
@@ -174,12 +228,10 @@ def unpack_cuda(buf, arrays, scale=None, accumulate=False, nonfinite=None):
     """CUDA unpack (see :func:`commlib.ops.pack.unpack`); returns ``arrays``."""
     import cupy
     arrays_list = list(arrays)
-    _check(arrays_list, buf, "buf")
     counter = check_counter(nonfinite, True)
-    mode = copy_mode([a.dtype for a in arrays_list], buf.dtype, scale, accumulate,
-                     counter is not None)
-    if mode != "generic":
-        _run("unpack", arrays_list, buf, scale, accumulate, counter, mode)
+    p = _prepare("unpack", arrays_list, buf, scale, accumulate, counter is not None, "buf")
+    if p.mode != "generic":
+        _launch(p, buf, scale, counter)
         return arrays
     lo = 0
     for a in arrays_list:

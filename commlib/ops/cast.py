@@ -92,8 +92,11 @@ def cast(x, dtype, *, scale=1.0, out=None, accumulate=False, nonfinite=None):
     if out is None:
         if accumulate:
             raise ArgumentError("accumulate=True needs out= (the array to add into)")
-        xp = _xp(gpu)
-        out = xp.empty(x.shape, dtype=_STORAGE[dst_fmt])
+        if gpu:
+            with x.device:
+                out = _xp(gpu).empty(x.shape, dtype=_STORAGE[dst_fmt])
+        else:
+            out = np.empty(x.shape, dtype=_STORAGE[dst_fmt])
     else:
         _check_same_kind(out, "out", gpu)
         if out.dtype != _STORAGE[dst_fmt]:
@@ -107,6 +110,9 @@ def cast(x, dtype, *, scale=1.0, out=None, accumulate=False, nonfinite=None):
     nonfinite = check_counter(nonfinite, gpu)
     if gpu:
         _check_device(x, out)
+        if nonfinite is not None and nonfinite.device.id != x.device.id:
+            raise ArrayTypeError("nonfinite: expected an array on device %d (where x is), got "
+                                 "device %d" % (x.device.id, nonfinite.device.id))
         with x.device:
             counter = nonfinite if nonfinite is not None else _xp(gpu).zeros((), np.int64)
             if x.size:
@@ -254,6 +260,9 @@ def cast_kernel_name(src_fmt, dst_fmt, accumulate):
 
 
 CAST_THREADS = 256
+
+KERNEL_NAMES = tuple(cast_kernel_name(s, d, acc) for s in FORMATS for d in FORMATS
+                     for acc in (False, True))
 
 
 def cast_items_per_thread(src_fmt, dst_fmt):
