@@ -18,6 +18,13 @@ OUT=$(cd "$1" && pwd)
 cd "$(dirname "$0")/.."
 export PYTHONPATH=".${PYTHONPATH:+:$PYTHONPATH}"
 PY=${PYTHON:-$(command -v python3 || command -v python)}
+# Wheels carried in .whl/ (e.g. MPICH, for the multi-rank tests where the
+# image has mpi4py but no MPI library) are installed into a scratch folder.
+if ls .whl/*.whl >/dev/null 2>&1; then
+    "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+        --target /tmp/commlib-site .whl/*.whl \
+        && export PYTHONPATH="$PYTHONPATH:/tmp/commlib-site" PATH="/tmp/commlib-site/bin:$PATH"
+fi
 
 step() { echo; echo "== $*"; }
 
