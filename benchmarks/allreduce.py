@@ -38,14 +38,19 @@ def parse_bytes(text):
 
 
 def human(nbytes):
+    """4096 -> '4KiB', 437928960 -> '417.6MiB'."""
     for unit in ("G", "M", "K"):
-        if nbytes >= UNITS[unit] and nbytes % UNITS[unit] == 0:
-            return "%d%siB" % (nbytes // UNITS[unit], unit)
+        if nbytes >= UNITS[unit]:
+            return "%.4g%siB" % (nbytes / UNITS[unit], unit)
     return "%dB" % nbytes
 
 
 def case_names():
     return ["flat", SMALL_CASE] + sorted(p.stem for p in WORKLOADS.glob("*.json"))
+
+
+def case_bytes(shapes):
+    return sum(int(np.prod(s)) for s in shapes) * DTYPE().itemsize
 
 
 def build_cases(names, sizes):
@@ -99,20 +104,18 @@ class Context:
 
     def __init__(self, args):
         self.mpi = MPI.COMM_WORLD.Dup()  # baselines, barriers and timing
+        self.rank, self.size = self.mpi.rank, self.mpi.size
+        self.comm = commlib.Communicator.from_mpi(
+            backend="mpi" if args.device == "cpu" else None, bucket_bytes=args.bucket_bytes)
         self.xp = np
-        device = None
         if args.device == "gpu":
             import cupy
-            local = MPI.COMM_WORLD.Split_type(MPI.COMM_TYPE_SHARED)
-            device = local.rank % cupy.cuda.runtime.getDeviceCount()
-            local.Free()
-            cupy.cuda.Device(device).use()
+            cupy.cuda.Device(self.comm.device).use()
             self.xp = cupy
-        self.comm = commlib.Communicator.from_mpi(
-            device=device, bucket_bytes=args.bucket_bytes)
         query = getattr(MPI, "Query_cuda_support", lambda: False)
         self.baselines = args.device == "cpu" or bool(query())
-        self.rank, self.size = self.mpi.rank, self.mpi.size
+        self.bucket_bytes = (args.bucket_bytes or
+                             commlib.bucketing.DEFAULT_BUCKET_BYTES[self.comm.backend])
 
     def sync(self):
         if self.xp is not np:
@@ -172,7 +175,7 @@ def run_case(ctx, name, shapes, repeats, warmup):
     for r in range(repeats):
         for method in order[r % len(order):] + order[:r % len(order)]:
             samples[method].append(timed(ctx, *methods[method]))
-    nbytes = sum(int(np.prod(s)) for s in shapes) * DTYPE().itemsize
+    nbytes = case_bytes(shapes)
     median = {m: statistics.median(s) for m, s in samples.items()}
     row = {"case": name, "bytes": nbytes, "tensors": len(shapes), "repeats": repeats,
            "check": "FAIL:" + "+".join(failed) if failed else "ok",
@@ -181,7 +184,7 @@ def run_case(ctx, name, shapes, repeats, warmup):
         row[m.replace("-", "_") + "_ms"] = median[m] * 1e3 if m in median else None
     algbw = nbytes / median["commlib"] / 1e9 if not failed else None
     row["algbw_gbs"] = algbw
-    row["busbw_gbs"] = algbw * 2 * (ctx.size - 1) / ctx.size if algbw else None
+    row["busbw_gbs"] = None if algbw is None else algbw * 2 * (ctx.size - 1) / ctx.size
     best = min((median[m] for m in ("per-tensor", "flat") if m in median), default=None)
     row["ratio"] = median["commlib"] / best if best and not failed else None
     return row
@@ -209,17 +212,17 @@ def main(argv=None):
     ctx = Context(args)
     say = print if ctx.rank == 0 else (lambda *a, **k: None)
     config = {"ranks": ctx.size, "backend": ctx.comm.backend, "device": args.device,
-              "bucket_bytes": getattr(ctx.comm, "bucket_bytes", args.bucket_bytes),
+              "bucket_bytes": ctx.bucket_bytes, "check": ctx.comm.check,
               "dtype": np.dtype(DTYPE).name, "warmup": args.warmup}
     say("# all-reduce, %(ranks)d ranks, backend %(backend)s, device %(device)s, "
-        "bucket_bytes %(bucket_bytes)s, %(dtype)s" % config)
+        "bucket_bytes %(bucket_bytes)d, consistency check %(check)s, %(dtype)s" % config)
     say("# time: max over ranks, median of the repeats; GB/s = 1e9 bytes/s; "
         "busbw = algbw * 2(n-1)/n", flush=True)
     notes, rows = [], []
     if not ctx.baselines:
         notes.append("baselines skipped: MPI is not CUDA-aware")
     for name, shapes in build_cases(args.cases, args.sizes):
-        nbytes = sum(int(np.prod(s)) for s in shapes) * DTYPE().itemsize
+        nbytes = case_bytes(shapes)
         if nbytes > args.max_bytes:
             notes.append("skipped %s: %s > --max-bytes %s"
                          % (name, human(nbytes), human(args.max_bytes)))
