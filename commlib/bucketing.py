@@ -3,7 +3,8 @@
 A :class:`BucketPlan` is the layout for one list of arrays: arrays of at
 least ``bucket_bytes`` are reduced in place one by one (no copy); smaller
 ones are packed, in list order and grouped by dtype, into flat buckets of at
-most ``bucket_bytes``. The plan depends only on the (dtype, size) sequence,
+most ``bucket_bytes`` (a bucket that would hold a single array is not made:
+that array is reduced in place too). The plan depends only on the (dtype, size) sequence,
 so it is hashable, cached, and identical on every rank that passes the same
 shapes — later compression stages key their per-bucket state (error-feedback
 residuals) on ``(plan.key, bucket index)``.
@@ -68,8 +69,10 @@ def _plan(layout, bucket_bytes):
         open_buckets[dt] = (indices + (i,), total + size)
     for dt, (indices, total) in open_buckets.items():
         buckets.append(Bucket(dt, indices, total))
-    buckets.sort(key=lambda b: b.indices[0])
-    return BucketPlan((layout, bucket_bytes), tuple(direct), tuple(buckets))
+    # a bucket of one array gains nothing from a copy: reduce it in place
+    direct += [b.indices[0] for b in buckets if len(b.indices) == 1]
+    buckets = sorted((b for b in buckets if len(b.indices) > 1), key=lambda b: b.indices[0])
+    return BucketPlan((layout, bucket_bytes), tuple(sorted(direct)), tuple(buckets))
 
 
 def _getter(indices):

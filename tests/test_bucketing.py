@@ -19,8 +19,8 @@ def test_small_arrays_fill_buckets_in_order_and_large_go_direct():
 def test_bucket_boundary_and_exact_fit():
     arrays = arrays_of(*[("float64", 25)] * 5)               # 200 bytes each
     plan = bucketing.plan_for(arrays, bucket_bytes=400)
-    assert plan.direct == ()
-    assert [b.indices for b in plan.buckets] == [(0, 1), (2, 3), (4,)]
+    assert plan.direct == (4,)                                 # alone in its bucket
+    assert [b.indices for b in plan.buckets] == [(0, 1), (2, 3)]
     plan = bucketing.plan_for(arrays, bucket_bytes=200)       # each fills a bucket: direct
     assert plan.direct == (0, 1, 2, 3, 4) and plan.buckets == ()
 
@@ -48,7 +48,8 @@ def test_prepared_list_pack_unpack_round_trip_with_scale():
     before = [a.copy() for a in arrays]
     plan = bucketing.plan_for(arrays, 1 << 20)
     prepared = bucketing.PreparedList(arrays, plan, "numpy", writeable=True)
-    assert prepared.floating and [b.indices for b in plan.buckets] == [(0, 1, 2, 3), (4,)]
+    assert prepared.floating and [b.indices for b in plan.buckets] == [(0, 1, 2, 3)]
+    assert plan.direct == (4,)
     buf = prepared.pack(arrays, 0)
     assert np.array_equal(buf, np.concatenate([a.ravel() for a in before[:4]]))
     buf[:] = buf * 3

@@ -57,10 +57,12 @@ class Transport:
             raise ClosedError("%s transport of rank %d is unusable: %s"
                               % (self.name, self.rank, self._broken))
 
-    def poll_until(self, done, deadline, what, on_timeout=None):
+    def poll_until(self, done, deadline, what, on_timeout=None, spin=False):
         """Call ``done()`` until it returns True or ``deadline`` passes.
 
-        Sleeps with a backoff capped at 1 ms between polls. On timeout marks
+        ``spin=True`` polls back to back (for transports that only make
+        progress inside the poll, like MPI's shared-memory path); otherwise
+        sleeps with a backoff capped at 1 ms between polls. On timeout marks
         the transport broken, calls ``on_timeout()`` and raises.
         """
         pause = 0.0
@@ -73,6 +75,8 @@ class Transport:
                     "rank %d: %s did not complete before its deadline; a peer may have "
                     "died, hung, or not called it (the communicator is now unusable)"
                     % (self.rank, what))
+            if spin:
+                continue
             if pause:
                 time.sleep(pause)
             pause = min(1e-3, pause * 2 or 1e-6)

@@ -115,7 +115,7 @@ class MpiTransport(Transport):
         if deadline is None:
             request.Wait()
         else:
-            self.poll_until(request.Test, deadline, what)
+            self.poll_until(request.Test, deadline, what, spin=True)
 
     # -- collectives ---------------------------------------------------------
     def all_reduce(self, buf, op, deadline=None):

@@ -1,0 +1,94 @@
+"""Scatter-add of sparse (index, value) sets into a dense float32 array.
+
+``scatter_add(dense, indices, values)`` performs
+``dense[indices[i]] += alpha * values[i]`` in place. The sets typically come
+from several ranks (an all-gather-v of top-K results): ``segments`` gives the
+per-rank entry counts. Indices are unique within a segment but may repeat
+across segments; segments are applied one after another, so the result is
+bit-identical from run to run. The error-feedback residual update is the
+same call with ``alpha=-1``.
+
+With cupy input every non-empty segment is one launch of
+``kernels/sparse.cu``; numpy input runs the numpy twin.
+"""
+import numpy as np
+
+from ..errors import ArgumentError
+from ._arrays import is_cupy
+from .threshold import check_length, check_same_kind, check_vector
+
+_BLOCK = 256
+
+
+def _segment_counts(segments, total):
+    if segments is None:
+        return [total]
+    if is_cupy(segments):
+        segments = segments.get()
+    seg = np.asarray(segments)
+    if seg.ndim != 1 or (seg.size and seg.dtype.kind not in "iu"):
+        raise ArgumentError("segments: expected a 1-D sequence of integers, got %r"
+                            % (segments,))
+    if seg.size and seg.min() < 0:
+        raise ArgumentError("segments: counts must be >= 0")
+    if int(seg.sum()) != total:
+        raise ArgumentError("segments: counts sum to %d, but indices holds %d entries"
+                            % (int(seg.sum()), total))
+    return [int(c) for c in seg]
+
+
+def scatter_add(dense, indices, values, *, alpha=1.0, segments=None):
+    """``dense[indices[i]] += alpha * values[i]``, in place, segment by segment.
+
+    dense: 1-D contiguous float32 array (numpy or cupy, like the others).
+    indices: 1-D int32; -1 is padding and skipped, any other index outside
+    ``[0, len(dense))`` is counted and never written. values: 1-D float32,
+    same length as indices. alpha: scale, rounded to float32; the product is
+    rounded before the add. segments: per-segment entry counts summing to
+    ``len(indices)`` (host sequence; a cupy array is copied to the host);
+    None means one segment. Indices must be unique within a segment:
+    duplicates inside one segment make the result order-dependent on the GPU.
+
+    Returns ``bad``: a 0-d int64 array (a device array for cupy input)
+    counting the out-of-range indices.
+    """
+    check_vector(dense, "dense", np.float32)
+    check_vector(indices, "indices", np.int32)
+    check_vector(values, "values", np.float32)
+    check_same_kind(dense=dense, indices=indices, values=values)
+    if indices.size != values.size:
+        raise ArgumentError("values: length %d differs from indices' %d"
+                            % (values.size, indices.size))
+    check_length(indices.size, "indices")
+    counts = _segment_counts(segments, indices.size)
+    alpha = np.float32(alpha)
+    if is_cupy(dense):
+        return _scatter_add_cuda(dense, indices, values, alpha, counts)
+    return _scatter_add_numpy(dense, indices, values, alpha)
+
+
+def _scatter_add_numpy(dense, indices, values, alpha):
+    # Entries are applied in order, which is segment order.
+    n = dense.size
+    ok = (indices >= 0) & (indices < n)
+    bad = int(np.count_nonzero((indices != -1) & ~ok))
+    with np.errstate(over="ignore", invalid="ignore"):
+        np.add.at(dense, indices[ok], alpha * values[ok])
+    return np.array(bad, dtype=np.int64)
+
+
+def _scatter_add_cuda(dense, indices, values, alpha, counts):
+    import cupy
+    from ._loader import get_function, sm_count
+    with dense.device:
+        bad = cupy.zeros((), dtype=cupy.int64)
+        kernel = get_function("sparse.cu", "scatter_add")
+        n_dense = np.int64(dense.size)
+        start = 0
+        for c in counts:
+            if c:
+                grid = max(1, min(-(-c // _BLOCK), sm_count() * 16))
+                kernel((grid,), (_BLOCK,),
+                       (dense, n_dense, indices, values, np.int64(start), np.int64(c), alpha, bad))
+            start += c
+    return bad

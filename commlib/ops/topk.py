@@ -1,0 +1,152 @@
+"""Top-K by magnitude with optional fused error feedback.
+
+``topk(x, k)`` returns the ``min(k, len(x))`` entries of largest ``|x|`` in
+ascending index order; among equal magnitudes the lowest index wins, NaN is
+never selected (missing entries are padding: index -1, value 0), ``+-inf``
+rank highest and ``-0.0`` ties with ``+0.0``.
+
+With cupy input this is a radix select on the magnitude bits in
+``kernels/topk.cu``: one memset and up to five kernels, no host
+synchronization, and usually a single full read of the input (a sampled low
+bound lets the first pass gather the candidates). numpy input runs the numpy
+twin, an exact partition on the same keys.
+"""
+import math
+import operator
+
+import numpy as np
+
+from ..errors import ArgumentError
+from ._arrays import is_cupy
+from .threshold import (BLOCK, INF_KEY, TILE, check_length, check_same_kind, check_vector,
+                        grid_for, magnitude_keys, misalignment, tiles_of)
+
+# u32 words of the workspace before the look-back status words (kernels/topk.cu)
+_WS_STATUS = 16 + 2048 + 2048 + 512
+SAMPLES = 8192  # elements read by topk_sample
+
+
+def topk(x, k, *, residual=None):
+    """Indices and values of the ``min(k, len(x))`` largest ``|x|``.
+
+    x: 1-D contiguous float32 array (numpy or cupy; any element offset).
+    k: non-negative int. residual: optional float32 array of the same
+    length and kind. With it, selection runs on ``acc = residual + x``, the
+    returned values are ``acc``'s, and on return ``residual`` holds ``acc``
+    with the selected entries zeroed (NaN payloads in ``residual`` may differ
+    between numpy and CUDA).
+
+    Returns ``(indices, values)``: int32 and float32 arrays of exactly
+    ``min(k, len(x))`` entries; selected entries first in ascending index
+    order, then padding (-1, 0.0) when fewer non-NaN elements exist.
+    """
+    check_vector(x, "x", np.float32)
+    try:
+        k = operator.index(k)
+    except TypeError:
+        raise ArgumentError("k: expected an integer, got %r" % (k,)) from None
+    if k < 0:
+        raise ArgumentError("k: expected >= 0, got %d" % k)
+    if residual is not None:
+        check_vector(residual, "residual", np.float32)
+        check_same_kind(x=x, residual=residual)
+        if residual.size != x.size:
+            raise ArgumentError("residual: length %d differs from x's %d"
+                                % (residual.size, x.size))
+    check_length(x.size, "x")
+    kk = min(k, x.size)
+    if is_cupy(x):
+        return _topk_cuda(x, kk, residual)
+    return _topk_numpy(x, kk, residual)
+
+
+def _topk_numpy(x, kk, residual):
+    src = x
+    if residual is not None:
+        with np.errstate(over="ignore", invalid="ignore"):
+            np.add(residual, x, out=residual)
+        src = residual
+    indices = np.full(kk, -1, dtype=np.int32)
+    values = np.zeros(kk, dtype=np.float32)
+    keys = magnitude_keys(src)
+    nan = keys > INF_KEY
+    keys[nan] = 0
+    s = min(kk, src.size - int(np.count_nonzero(nan)))
+    if s == 0:
+        return indices, values
+    kth = np.partition(keys, src.size - s)[src.size - s]  # s-th largest key
+    chosen = keys > kth
+    rem = s - int(np.count_nonzero(chosen))
+    if rem:
+        chosen[np.flatnonzero((keys == kth) & ~nan)[:rem]] = True
+    sel = np.flatnonzero(chosen)
+    indices[:s] = sel
+    values[:s] = src[sel]
+    if residual is not None:
+        residual[sel] = 0.0
+    return indices, values
+
+
+def _candidate_capacity(n, k):
+    """Pairs the candidate buffer holds (a multiple of 4; 0 disables it).
+
+    The buffer pays off while the candidates stay well under a third of the
+    input (8 bytes per pair, written once, read up to three times); it must
+    also hold the k selected entries.
+    """
+    cap = (min(max(8 * k, n // 64) + 65536, n // 3) // 4) * 4
+    return cap if cap >= k else 0
+
+
+def _sample_rank(n, k):
+    """Rank of the sampled low bound: comfortably above the k * SAMPLES / n
+    sampled keys expected above the k-th largest, so the bound lies below it
+    with overwhelming probability."""
+    expected = SAMPLES * k / n
+    return int(min(SAMPLES, math.ceil(1.25 * expected + 4.0 * math.sqrt(expected) + 16)))
+
+
+def _topk_cuda(x, kk, residual):
+    import cupy
+    from ._loader import get_function
+    n = x.size
+    with x.device:
+        indices = cupy.empty(kk, dtype=cupy.int32)
+        values = cupy.empty(kk, dtype=cupy.float32)
+        if n == 0 or (kk == 0 and residual is None):
+            return indices, values
+        src = x if residual is None else residual
+        off = misalignment(src)
+        tiles = tiles_of(n, off)
+        ws = cupy.zeros(_WS_STATUS + 6 * (n // TILE + 2), dtype=cupy.uint32)
+        cap = _candidate_capacity(n, kk)
+        if cap:
+            cand = cupy.empty(2 * cap, dtype=cupy.int32)
+            cand_idx, cand_val = cand[:cap], cand[cap:].view(cupy.float32)
+        else:
+            cand_idx, cand_val = ws, ws  # never touched
+        n64, off32, k32, cap32 = np.int64(n), np.int32(off), np.uint32(kk), np.uint32(cap)
+        has_resid = np.int32(residual is not None)
+        grid_hist, grid_scan = (grid_for(tiles, 4),), (grid_for(tiles, 8),)
+        block = (BLOCK,)
+
+        def launch(name, grid, *args):
+            get_function("topk.cu", name)(grid, block, args)
+
+        if cap:
+            launch("topk_sample", (1,), x, src, has_resid, n64, ws,
+                   np.uint32(_sample_rank(n, kk)))
+        grid1 = grid_scan if cap else grid_hist
+        if residual is None:
+            launch("topk_hist1", grid1, x, x, n64, off32, ws, k32, cap32, cand_idx, cand_val)
+        elif misalignment(x) == off:
+            launch("topk_hist1_resid", grid1, x, residual, n64, off32, ws, k32, cap32,
+                   cand_idx, cand_val)
+        else:
+            launch("topk_hist1_resid_scalar", (grid_for(tiles_of(n, 0), 8 if cap else 4),),
+                   x, residual, n64, np.int32(0), ws, k32, cap32, cand_idx, cand_val)
+        launch("topk_filter", grid_scan, src, n64, off32, ws, cand_idx, cand_val, cap32)
+        launch("topk_refine", grid_hist, src, n64, off32, ws, cand_idx, cand_val)
+        launch("topk_compact", grid_scan, src, n64, off32, ws, cand_idx, cand_val, src,
+               has_resid, indices, values, k32)
+    return indices, values
