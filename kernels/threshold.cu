@@ -1,0 +1,41 @@
+// Threshold selection: every element with |x| > t (NaN never) compacted in
+// index order, in one pass over x (ordered compaction with decoupled
+// look-back, see select_common.cuh).
+#include "select_common.cuh"
+
+namespace threshold_impl {
+
+using namespace sel;
+
+struct ThresholdPolicy {
+  u32 tkey;  // magnitude key of t
+  int* out_idx;
+  float* out_val;
+  long long cap;
+  long long* count;
+  __device__ __forceinline__ int classify(int id, float v) {
+    const u32 key = mag_key(v);
+    return id >= 0 && key > tkey && key <= kInfKey ? 1 : 0;
+  }
+  __device__ __forceinline__ void emit(u32 pos, int id, float v) {
+    if ((long long)pos < cap) {
+      out_idx[pos] = id;
+      out_val[pos] = v;
+    }
+  }
+  __device__ __forceinline__ void total(u64 packed) { *count = (long long)pair_a(packed); }
+};
+
+}  // namespace threshold_impl
+
+using namespace threshold_impl;
+
+// x: n floats misaligned by `off` elements; t >= 0. out_idx/out_val hold
+// `cap` entries; *count receives the number of qualifying elements.
+// ws: zero-filled, 1 + tiles u64 words (tile counter, look-back status).
+extern "C" __global__ void __launch_bounds__(kBlock, 4)
+threshold_select(const float* x, long long n, int off, float t, u64* ws, int* out_idx,
+                 float* out_val, long long cap, long long* count) {
+  ThresholdPolicy pol{mag_key(t), out_idx, out_val, cap, count};
+  compact_all(Source{x, nullptr, n, off}, ws + 1, reinterpret_cast<u32*>(ws), 0u, pol);
+}
