@@ -5,6 +5,7 @@ and cached for the life of the process; CuPy additionally caches the
 compiled binary on disk. Launch sizes come from the device's properties.
 """
 import functools
+import hashlib
 import os
 from pathlib import Path
 
@@ -45,11 +46,22 @@ def _cupy():
 
 
 @functools.lru_cache(maxsize=None)
+def _headers_digest():
+    """Digest of every ``kernels/*.cuh``: CuPy's on-disk cache keys on the
+    source text and options only, so the options carry this to recompile a
+    kernel when a header it includes changes."""
+    h = hashlib.sha1()
+    for path in sorted(kernel_dir().glob("*.cuh")):
+        h.update(path.name.encode() + b"\0" + path.read_bytes())
+    return h.hexdigest()[:16]
+
+
+@functools.lru_cache(maxsize=None)
 def _module(name, device_id, options):
     cupy = _cupy()
     src = read_source(name)
-    return cupy.RawModule(code=src, options=options + ("-I" + str(kernel_dir()),),
-                          name_expressions=None)
+    extra = ("-I" + str(kernel_dir()), "-DCOMMLIB_HEADERS_DIGEST=0x" + _headers_digest())
+    return cupy.RawModule(code=src, options=options + extra, name_expressions=None)
 
 
 def get_function(source, kernel_name, options=("--std=c++17",)):
