@@ -18,8 +18,8 @@ ENV_SIZE = "COMMLIB_SIZE"
 ENV_LOCAL_RANK = "COMMLIB_LOCAL_RANK"
 ENV_LOCAL_SIZE = "COMMLIB_LOCAL_SIZE"
 
-# (rank, size, local rank, local size) variables of common MPI launchers
-_MPI_ENV = (
+#: (rank, size, local rank, local size) variables of common MPI launchers
+MPI_LAUNCHER_ENV = (
     ("PMI_RANK", "PMI_SIZE", "MPI_LOCALRANKID", "MPI_LOCALNRANKS"),          # MPICH hydra
     ("OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE",
      "OMPI_COMM_WORLD_LOCAL_RANK", "OMPI_COMM_WORLD_LOCAL_SIZE"),            # Open MPI
@@ -120,4 +120,4 @@ def launcher_env(env=None):
 def under_mpi_launcher(env=None):
     """True when an MPI launcher (mpiexec, srun) started this process."""
     env = os.environ if env is None else env
-    return any(names[0] in env for names in _MPI_ENV)
+    return any(names[0] in env for names in MPI_LAUNCHER_ENV)

@@ -44,7 +44,7 @@ import traceback
 
 from . import _cuda
 from .bootstrap import (ENV_LOCAL_RANK, ENV_LOCAL_SIZE, ENV_NCCL_ID, ENV_RANK, ENV_SIZE,
-                        _MPI_ENV)
+                        MPI_LAUNCHER_ENV)
 from .errors import ArgumentError, BackendUnavailableError, CommlibError
 
 PROG = "commlib.launch"  # also the module name workers run with -m
@@ -412,7 +412,7 @@ def _after_failure(job, failure, grace):
 # -- the per-rank wrapper under mpiexec --------------------------------------------------
 
 def _mpi_rank_from_env():
-    for names in _MPI_ENV:
+    for names in MPI_LAUNCHER_ENV:
         if names[0] in os.environ:
             return os.environ[names[0]]
     return "?"

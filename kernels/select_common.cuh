@@ -16,6 +16,8 @@
 #ifndef COMMLIB_SELECT_COMMON_CUH
 #define COMMLIB_SELECT_COMMON_CUH
 
+#include "common.cuh"
+
 namespace sel {
 
 typedef unsigned int u32;
@@ -39,28 +41,10 @@ __device__ __forceinline__ u32 mag_key(float v) { return __float_as_uint(v) & 0x
 
 __device__ __forceinline__ u32 umin32(u32 a, u32 b) { return a < b ? a : b; }
 
-// IEEE float32 add / multiply, round to nearest, subnormals kept. CuPy
-// compiles with -ftz=true, which turns __fadd_rn into add.rn.ftz.f32; the
-// inline PTX keeps results bit-identical to numpy. Never contracted to FMA.
-__device__ __forceinline__ float add_rn(float a, float b) {
-#ifdef __CUDA_ARCH__
-  float r;
-  asm("add.rn.f32 %0, %1, %2;" : "=f"(r) : "f"(a), "f"(b));
-  return r;
-#else
-  return a + b;
-#endif
-}
-
-__device__ __forceinline__ float mul_rn(float a, float b) {
-#ifdef __CUDA_ARCH__
-  float r;
-  asm("mul.rn.f32 %0, %1, %2;" : "=f"(r) : "f"(a), "f"(b));
-  return r;
-#else
-  return a * b;
-#endif
-}
+// IEEE float32 add / multiply without flush-to-zero (cupy compiles with
+// -ftz=true): common.cuh's cl_add / cl_mul.
+__device__ __forceinline__ float add_rn(float a, float b) { return cl_add(a, b); }
+__device__ __forceinline__ float mul_rn(float a, float b) { return cl_mul(a, b); }
 
 // A stream of (index, value) pairs. Direct: val[0, n) with index = position
 // and `off` = misalignment of val in elements. Buffered: parallel arrays
