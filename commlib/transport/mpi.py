@@ -7,8 +7,6 @@ bfloat16, which MPI lacks, use user-defined operators computed with numpy.
 Large all-reduces are split into ``chunk_bytes`` pieces, which keeps each
 piece cache-resident in MPI's shared-memory path.
 """
-import contextlib
-
 import numpy as np
 
 from ..errors import BackendUnavailableError
@@ -36,34 +34,39 @@ _NATIVE = {"float32": "FLOAT", "float64": "DOUBLE", "int32": "INT32_T",
            "int64": "INT64_T", "uint8": "UINT8_T"}
 _NATIVE_OPS = {"sum": "SUM", "max": "MAX", "min": "MIN", "prod": "PROD"}
 _UFUNCS = {"sum": np.add, "max": np.maximum, "min": np.minimum, "prod": np.multiply}
-_user_ops = {}
+_types = {}     # numpy dtype -> MPI datatype
+_ops = {}       # (numpy dtype, op name) -> MPI.Op
 
 
 def _user_op(dtype, op):
     """An MPI.Op reducing 16-bit floats with the numpy ufunc for ``op``."""
-    key = (dtype.name, op)
-    if key not in _user_ops:
-        ufunc = _UFUNCS[op]
+    ufunc = _UFUNCS[op]
 
-        def reduce(inbuf, inoutbuf, datatype):
-            a = np.frombuffer(inbuf, dtype=dtype)
-            b = np.frombuffer(inoutbuf, dtype=dtype)
-            ufunc(b, a, out=b)
+    def reduce(inbuf, inoutbuf, datatype):
+        a = np.frombuffer(inbuf, dtype=dtype)
+        b = np.frombuffer(inoutbuf, dtype=dtype)
+        ufunc(b, a, out=b)
 
-        _user_ops[key] = mpi().Op.Create(reduce, commute=True)
-    return _user_ops[key]
+    return mpi().Op.Create(reduce, commute=True)
 
 
 def _mpi_type(dtype):
-    MPI = mpi()
-    name = _NATIVE.get(dtype.name)
-    return getattr(MPI, name) if name else MPI.UINT16_T   # float16, bfloat16
+    """MPI datatype of a numpy dtype (16-bit floats travel as UINT16_T)."""
+    found = _types.get(dtype)
+    if found is None:
+        name = _NATIVE.get(dtype.name)
+        found = _types[dtype] = getattr(mpi(), name) if name else mpi().UINT16_T
+    return found
 
 
 def _mpi_op(dtype, op):
-    if dtype.name in _NATIVE:
-        return getattr(mpi(), _NATIVE_OPS[op])
-    return _user_op(dtype, op)
+    """MPI reduction operator for ``op`` on ``dtype`` (user-defined for 16-bit floats)."""
+    key = (dtype, op)
+    found = _ops.get(key)
+    if found is None:
+        native = dtype.name in _NATIVE
+        found = _ops[key] = getattr(mpi(), _NATIVE_OPS[op]) if native else _user_op(dtype, op)
+    return found
 
 
 def _cuda_aware():
@@ -91,20 +94,21 @@ class MpiTransport(Transport):
         self.cuda_aware = _cuda_aware()
 
     # -- staging -------------------------------------------------------------
-    @contextlib.contextmanager
-    def _host(self, buf, writeback):
-        """Yield a buffer MPI can use for ``buf``; copy results back after."""
+    def _host(self, buf):
+        """A buffer MPI can use for ``buf``: itself (numpy, or cupy with a
+        CUDA-aware MPI, after synchronising the stream) or a host copy."""
         if not is_cupy(buf):
-            yield buf
-            return
+            return buf
         import cupy
         if self.cuda_aware:
             cupy.cuda.get_current_stream().synchronize()
-            yield buf
-            return
-        host = cupy.asnumpy(buf)
-        yield host
-        if writeback:
+            return buf
+        return cupy.asnumpy(buf)
+
+    @staticmethod
+    def _write_back(buf, host):
+        """Copy a staged result back into the device buffer."""
+        if host is not buf:
             buf.set(host)
 
     def _spec(self, buf):
@@ -120,46 +124,53 @@ class MpiTransport(Transport):
     # -- collectives ---------------------------------------------------------
     def all_reduce(self, buf, op, deadline=None):
         IN_PLACE = mpi().IN_PLACE
-        with self._host(buf, True) as h:
-            mop = _mpi_op(h.dtype, op)
-            step = max(1, self.chunk_bytes // h.itemsize)
-            for start in range(0, h.size, step):
-                piece = h[start:start + step]
-                self._wait(self.comm.Iallreduce(IN_PLACE, self._spec(piece), mop),
-                           deadline, "all_reduce")
+        h = self._host(buf)
+        mop, mtype = _mpi_op(h.dtype, op), _mpi_type(h.dtype)
+        step = max(1, self.chunk_bytes // h.itemsize)
+        for start in range(0, h.size, step):
+            piece = h[start:start + step] if h.size > step else h
+            self._wait(self.comm.Iallreduce(IN_PLACE, [piece, piece.size, mtype], mop),
+                       deadline, "all_reduce")
+        self._write_back(buf, h)
 
     def broadcast(self, buf, root, deadline=None):
-        with self._host(buf, self.rank != root) as h:
-            self._wait(self.comm.Ibcast(self._spec(h), root=root), deadline, "broadcast")
+        h = self._host(buf)
+        self._wait(self.comm.Ibcast(self._spec(h), root=root), deadline, "broadcast")
+        if self.rank != root:
+            self._write_back(buf, h)
 
     def reduce(self, buf, root, op, deadline=None):
         MPI = mpi()
-        with self._host(buf, self.rank == root) as h:
-            spec = self._spec(h)
-            if self.rank == root:
-                req = self.comm.Ireduce(MPI.IN_PLACE, spec, _mpi_op(h.dtype, op), root=root)
-            else:
-                req = self.comm.Ireduce(spec, None, _mpi_op(h.dtype, op), root=root)
-            self._wait(req, deadline, "reduce")
+        h = self._host(buf)
+        spec, mop = self._spec(h), _mpi_op(h.dtype, op)
+        if self.rank == root:
+            req = self.comm.Ireduce(MPI.IN_PLACE, spec, mop, root=root)
+        else:
+            req = self.comm.Ireduce(spec, None, mop, root=root)
+        self._wait(req, deadline, "reduce")
+        if self.rank == root:
+            self._write_back(buf, h)
 
     def all_gather(self, sendbuf, recvbuf, deadline=None):
-        with self._host(sendbuf, False) as s, self._host(recvbuf, True) as r:
-            self._wait(self.comm.Iallgather(self._spec(s), [r, s.size, _mpi_type(r.dtype)]),
-                       deadline, "all_gather")
+        s, r = self._host(sendbuf), self._host(recvbuf)
+        self._wait(self.comm.Iallgather(self._spec(s), [r, s.size, _mpi_type(r.dtype)]),
+                   deadline, "all_gather")
+        self._write_back(recvbuf, r)
 
     def all_gatherv(self, sendbuf, recvbuf, counts, deadline=None):
         counts = [int(c) for c in counts]
         displs = np.concatenate(([0], np.cumsum(counts)[:-1])).astype(int).tolist()
-        with self._host(sendbuf, False) as s, self._host(recvbuf, True) as r:
-            self._wait(self.comm.Iallgatherv(self._spec(s),
-                                             [r, counts, displs, _mpi_type(r.dtype)]),
-                       deadline, "all_gatherv")
+        s, r = self._host(sendbuf), self._host(recvbuf)
+        self._wait(self.comm.Iallgatherv(self._spec(s), [r, counts, displs, _mpi_type(r.dtype)]),
+                   deadline, "all_gatherv")
+        self._write_back(recvbuf, r)
 
     def reduce_scatter(self, sendbuf, recvbuf, op, deadline=None):
-        with self._host(sendbuf, False) as s, self._host(recvbuf, True) as r:
-            self._wait(self.comm.Ireduce_scatter_block(
-                [s, r.size, _mpi_type(s.dtype)], self._spec(r), _mpi_op(s.dtype, op)),
-                deadline, "reduce_scatter")
+        s, r = self._host(sendbuf), self._host(recvbuf)
+        self._wait(self.comm.Ireduce_scatter_block(
+            [s, r.size, _mpi_type(s.dtype)], self._spec(r), _mpi_op(s.dtype, op)),
+            deadline, "reduce_scatter")
+        self._write_back(recvbuf, r)
 
     def barrier(self, deadline=None):
         self._wait(self.comm.Ibarrier(), deadline, "barrier")

@@ -17,6 +17,14 @@ from .base import Transport
 _DTYPES = {"uint8": 1, "int32": 2, "int64": 4, "float16": 6, "float32": 7,
            "float64": 8, "bfloat16": 9}
 _OPS = {"sum": 0, "prod": 1, "max": 2, "min": 3}
+_codes = {}     # numpy dtype -> ncclDataType_t (dtype.name is slow to compute)
+
+
+def _code(dtype):
+    found = _codes.get(dtype)
+    if found is None:
+        found = _codes[dtype] = _DTYPES[dtype.name]
+    return found
 
 
 class NcclTransport(Transport):
@@ -72,28 +80,28 @@ class NcclTransport(Transport):
     def all_reduce(self, buf, op, deadline=None):
         self.check_usable()
         with self._device(buf, True) as d:
-            self.comm.allReduce(d.data.ptr, d.data.ptr, d.size, _DTYPES[d.dtype.name],
+            self.comm.allReduce(d.data.ptr, d.data.ptr, d.size, _code(d.dtype),
                                 _OPS[op], self._stream().ptr)
             self._finish(deadline, "all_reduce")
 
     def broadcast(self, buf, root, deadline=None):
         self.check_usable()
         with self._device(buf, self.rank != root) as d:
-            self.comm.broadcast(d.data.ptr, d.data.ptr, d.size, _DTYPES[d.dtype.name],
+            self.comm.broadcast(d.data.ptr, d.data.ptr, d.size, _code(d.dtype),
                                 root, self._stream().ptr)
             self._finish(deadline, "broadcast")
 
     def reduce(self, buf, root, op, deadline=None):
         self.check_usable()
         with self._device(buf, self.rank == root) as d:
-            self.comm.reduce(d.data.ptr, d.data.ptr, d.size, _DTYPES[d.dtype.name],
+            self.comm.reduce(d.data.ptr, d.data.ptr, d.size, _code(d.dtype),
                              _OPS[op], root, self._stream().ptr)
             self._finish(deadline, "reduce")
 
     def all_gather(self, sendbuf, recvbuf, deadline=None):
         self.check_usable()
         with self._device(sendbuf, False) as s, self._device(recvbuf, True) as r:
-            self.comm.allGather(s.data.ptr, r.data.ptr, s.size, _DTYPES[s.dtype.name],
+            self.comm.allGather(s.data.ptr, r.data.ptr, s.size, _code(s.dtype),
                                 self._stream().ptr)
             self._finish(deadline, "all_gather")
 
@@ -102,7 +110,7 @@ class NcclTransport(Transport):
         self.check_usable()
         nccl = _nccl()
         with self._device(sendbuf, False) as s, self._device(recvbuf, True) as r:
-            dtype, stream = _DTYPES[s.dtype.name], self._stream().ptr
+            dtype, stream = _code(s.dtype), self._stream().ptr
             nccl.groupStart()
             offset = 0
             for root, count in enumerate(counts):
@@ -118,7 +126,7 @@ class NcclTransport(Transport):
     def reduce_scatter(self, sendbuf, recvbuf, op, deadline=None):
         self.check_usable()
         with self._device(sendbuf, False) as s, self._device(recvbuf, True) as r:
-            self.comm.reduceScatter(s.data.ptr, r.data.ptr, r.size, _DTYPES[s.dtype.name],
+            self.comm.reduceScatter(s.data.ptr, r.data.ptr, r.size, _code(s.dtype),
                                     _OPS[op], self._stream().ptr)
             self._finish(deadline, "reduce_scatter")
 
