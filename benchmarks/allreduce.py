@@ -26,6 +26,8 @@ WORKLOADS = HERE / "workloads"
 UNITS = {"": 1, "K": 2**10, "M": 2**20, "G": 2**30}
 DEFAULT_SIZES = [4 * 2**10 * 4**k for k in range(9)]  # 4 KiB ... 256 MiB
 SMALL_CASE = "1000x256"
+#: the same list allocated as consecutive views of one buffer (commlib.flat_arrays)
+VIEWS_CASE = SMALL_CASE + "-views"
 METHODS = ("commlib", "per-tensor", "flat")
 DTYPE = np.float32
 
@@ -46,7 +48,7 @@ def human(nbytes):
 
 
 def case_names():
-    return ["flat", SMALL_CASE] + sorted(p.stem for p in WORKLOADS.glob("*.json"))
+    return ["flat", SMALL_CASE, VIEWS_CASE] + sorted(p.stem for p in WORKLOADS.glob("*.json"))
 
 
 def case_bytes(shapes):
@@ -59,7 +61,7 @@ def build_cases(names, sizes):
     for name in names:
         if name == "flat":
             cases += [("flat-" + human(s), [(s // DTYPE().itemsize,)]) for s in sizes]
-        elif name == SMALL_CASE:
+        elif name in (SMALL_CASE, VIEWS_CASE):
             cases.append((name, [(256,)] * 1000))
         else:
             spec = json.loads((WORKLOADS / (name + ".json")).read_text())
@@ -126,9 +128,13 @@ class Context:
         self.mpi.Free()
 
 
-def make_methods(ctx, shapes):
-    """{method: (buffers it reduces, zero-argument call)}."""
-    arrays = [ctx.xp.empty(s, DTYPE) for s in shapes]
+def make_methods(ctx, shapes, views=False):
+    """{method: (buffers it reduces, zero-argument call)}; ``views``
+    allocates the arrays as consecutive views of one buffer."""
+    if views:
+        arrays = commlib.flat_arrays(shapes, DTYPE, xp=ctx.xp)
+    else:
+        arrays = [ctx.xp.empty(s, DTYPE) for s in shapes]
     methods = {"commlib": (arrays, lambda: ctx.comm.all_reduce(arrays))}
     if ctx.baselines:
         flat = ctx.xp.empty(sum(a.size for a in arrays), DTYPE)
@@ -163,7 +169,7 @@ def correct(ctx, buffers):
 
 def run_case(ctx, name, shapes, repeats, warmup):
     """Warm up and check each method, then time them round-robin."""
-    methods = make_methods(ctx, shapes)
+    methods = make_methods(ctx, shapes, views=name == VIEWS_CASE)
     failed = []
     for method, (buffers, call) in methods.items():
         for _ in range(warmup):

@@ -8,6 +8,7 @@
 """
 from . import errors
 from .bootstrap import NcclId
+from .bucketing import flat_arrays
 from .communicator import Communicator
 from .errors import (ArgumentError, ArrayTypeError, BackendUnavailableError, ClosedError,
                      CollectiveTimeoutError, CommlibError, ConsistencyError,
@@ -35,6 +36,6 @@ def init(**options):
     return Communicator.from_mpi(**options)
 
 
-__all__ = ["Communicator", "NcclId", "init", "errors", "ArgumentError", "ArrayTypeError",
+__all__ = ["Communicator", "NcclId", "init", "flat_arrays", "errors", "ArgumentError", "ArrayTypeError",
            "BackendUnavailableError", "ClosedError", "CollectiveTimeoutError",
            "CommlibError", "ConsistencyError", "DeviceMismatchError"]

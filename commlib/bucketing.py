@@ -9,6 +9,9 @@ so it is hashable, cached, and identical on every rank that passes the same
 shapes — later compression stages key their per-bucket state (error-feedback
 residuals) on ``(plan.key, bucket index)``.
 
+Arrays that already lie back to back in one buffer (see :func:`flat_arrays`)
+are reduced where they lie, with no copy at all.
+
 A training loop usually passes the same gradient arrays every step.
 :class:`FusionCache` recognises such a list by the identity of its arrays and
 keeps a :class:`PreparedList` for it: the plan, bucket buffers and views, so
@@ -25,7 +28,7 @@ import numpy as np
 
 from . import dtypes
 from .ops import pack as _pack
-from .ops._arrays import array_module
+from .ops._arrays import array_module, is_cupy
 
 #: default bucket size per transport, in bytes (see benchmarks/allreduce.py)
 DEFAULT_BUCKET_BYTES = {"mpi": 1 << 20, "nccl": 25 << 20}
@@ -75,6 +78,46 @@ def _plan(layout, bucket_bytes):
     return BucketPlan((layout, bucket_bytes), tuple(sorted(direct)), tuple(buckets))
 
 
+def _address(a):
+    """Address of the first byte of a numpy or cupy array."""
+    return a.data.ptr if is_cupy(a) else a.__array_interface__["data"][0]
+
+
+def _span(arrays, xp):
+    """A 1-D view of the memory that ``arrays`` (same dtype, C-contiguous)
+    fill back to back inside one common base array, or None."""
+    base = arrays[0].base
+    if base is None or not base.flags.c_contiguous or any(a.base is not base for a in arrays):
+        return None
+    start = end = _address(arrays[0])
+    for a in arrays:
+        if _address(a) != end:
+            return None
+        end += a.nbytes
+    origin = _address(base)
+    if start < origin or end > origin + base.nbytes:
+        return None
+    raw = base.reshape(-1).view(xp.uint8)[start - origin:end - origin]
+    return raw.view(arrays[0].dtype)
+
+
+def flat_arrays(shapes, dtype="float32", xp=np):
+    """Arrays of ``shapes`` that are consecutive views of one flat buffer.
+
+    Gradients allocated this way are fused without any copy: a bucket of
+    them is reduced where it lies (like PyTorch DDP's
+    ``gradient_as_bucket_view``). ``xp`` is numpy or cupy. Returns a list of
+    zero-filled arrays of ``dtype``.
+    """
+    sizes = [int(np.prod(s, dtype=np.int64)) for s in shapes]
+    flat = xp.zeros(sum(sizes), dtype=dtype)
+    out, offset = [], 0
+    for shape, size in zip(shapes, sizes):
+        out.append(flat[offset:offset + size].reshape(shape))
+        offset += size
+    return out
+
+
 def _getter(indices):
     """A C-level picker: ``_getter(ix)(items)`` is the tuple of ``items[i]``."""
     if len(indices) == 1:
@@ -97,9 +140,14 @@ class PreparedList:
         self.writeable = writeable
         #: whether every array has a floating dtype (averaging allowed)
         self.floating = all(dtypes.is_floating(dt) for dt, _ in plan.key[0])
-        self._buffers = [xp.empty(b.size, dtype=b.dtype) for b in plan.buckets]
         self._pick = [_getter(b.indices) for b in plan.buckets]
         self._pick_direct = _getter(plan.direct) if plan.direct else (lambda items: ())
+        # a bucket whose arrays already lie back to back in one buffer is
+        # reduced where it lies (zero copy); the others get a buffer of their own
+        spans = [_span(pick(arrays), xp) for pick in self._pick]
+        self._zero_copy = [span is not None for span in spans]
+        self._buffers = [span if span is not None else xp.empty(b.size, dtype=b.dtype)
+                         for span, b in zip(spans, plan.buckets)]
         self._views = []          # numpy: per bucket, a view of the buffer per array
         if kind == "numpy":
             for buf, pick in zip(self._buffers, self._pick):
@@ -116,6 +164,8 @@ class PreparedList:
     def pack(self, items, i):
         """Copy bucket ``i``'s arrays of ``items`` into its buffer; returns it."""
         buf = self._buffers[i]
+        if self._zero_copy[i]:
+            return buf
         if self.kind != "numpy":
             return _pack.pack(list(self._pick[i](items)), buf)
         return np.concatenate(self._pick[i](items), axis=None, out=buf)
@@ -124,6 +174,10 @@ class PreparedList:
         """Copy bucket ``i``'s buffer back into its arrays of ``items``,
         times ``scale``."""
         buf = self._buffers[i]
+        if self._zero_copy[i]:
+            if scale is not None:
+                buf *= scale
+            return
         if self.kind != "numpy":
             _pack.unpack(buf, list(self._pick[i](items)), scale=scale)
             return

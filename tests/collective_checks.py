@@ -98,6 +98,26 @@ def check_larger_than_bucket(comm, rng):
     small.close()
 
 
+def check_flat_views(comm, rng):
+    """Arrays that are views of one buffer: reduced in place, no copy."""
+    small = commlib.Communicator.from_mpi(bucket_bytes=4096)
+    shapes = [(7, 3), (100,), (1,), (300,), (2, 2, 2), (2000,), (5,)]
+    for step in range(3):                       # repeated: the fusion cache is used
+        arrays = commlib.flat_arrays(shapes) if step == 0 else arrays
+        for a in arrays:
+            a[...] = make(rng, "float32", a.shape)
+        inputs = [gathered(a) for a in arrays]
+        small.all_reduce(arrays, op="avg")
+        for a, ins in zip(arrays, inputs):
+            assert_equal(a, expected_reduce(ins, "avg", small.size), "flat views %s" % (a.shape,))
+    root = small.size - 1
+    want = WORLD.bcast([a.copy() for a in arrays], root=root)
+    small.broadcast(arrays, root=root)
+    for a, w in zip(arrays, want):
+        assert_equal(a, w, "flat views broadcast")
+    small.close()
+
+
 def check_resnet50(comm, rng, shapes_path):
     shapes = json.loads(Path(shapes_path).read_text())["shapes"]
     # values k/8 with |k| <= 64: exact in float32 for any order of summation
@@ -187,6 +207,7 @@ def main(which, shapes_path=None):
         "all_reduce": lambda: check_all_reduce_dtypes_lengths(comm, rng),
         "many": lambda: check_many_small_arrays(comm, rng),
         "buckets": lambda: check_larger_than_bucket(comm, rng),
+        "flat_views": lambda: check_flat_views(comm, rng),
         "resnet50": lambda: check_resnet50(comm, rng, shapes_path),
         "broadcast_reduce": lambda: check_broadcast_reduce(comm, rng),
         "gather_scatter": lambda: check_all_gather_reduce_scatter(comm, rng),

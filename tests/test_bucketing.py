@@ -75,3 +75,29 @@ def test_fusion_cache_remembers_a_repeated_list_and_forgets_dead_arrays():
     gc.collect()
     assert cache.lookup([arrays[0], object()])[1] is None
     assert len(cache._entries) == 0
+
+
+def test_flat_arrays_are_fused_without_a_copy():
+    arrays = bucketing.flat_arrays([(3, 4), (5,), (2, 2)], dtype="float32")
+    base = arrays[0].base
+    assert all(a.base is base for a in arrays) and [a.shape for a in arrays] == [(3, 4), (5,), (2, 2)]
+    for i, a in enumerate(arrays):
+        a[...] = i + 1
+    plan = bucketing.plan_for(arrays, 1 << 20)
+    prepared = bucketing.PreparedList(arrays, plan, "numpy", writeable=True)
+    buf = prepared.pack(arrays, 0)
+    assert np.shares_memory(buf, arrays[0]) and buf.size == 21
+    buf *= 10                                   # what a collective would do in place
+    prepared.unpack(arrays, 0, scale=0.5)
+    for i, a in enumerate(arrays):
+        assert (a == (i + 1) * 5).all()
+
+
+def test_views_with_gaps_or_out_of_order_are_copied():
+    flat = np.zeros(100, np.float32)
+    gaps = [flat[0:10], flat[20:30]]
+    swapped = [flat[10:20], flat[0:10]]
+    for arrays in (gaps, swapped):
+        prepared = bucketing.PreparedList(arrays, bucketing.plan_for(arrays, 1 << 20), "numpy", True)
+        buf = prepared.pack(arrays, 0)
+        assert not np.shares_memory(buf, flat)

@@ -21,7 +21,7 @@ def test_all_reduce_every_dtype_op_and_length(n):
 
 @pytest.mark.parametrize("n", SIZES)
 def test_all_reduce_many_small_mixed_arrays_and_buckets(n):
-    run_checks(n, "many,buckets")
+    run_checks(n, "many,buckets,flat_views")
 
 
 @pytest.mark.parametrize("n", SIZES)
