@@ -1,8 +1,9 @@
 """MPI transport (mpi4py): numpy buffers, and cupy buffers staged through host
 memory unless the MPI library is CUDA-aware.
 
-Every collective is started non-blocking and completed by ``Wait`` or, with a
-deadline, by polling ``Test`` (the watch dog). Reductions of float16 and
+Without a deadline every collective is the plain blocking MPI call; with one
+(the watch dog) it is the non-blocking form, polled with ``Test`` until done
+or the deadline passes. Reductions of float16 and
 bfloat16, which MPI lacks, use user-defined operators computed with numpy.
 Large all-reduces are split into ``chunk_bytes`` pieces, which keeps each
 piece cache-resident in MPI's shared-memory path.
@@ -34,6 +35,9 @@ _NATIVE = {"float32": "FLOAT", "float64": "DOUBLE", "int32": "INT32_T",
            "int64": "INT64_T", "uint8": "UINT8_T"}
 _NATIVE_OPS = {"sum": "SUM", "max": "MAX", "min": "MIN", "prod": "PROD"}
 _UFUNCS = {"sum": np.add, "max": np.maximum, "min": np.minimum, "prod": np.multiply}
+_NAMES = {"Allreduce": "all_reduce", "Bcast": "broadcast", "Reduce": "reduce",
+          "Allgather": "all_gather", "Allgatherv": "all_gatherv",
+          "Reduce_scatter_block": "reduce_scatter", "Barrier": "barrier"}
 _types = {}     # numpy dtype -> MPI datatype
 _ops = {}       # (numpy dtype, op name) -> MPI.Op
 
@@ -114,12 +118,16 @@ class MpiTransport(Transport):
     def _spec(self, buf):
         return [buf, buf.size, _mpi_type(buf.dtype)]
 
-    def _wait(self, request, deadline, what):
+    def _call(self, name, deadline, *args, **kwargs):
+        """Run the MPI collective ``name`` (e.g. ``"Allreduce"``): blocking
+        without a deadline; with one, its non-blocking form (``Iallreduce``)
+        polled until the deadline (the watch dog)."""
         self.check_usable()
         if deadline is None:
-            request.Wait()
+            getattr(self.comm, name)(*args, **kwargs)
         else:
-            self.poll_until(request.Test, deadline, what, spin=True)
+            request = getattr(self.comm, "I" + name.lower())(*args, **kwargs)
+            self.poll_until(request.Test, deadline, _NAMES[name], spin=True)
 
     # -- collectives ---------------------------------------------------------
     def all_reduce(self, buf, op, deadline=None):
@@ -129,13 +137,12 @@ class MpiTransport(Transport):
         step = max(1, self.chunk_bytes // h.itemsize)
         for start in range(0, h.size, step):
             piece = h[start:start + step] if h.size > step else h
-            self._wait(self.comm.Iallreduce(IN_PLACE, [piece, piece.size, mtype], mop),
-                       deadline, "all_reduce")
+            self._call("Allreduce", deadline, IN_PLACE, [piece, piece.size, mtype], mop)
         self._write_back(buf, h)
 
     def broadcast(self, buf, root, deadline=None):
         h = self._host(buf)
-        self._wait(self.comm.Ibcast(self._spec(h), root=root), deadline, "broadcast")
+        self._call("Bcast", deadline, self._spec(h), root=root)
         if self.rank != root:
             self._write_back(buf, h)
 
@@ -144,33 +151,30 @@ class MpiTransport(Transport):
         h = self._host(buf)
         spec, mop = self._spec(h), _mpi_op(h.dtype, op)
         if self.rank == root:
-            req = self.comm.Ireduce(MPI.IN_PLACE, spec, mop, root=root)
+            self._call("Reduce", deadline, MPI.IN_PLACE, spec, mop, root=root)
         else:
-            req = self.comm.Ireduce(spec, None, mop, root=root)
-        self._wait(req, deadline, "reduce")
+            self._call("Reduce", deadline, spec, None, mop, root=root)
         if self.rank == root:
             self._write_back(buf, h)
 
     def all_gather(self, sendbuf, recvbuf, deadline=None):
         s, r = self._host(sendbuf), self._host(recvbuf)
-        self._wait(self.comm.Iallgather(self._spec(s), [r, s.size, _mpi_type(r.dtype)]),
-                   deadline, "all_gather")
+        self._call("Allgather", deadline, self._spec(s), [r, s.size, _mpi_type(r.dtype)])
         self._write_back(recvbuf, r)
 
     def all_gatherv(self, sendbuf, recvbuf, counts, deadline=None):
         counts = [int(c) for c in counts]
         displs = np.concatenate(([0], np.cumsum(counts)[:-1])).astype(int).tolist()
         s, r = self._host(sendbuf), self._host(recvbuf)
-        self._wait(self.comm.Iallgatherv(self._spec(s), [r, counts, displs, _mpi_type(r.dtype)]),
-                   deadline, "all_gatherv")
+        self._call("Allgatherv", deadline, self._spec(s),
+                   [r, counts, displs, _mpi_type(r.dtype)])
         self._write_back(recvbuf, r)
 
     def reduce_scatter(self, sendbuf, recvbuf, op, deadline=None):
         s, r = self._host(sendbuf), self._host(recvbuf)
-        self._wait(self.comm.Ireduce_scatter_block(
-            [s, r.size, _mpi_type(s.dtype)], self._spec(r), _mpi_op(s.dtype, op)),
-            deadline, "reduce_scatter")
+        self._call("Reduce_scatter_block", deadline, [s, r.size, _mpi_type(s.dtype)],
+                   self._spec(r), _mpi_op(s.dtype, op))
         self._write_back(recvbuf, r)
 
     def barrier(self, deadline=None):
-        self._wait(self.comm.Ibarrier(), deadline, "barrier")
+        self._call("Barrier", deadline)
