@@ -115,9 +115,3 @@ def launcher_env(env=None):
     return (NcclId.from_hex(env[ENV_NCCL_ID]), rank, size,
             rank if local_rank is None else local_rank,
             size if local_size is None else local_size)
-
-
-def under_mpi_launcher(env=None):
-    """True when an MPI launcher (mpiexec, srun) started this process."""
-    env = os.environ if env is None else env
-    return any(names[0] in env for names in MPI_LAUNCHER_ENV)

@@ -102,8 +102,8 @@ def check_flat_views(comm, rng):
     """Arrays that are views of one buffer: reduced in place, no copy."""
     small = commlib.Communicator.from_mpi(bucket_bytes=4096)
     shapes = [(7, 3), (100,), (1,), (300,), (2, 2, 2), (2000,), (5,)]
+    arrays = commlib.flat_arrays(shapes)
     for step in range(3):                       # repeated: the fusion cache is used
-        arrays = commlib.flat_arrays(shapes) if step == 0 else arrays
         for a in arrays:
             a[...] = make(rng, "float32", a.shape)
         inputs = [gathered(a) for a in arrays]
