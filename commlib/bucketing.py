@@ -27,6 +27,7 @@ from typing import NamedTuple, Tuple
 import numpy as np
 
 from . import dtypes
+from .ops import hostcopy
 from .ops import pack as _pack
 from .ops._arrays import array_module, is_cupy
 
@@ -149,6 +150,8 @@ class PreparedList:
         self._buffers = [span if span is not None else xp.empty(b.size, dtype=b.dtype)
                          for span, b in zip(spans, plan.buckets)]
         self._views = []          # numpy: per bucket, a view of the buffer per array
+        # numpy: one C call per bucket copies every array (see ops/hostcopy.py)
+        self._hostcopy = kind == "numpy" and hostcopy.available()
         if kind == "numpy":
             for buf, pick in zip(self._buffers, self._pick):
                 views, offset = [], 0
@@ -168,7 +171,10 @@ class PreparedList:
             return buf
         if self.kind != "numpy":
             return _pack.pack(list(self._pick[i](items)), buf)
-        return np.concatenate(self._pick[i](items), axis=None, out=buf)
+        picked = self._pick[i](items)
+        if not (self._hostcopy and hostcopy.gather(picked, buf)):
+            np.concatenate(picked, axis=None, out=buf)
+        return buf
 
     def unpack(self, items, i, scale=None):
         """Copy bucket ``i``'s buffer back into its arrays of ``items``,
@@ -183,7 +189,10 @@ class PreparedList:
             return
         if scale is not None:
             buf *= scale
-        for dst, src in zip(self._pick[i](items), self._views[i]):
+        picked = self._pick[i](items)
+        if self._hostcopy and hostcopy.scatter(buf, picked):
+            return
+        for dst, src in zip(picked, self._views[i]):
             dst[...] = src
 
     def direct(self, items):

@@ -6,10 +6,10 @@ from mpirun import ROOT, run_mpi
 SIZES = [1, 2, 3, 4]
 
 
-def run_checks(n, which, timeout=120):
+def run_checks(n, which, timeout=120, env=None):
     code = ("import sys, collective_checks\n"
             "collective_checks.main(sys.argv[1], sys.argv[2])\n")
-    proc = run_mpi(n, code, timeout=timeout,
+    proc = run_mpi(n, code, timeout=timeout, env=env,
                    args=[which, str(ROOT / "tests" / "data" / "resnet50.json")])
     assert proc.stdout.count(" ok") == n, proc.stdout
 
@@ -43,3 +43,11 @@ def test_all_reduce_resnet50_gradient_list(n):
 def test_bfloat16_all_reduce_over_mpi(n):
     pytest.importorskip("ml_dtypes", reason="bfloat16 on numpy needs ml_dtypes")
     run_checks(n, "bfloat16")
+
+
+@pytest.mark.parametrize("n", [2, 3])
+def test_plain_mpi_and_numpy_paths(n):
+    """The same checks with the shared-memory reducer and the compiled copy
+    loop turned off: MPI's own all-reduce and numpy packing."""
+    run_checks(n, "all_reduce,many,buckets,flat_views",
+               env={"COMMLIB_SHM": "0", "COMMLIB_HOSTCOPY": "0"})

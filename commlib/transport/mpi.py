@@ -6,8 +6,13 @@ Without a deadline every collective is the plain blocking MPI call; with one
 or the deadline passes. Reductions of float16 and
 bfloat16, which MPI lacks, use user-defined operators computed with numpy.
 Large all-reduces are split into ``chunk_bytes`` pieces, which keeps each
-piece cache-resident in MPI's shared-memory path.
+piece cache-resident. When every rank is on one node, pieces of at least
+``SHM_MIN_BYTES`` go through :class:`~commlib.transport.shm.SharedMemoryReducer`
+(one shared window, two synchronisations per call) instead of MPI's
+message path.
 """
+import os
+
 import numpy as np
 
 from ..errors import BackendUnavailableError
@@ -30,6 +35,12 @@ def mpi():
         _MPI = MPI
     return _MPI
 
+
+#: set to 0 to keep single-node all-reduces on MPI's own path
+ENV_SHM = "COMMLIB_SHM"
+#: smallest all-reduce (bytes) sent through the shared-memory reducer; below
+#: it MPI's latency is lower (benchmarks/allreduce.py)
+SHM_MIN_BYTES = 64 << 10
 
 _NATIVE = {"float32": "FLOAT", "float64": "DOUBLE", "int32": "INT32_T",
            "int64": "INT64_T", "uint8": "UINT8_T"}
@@ -96,6 +107,14 @@ class MpiTransport(Transport):
         self.comm = mpi_comm
         self.chunk_bytes = int(chunk_bytes)
         self.cuda_aware = _cuda_aware()
+        self._shm = None
+        if self.size > 1 and os.environ.get(ENV_SHM, "1") != "0":
+            from .shm import SharedMemoryReducer
+            reducer = SharedMemoryReducer(mpi_comm, capacity_bytes=self.chunk_bytes)
+            if reducer.usable:
+                self._shm = reducer
+            else:
+                reducer.close()
 
     # -- staging -------------------------------------------------------------
     def _host(self, buf):
@@ -135,8 +154,12 @@ class MpiTransport(Transport):
         h = self._host(buf)
         mop, mtype = _mpi_op(h.dtype, op), _mpi_type(h.dtype)
         step = max(1, self.chunk_bytes // h.itemsize)
+        # the shared-memory path has no deadline: the watch dog keeps MPI's
+        shm = self._shm if deadline is None and h.nbytes >= SHM_MIN_BYTES else None
         for start in range(0, h.size, step):
             piece = h[start:start + step] if h.size > step else h
+            if shm is not None and shm.all_reduce(piece, op):
+                continue
             self._call("Allreduce", deadline, IN_PLACE, [piece, piece.size, mtype], mop)
         self._write_back(buf, h)
 
@@ -178,3 +201,11 @@ class MpiTransport(Transport):
 
     def barrier(self, deadline=None):
         self._call("Barrier", deadline)
+
+    def close(self):
+        """Free the shared-memory window (collective), unless a collective
+        timed out, when peers may never join."""
+        if self._shm is not None and self._broken is None:
+            self._shm.close()
+        self._shm = None
+        super().close()

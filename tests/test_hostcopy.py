@@ -1,0 +1,102 @@
+"""commlib.ops.hostcopy: batched gather / scatter between many numpy arrays
+and one flat buffer, against numpy concatenation."""
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from commlib.errors import ArrayTypeError
+from commlib.ops import hostcopy
+from mpirun import ROOT
+
+pytestmark = pytest.mark.skipif(not hostcopy.available(),
+                                reason="no C compiler: %s" % hostcopy.unavailable_reason())
+
+
+def test_gather_then_scatter_round_trip_with_shapes_and_empty_arrays():
+    rng = np.random.default_rng(0)
+    arrays = [rng.standard_normal(s).astype(np.float32) for s in
+              [(0,), (1,), (3, 5), (256,), (17,), (0, 4), (10, 10, 10), (5,), ()]]
+    want = np.concatenate(arrays, axis=None)
+    out = np.full(want.size + 9, -1.0, np.float32)
+    assert hostcopy.gather(arrays, out)
+    assert (out[:want.size] == want).all() and (out[want.size:] == -1).all()
+    new = rng.standard_normal(out.size).astype(np.float32)
+    assert hostcopy.scatter(new, tuple(arrays))
+    assert (np.concatenate(arrays, axis=None) == new[:want.size]).all()
+
+
+def test_misaligned_arrays_and_buffer():
+    raw = np.zeros(4 * 600 + 3, np.uint8)
+    arrays = [raw[1:1 + 4 * 300].view(np.uint8), raw[1 + 4 * 300:1 + 4 * 300 + 7]]
+    for i, a in enumerate(arrays):
+        a[...] = np.arange(a.size) % 251 + i
+    backing = np.zeros(4 * 300 + 7 + 1, np.uint8)
+    out = backing[1:]
+    assert hostcopy.gather(arrays, out)
+    assert (out == np.concatenate(arrays)).all()
+
+
+def test_nothing_copied_when_an_array_does_not_qualify():
+    a, b = np.ones(10, np.float32), np.ones(6, np.float32)
+    out = np.zeros(15, np.float32)
+    assert not hostcopy.gather([a, b], out)                      # does not fit
+    assert (out == 0).all()
+    assert not hostcopy.scatter(np.full(15, 7, np.float32), [a, b])
+    assert (a == 1).all() and (b == 1).all()
+    big = np.zeros(100, np.float32)
+    assert not hostcopy.gather([a, b.astype(np.float64)], big)    # mixed dtypes
+    assert not hostcopy.gather([a, np.ones((4, 4), np.float32)[:, 1]], big)   # strided
+    assert not hostcopy.gather([a, [1.0, 2.0]], big)               # not an array
+    readonly = np.ones(3, np.float32)
+    readonly.flags.writeable = False
+    assert hostcopy.gather([readonly], big)                        # reading is fine
+    assert not hostcopy.scatter(big, [a, readonly])                # writing is not
+    assert (a == 1).all() and (big == np.r_[1, 1, 1, np.zeros(97)]).all()
+
+
+def test_resized_array_is_read_at_its_new_size():
+    a = np.arange(8, dtype=np.float64)
+    out = np.zeros(20, np.float64)
+    assert hostcopy.gather([a], out)
+    a.resize(12, refcheck=False)                 # may move the data
+    a[8:] = 9
+    assert hostcopy.gather([a], out)
+    assert (out[:12] == np.r_[np.arange(8), [9] * 4]).all()
+    a.resize(40, refcheck=False)
+    assert not hostcopy.gather([a], out)         # no longer fits: nothing copied
+
+
+def test_flat_buffer_checks():
+    with pytest.raises(ArrayTypeError):
+        hostcopy.gather([np.ones(2)], np.zeros(8)[::2])
+    readonly = np.zeros(8)
+    readonly.flags.writeable = False
+    with pytest.raises(ArrayTypeError):
+        hostcopy.gather([np.ones(2)], readonly)
+    assert hostcopy.scatter(readonly, [np.ones(2)])
+
+
+def _run(code, env):
+    return subprocess.run([sys.executable, "-c", code], env=dict(os.environ, **env,
+                          PYTHONPATH=str(ROOT)), capture_output=True, text=True, timeout=120)
+
+
+def test_compiles_into_a_fresh_cache(tmp_path):
+    out = _run("from commlib.ops import hostcopy; import numpy as np; a = np.arange(5.0); "
+               "o = np.zeros(5); assert hostcopy.gather([a], o) and (o == a).all(); "
+               "print(hostcopy.available())", {"COMMLIB_CACHE_DIR": str(tmp_path)})
+    assert out.returncode == 0 and out.stdout.strip() == "True", out.stderr
+    assert list(tmp_path.glob("hostcopy-*.so"))
+
+
+def test_unavailable_without_compiler_or_when_turned_off(tmp_path):
+    code = ("from commlib.ops import hostcopy; print(hostcopy.available()); "
+            "print(hostcopy.unavailable_reason())")
+    out = _run(code, {"COMMLIB_CACHE_DIR": str(tmp_path), "PATH": str(tmp_path), "CC": ""})
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split("\n")[0] == "False" and "compiler" in out.stdout
+    out = _run(code, {"COMMLIB_HOSTCOPY": "0"})
+    assert out.stdout.split("\n")[0] == "False" and "COMMLIB_HOSTCOPY" in out.stdout
