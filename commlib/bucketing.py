@@ -164,36 +164,47 @@ class PreparedList:
         """Indices 0..n-1 of the buckets, with their flat buffers."""
         return enumerate(self._buffers)
 
-    def pack(self, items, i):
-        """Copy bucket ``i``'s arrays of ``items`` into its buffer; returns it."""
+    def pack(self, items, i, out=None):
+        """Copy bucket ``i``'s arrays of ``items`` into ``out`` (default: the
+        bucket's own buffer); returns the filled buffer."""
         buf = self._buffers[i]
         if self._zero_copy[i]:
-            return buf
-        if self.kind != "numpy":
-            return _pack.pack(list(self._pick[i](items)), buf)
+            if out is None or out is buf:
+                return buf
+            out[...] = buf
+            return out
+        out = buf if out is None else out
         picked = self._pick[i](items)
-        if not (self._hostcopy and hostcopy.gather(picked, buf)):
-            np.concatenate(picked, axis=None, out=buf)
-        return buf
+        if self.kind != "numpy":
+            return _pack.pack(list(picked), out)
+        if not (self._hostcopy and hostcopy.gather(picked, out)):
+            np.concatenate(picked, axis=None, out=out)
+        return out
 
-    def unpack(self, items, i, scale=None):
-        """Copy bucket ``i``'s buffer back into its arrays of ``items``,
-        times ``scale``."""
+    def unpack(self, items, i, scale=None, src=None):
+        """Copy the reduced bucket ``i`` back into its arrays of ``items``,
+        times ``scale``. ``src`` is where it was reduced when not in the
+        bucket's own buffer (e.g. a transport's shared memory)."""
         buf = self._buffers[i]
+        if src is not None and src is not buf:
+            if (scale is None and not self._zero_copy[i] and self._hostcopy
+                    and hostcopy.scatter(src, self._pick[i](items))):
+                return
+            buf[...] = src
         if self._zero_copy[i]:
             if scale is not None:
                 buf *= scale
             return
+        picked = self._pick[i](items)
         if self.kind != "numpy":
-            _pack.unpack(buf, list(self._pick[i](items)), scale=scale)
+            _pack.unpack(buf, list(picked), scale=scale)
             return
         if scale is not None:
             buf *= scale
-        picked = self._pick[i](items)
         if self._hostcopy and hostcopy.scatter(buf, picked):
             return
-        for dst, src in zip(picked, self._views[i]):
-            dst[...] = src
+        for dst, view in zip(picked, self._views[i]):
+            dst[...] = view
 
     def direct(self, items):
         """Flat views of the arrays reduced in place."""

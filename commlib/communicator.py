@@ -340,6 +340,11 @@ class Communicator:
         deadline = self._deadline()
 
         def step(transport, buf, i, prepared):
+            if i is not None and root is None:
+                transport.all_reduce_staged(
+                    buf, reduce_op, scale, lambda dst: prepared.pack(items, i, dst),
+                    lambda src: prepared.unpack(items, i, src=src), deadline)
+                return
             if i is not None:
                 prepared.pack(items, i)
             if root is None:

@@ -26,6 +26,21 @@ class Transport:
     def all_reduce(self, buf, op, deadline=None):
         raise NotImplementedError
 
+    def all_reduce_staged(self, buf, op, scale, pack, unpack, deadline=None):
+        """All-reduce a bucket that ``pack(dst)`` writes and ``unpack(src)``
+        reads back, times ``scale`` (float or None).
+
+        ``buf`` is the bucket's own 1-D buffer. This default packs into it,
+        all-reduces it and unpacks from it; a transport that reduces in its
+        own memory (a shared-memory window) packs and unpacks there instead,
+        saving a copy each way.
+        """
+        pack(buf)
+        self.all_reduce(buf, op, deadline)
+        if scale is not None:
+            buf *= scale
+        unpack(buf)
+
     def broadcast(self, buf, root, deadline=None):
         raise NotImplementedError
 

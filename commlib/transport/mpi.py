@@ -163,6 +163,15 @@ class MpiTransport(Transport):
             self._call("Allreduce", deadline, IN_PLACE, [piece, piece.size, mtype], mop)
         self._write_back(buf, h)
 
+    def all_reduce_staged(self, buf, op, scale, pack, unpack, deadline=None):
+        """Packs straight into this rank's slot of the shared-memory window
+        and unpacks from its result, when the bucket fits; else the default."""
+        if (self._shm is not None and deadline is None and type(buf) is np.ndarray
+                and buf.nbytes >= SHM_MIN_BYTES
+                and self._shm.all_reduce_staged(buf.size, buf.dtype, op, scale, pack, unpack)):
+            return
+        super().all_reduce_staged(buf, op, scale, pack, unpack, deadline)
+
     def broadcast(self, buf, root, deadline=None):
         h = self._host(buf)
         self._call("Bcast", deadline, self._spec(h), root=root)

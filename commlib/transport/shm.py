@@ -16,6 +16,10 @@ that reads the slots is done; and the result region of call k+1 is written
 only after the first synchronisation of call k+1, which every rank reaches
 only once it has copied out the result of call k.
 
+:meth:`SharedMemoryReducer.all_reduce_staged` lets the caller pack its
+arrays straight into the slot and unpack them straight from the result, so a
+fused bucket is copied once each way, not twice.
+
 Synchronisation (``sync``): ``"flags"`` spins on one monotonically increasing
 sequence number per rank in the window (x86-64 only, where stores become
 visible in program order); ``"barrier"`` is ``MPI_Barrier`` on the node
@@ -134,37 +138,56 @@ class SharedMemoryReducer:
         array, unsupported dtype or more than ``capacity_bytes`` bytes. Every
         rank must pass the same dtype and length, so all ranks agree.
         """
-        ufunc = _UFUNCS.get(op)
-        if ufunc is None:
-            raise ArgumentError("commlib: op must be one of %s, got %r" % (sorted(_UFUNCS), op))
-        if (not self.usable or type(buf) is not np.ndarray or not _supported(buf.dtype)
-                or buf.nbytes > self.capacity_bytes):
+        if type(buf) is not np.ndarray:
             return False
         if buf.ndim != 1 or not buf.flags.c_contiguous or not buf.flags.writeable:
             raise ArrayTypeError("commlib: all_reduce needs a 1-D C-contiguous writeable array")
-        if self.size == 1 or buf.size == 0:
+
+        def pack(dst):
+            dst[...] = buf
+
+        def unpack(src):
+            buf[...] = src
+
+        return self.all_reduce_staged(buf.size, buf.dtype, op, None, pack, unpack)
+
+    def all_reduce_staged(self, count, dtype, op, scale, pack, unpack):
+        """All-reduce ``count`` elements of ``dtype`` that ``pack(slot)``
+        writes into this rank's slot (a 1-D numpy view); ``unpack(result)``
+        then reads the reduced, ``scale``-d result (a read-only-by-contract
+        view of shared memory, valid only during the call). Returns False,
+        calling neither, when the reducer cannot take it (see all_reduce).
+        """
+        ufunc = _UFUNCS.get(op)
+        if ufunc is None:
+            raise ArgumentError("commlib: op must be one of %s, got %r" % (sorted(_UFUNCS), op))
+        if (not self.usable or not _supported(dtype)
+                or count * dtype.itemsize > self.capacity_bytes):
+            return False
+        if self.size == 1 or count == 0:
+            slot = np.empty(count, dtype=dtype)
+            pack(slot)
+            if scale is not None:
+                slot *= scale
+            unpack(slot)
             return True
         if self._win is None:
             raise ArgumentError("commlib: the shared-memory reducer is closed")
-        slots, result = self._views_for(buf.dtype)
-        n, rank, count = self.size, self.rank, buf.size
+        slots, result = self._views_for(dtype)
+        n, rank = self.size, self.rank
         lo, hi = count * rank // n, count * (rank + 1) // n
-        # other ranks read only the parts of this rank's slot outside its own slice
-        mine = slots[rank]
-        mine[:lo] = buf[:lo]
-        mine[hi:count] = buf[hi:]
+        pack(slots[rank][:count])
         self._seq += 2
         self._wait_all(self._seq - 1)
-        operands = [buf[lo:hi] if r == rank else slots[r][lo:hi] for r in range(n)]
         out = result[lo:hi]
         with np.errstate(all="ignore"):      # overflow to inf is silent, as in MPI
-            ufunc(operands[0], operands[1], out=out)
-            for x in operands[2:]:
-                ufunc(out, x, out=out)
-        buf[lo:hi] = out
+            ufunc(slots[0][lo:hi], slots[1][lo:hi], out=out)
+            for r in range(2, n):
+                ufunc(out, slots[r][lo:hi], out=out)
+            if scale is not None:
+                out *= scale
         self._wait_all(self._seq)
-        buf[:lo] = result[:lo]
-        buf[hi:] = result[hi:count]
+        unpack(result[:count])
         return True
 
     def close(self):
