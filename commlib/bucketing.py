@@ -215,18 +215,34 @@ class FusionCache:
     """PreparedLists of recently used lists, keyed by their arrays' identity.
 
     An entry is made the second time the same list is seen (a list used once
-    costs nothing extra) and dropped when any of its arrays dies.
+    costs nothing extra) and dropped when any of its arrays dies. The entry
+    hit last is also remembered with its arrays, so the next call with the
+    very same arrays is recognised by one identity scan, without building a
+    key. That reference is let go at the first call that passes other arrays
+    (or at ``clear()``): a loop that makes new gradient arrays every step
+    never has more than one extra list kept alive, and only until its next
+    call.
     """
 
     def __init__(self, max_entries=8):
         self.max_entries = max_entries
         self._entries = {}
         self._last_key = None
+        self._recent = None     # (tuple of arrays, PreparedList) of the last hit
 
     def lookup(self, items):
         """(key, PreparedList or None) for the list ``items``."""
+        recent = self._recent
+        if recent is not None:
+            arrays, prepared = recent
+            if len(arrays) == len(items) and all(map(operator.is_, items, arrays)):
+                return None, prepared
+            self._recent = None
         key = tuple(map(id, items))
-        return key, self._entries.get(key)
+        prepared = self._entries.get(key)
+        if prepared is not None:
+            self._recent = (tuple(items), prepared)
+        return key, prepared
 
     def prepare(self, key, items, plan, kind, writeable):
         """A PreparedList for ``items``; remembered if ``key`` repeats."""
@@ -250,4 +266,5 @@ class FusionCache:
     def clear(self):
         self._entries.clear()
         self._last_key = None
+        self._recent = None
 
