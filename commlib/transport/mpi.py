@@ -6,10 +6,10 @@ Without a deadline every collective is the plain blocking MPI call; with one
 or the deadline passes. Reductions of float16 and
 bfloat16, which MPI lacks, use user-defined operators computed with numpy.
 Large all-reduces are split into ``chunk_bytes`` pieces, which keeps each
-piece cache-resident. When every rank is on one node, pieces of at least
-``SHM_MIN_BYTES`` go through :class:`~commlib.transport.shm.SharedMemoryReducer`
-(one shared window, two synchronisations per call) instead of MPI's
-message path.
+piece cache-resident. When every rank is on one node, all-reduces of
+``SHM_MIN_BYTES`` to ``SHM_MAX_BYTES`` (latency-bound: fused buckets) go
+through :class:`~commlib.transport.shm.SharedMemoryReducer` (one shared
+window, two synchronisations per call) instead of MPI's message path.
 """
 import os
 
@@ -41,6 +41,9 @@ ENV_SHM = "COMMLIB_SHM"
 #: smallest all-reduce (bytes) sent through the shared-memory reducer; below
 #: it MPI's latency is lower (benchmarks/allreduce.py)
 SHM_MIN_BYTES = 64 << 10
+#: largest all-reduce (bytes) taken by the shared-memory reducer: above it the
+#: extra copies cost more than MPI's pipelined path saves (memory-bound)
+SHM_MAX_BYTES = 1 << 20
 
 _NATIVE = {"float32": "FLOAT", "float64": "DOUBLE", "int32": "INT32_T",
            "int64": "INT64_T", "uint8": "UINT8_T"}
@@ -110,7 +113,7 @@ class MpiTransport(Transport):
         self._shm = None
         if self.size > 1 and os.environ.get(ENV_SHM, "1") != "0":
             from .shm import SharedMemoryReducer
-            reducer = SharedMemoryReducer(mpi_comm, capacity_bytes=self.chunk_bytes)
+            reducer = SharedMemoryReducer(mpi_comm, capacity_bytes=SHM_MAX_BYTES)
             if reducer.usable:
                 self._shm = reducer
             else:
@@ -153,13 +156,14 @@ class MpiTransport(Transport):
         IN_PLACE = mpi().IN_PLACE
         h = self._host(buf)
         mop, mtype = _mpi_op(h.dtype, op), _mpi_type(h.dtype)
-        step = max(1, self.chunk_bytes // h.itemsize)
         # the shared-memory path has no deadline: the watch dog keeps MPI's
-        shm = self._shm if deadline is None and h.nbytes >= SHM_MIN_BYTES else None
+        if (self._shm is not None and deadline is None and h.nbytes >= SHM_MIN_BYTES
+                and self._shm.all_reduce(h, op)):
+            self._write_back(buf, h)
+            return
+        step = max(1, self.chunk_bytes // h.itemsize)
         for start in range(0, h.size, step):
             piece = h[start:start + step] if h.size > step else h
-            if shm is not None and shm.all_reduce(piece, op):
-                continue
             self._call("Allreduce", deadline, IN_PLACE, [piece, piece.size, mtype], mop)
         self._write_back(buf, h)
 
