@@ -24,6 +24,14 @@ typedef struct {
 #define C_CONTIGUOUS 0x0001
 #define WRITEABLE 0x0400
 
+static Py_ssize_t array_bytes(const array_head *a, Py_ssize_t itemsize)
+{
+    Py_ssize_t bytes = itemsize;
+    for (int d = 0; d < a->nd; ++d)
+        bytes *= a->dimensions[d];
+    return bytes;
+}
+
 /* Bytes of every array in `arrays` (a tuple or list), back to back, or -1
  * when one is not an exact `ndarray` of dtype object `descr`, C-contiguous
  * (and writeable when `writing`), or the total exceeds `capacity`. */
@@ -39,9 +47,7 @@ static Py_ssize_t checked_total(PyObject *arrays, PyObject *ndarray, PyObject *d
             return -1;
         if (!(a->flags & C_CONTIGUOUS) || (writing && !(a->flags & WRITEABLE)))
             return -1;
-        Py_ssize_t bytes = itemsize;
-        for (int d = 0; d < a->nd; ++d)
-            bytes *= a->dimensions[d];
+        Py_ssize_t bytes = array_bytes(a, itemsize);
         if (bytes < 0 || bytes > capacity - total)
             return -1;
         total += bytes;
@@ -49,48 +55,28 @@ static Py_ssize_t checked_total(PyObject *arrays, PyObject *ndarray, PyObject *d
     return total;
 }
 
-/* Copy every array of `arrays` into `out` (capacity bytes), back to back.
- * Returns the bytes copied, or -1 with nothing copied. */
-Py_ssize_t commlib_gather(PyObject *arrays, PyObject *ndarray, PyObject *descr,
-                          Py_ssize_t itemsize, char *out, Py_ssize_t capacity)
+/* Copy between every array of `arrays` and the flat buffer `flat` (capacity
+ * bytes), back to back: into the buffer when `to_arrays` is 0 (gather), out
+ * of it into the arrays otherwise (scatter). Returns the bytes copied, or -1
+ * with nothing copied. */
+Py_ssize_t commlib_copy(PyObject *arrays, PyObject *ndarray, PyObject *descr,
+                        Py_ssize_t itemsize, char *flat, Py_ssize_t capacity, int to_arrays)
 {
     if (!PyTuple_Check(arrays) && !PyList_Check(arrays))
         return -1;
-    Py_ssize_t total = checked_total(arrays, ndarray, descr, itemsize, capacity, 0);
+    Py_ssize_t total = checked_total(arrays, ndarray, descr, itemsize, capacity, to_arrays);
     if (total < 0)
         return -1;
     Py_ssize_t n = PySequence_Fast_GET_SIZE(arrays);
     PyObject **items = PySequence_Fast_ITEMS(arrays);
     for (Py_ssize_t i = 0; i < n; ++i) {
         array_head *a = (array_head *)items[i];
-        Py_ssize_t bytes = itemsize;
-        for (int d = 0; d < a->nd; ++d)
-            bytes *= a->dimensions[d];
-        memcpy(out, a->data, (size_t)bytes);
-        out += bytes;
-    }
-    return total;
-}
-
-/* The reverse: consecutive pieces of `src` (capacity bytes) go to the
- * arrays. Returns the bytes copied, or -1 with nothing copied. */
-Py_ssize_t commlib_scatter(PyObject *arrays, PyObject *ndarray, PyObject *descr,
-                           Py_ssize_t itemsize, const char *src, Py_ssize_t capacity)
-{
-    if (!PyTuple_Check(arrays) && !PyList_Check(arrays))
-        return -1;
-    Py_ssize_t total = checked_total(arrays, ndarray, descr, itemsize, capacity, 1);
-    if (total < 0)
-        return -1;
-    Py_ssize_t n = PySequence_Fast_GET_SIZE(arrays);
-    PyObject **items = PySequence_Fast_ITEMS(arrays);
-    for (Py_ssize_t i = 0; i < n; ++i) {
-        array_head *a = (array_head *)items[i];
-        Py_ssize_t bytes = itemsize;
-        for (int d = 0; d < a->nd; ++d)
-            bytes *= a->dimensions[d];
-        memcpy(a->data, src, (size_t)bytes);
-        src += bytes;
+        Py_ssize_t bytes = array_bytes(a, itemsize);
+        if (to_arrays)
+            memcpy(a->data, flat, (size_t)bytes);
+        else
+            memcpy(flat, a->data, (size_t)bytes);
+        flat += bytes;
     }
     return total;
 }

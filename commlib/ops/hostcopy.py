@@ -99,10 +99,10 @@ def _load():
                     if compiler is None:
                         raise BackendUnavailableError("commlib: no C compiler (cc, gcc)")
                     lib = ctypes.PyDLL(str(_build(_SOURCE.read_bytes(), compiler)))
-                    for fn in (lib.commlib_gather, lib.commlib_scatter):
-                        fn.argtypes = [ctypes.py_object, ctypes.py_object, ctypes.py_object,
-                                       ctypes.c_ssize_t, ctypes.c_void_p, ctypes.c_ssize_t]
-                        fn.restype = ctypes.c_ssize_t
+                    lib.commlib_copy.argtypes = [
+                        ctypes.py_object, ctypes.py_object, ctypes.py_object,
+                        ctypes.c_ssize_t, ctypes.c_void_p, ctypes.c_ssize_t, ctypes.c_int]
+                    lib.commlib_copy.restype = ctypes.c_ssize_t
                     _lib = lib
                 except (OSError, subprocess.SubprocessError, BackendUnavailableError) as exc:
                     _reason = str(exc)
@@ -125,13 +125,14 @@ def _address(a):
     return a.__array_interface__["data"][0]
 
 
-def _run(fn, arrays, buf):
+def _copy(lib, arrays, buf, to_arrays):
     if not arrays:
         return True
-    dtype = arrays[0].dtype if isinstance(arrays[0], np.ndarray) else None
-    if dtype is None:
+    if not isinstance(arrays[0], np.ndarray):
         return False
-    return fn(arrays, np.ndarray, dtype, dtype.itemsize, _address(buf), buf.nbytes) >= 0
+    dtype = arrays[0].dtype
+    return lib.commlib_copy(arrays, np.ndarray, dtype, dtype.itemsize, _address(buf),
+                            buf.nbytes, to_arrays) >= 0
 
 
 def _flat_buffer(buf, writeable):
@@ -151,10 +152,10 @@ def gather(arrays, out):
     would. ``out``: writeable C-contiguous numpy array of at least their total
     bytes. Returns True, or False with nothing copied when an array does not
     qualify or they do not fit."""
-    return _run(_flat_buffer(out, True).commlib_gather, arrays, out)
+    return _copy(_flat_buffer(out, True), arrays, out, 0)
 
 
 def scatter(src, arrays):
     """The reverse of :func:`gather`: consecutive pieces of ``src`` go into
     the (writeable) arrays. Returns True, or False with nothing copied."""
-    return _run(_flat_buffer(src, False).commlib_scatter, arrays, src)
+    return _copy(_flat_buffer(src, False), arrays, src, 1)
