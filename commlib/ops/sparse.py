@@ -15,7 +15,7 @@ import numpy as np
 
 from ..errors import ArgumentError
 from ._arrays import is_cupy
-from .threshold import check_length, check_same_kind, check_vector
+from ._select import check_length, check_same_kind, check_vector
 
 _BLOCK = 256
 

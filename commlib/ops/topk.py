@@ -18,8 +18,8 @@ import numpy as np
 
 from ..errors import ArgumentError
 from ._arrays import is_cupy
-from .threshold import (BLOCK, INF_KEY, TILE, check_length, check_same_kind, check_vector,
-                        grid_for, magnitude_keys, misalignment, tiles_of)
+from ._select import (BLOCK, INF_KEY, TILE, check_length, check_same_kind, check_vector,
+                      grid_for, magnitude_keys, misalignment, tiles_of)
 
 # u32 words of the workspace before the look-back status words (kernels/topk.cu)
 _WS_STATUS = 16 + 2048 + 2048 + 512
