@@ -100,8 +100,12 @@ def watchdog(comm, what):
     r = comm.rank
     if r == 0:
         start = time.monotonic()
-        call = (lambda: comm.barrier(timeout=1.0)) if what == "barrier" else \
-            (lambda: comm.all_reduce(np.ones(10)))
+        calls = {"barrier": lambda: comm.barrier(timeout=1.0),
+                 "all_reduce": lambda: comm.all_reduce(np.ones(10)),
+                 # 512 KiB: the shared-memory path on one node
+                 "all_reduce_shm": lambda: comm.all_reduce([np.ones(1 << 15), np.ones(1 << 15)])}
+        call = calls[what]
+        what = what.replace("_shm", "")
         expect(errors.CollectiveTimeoutError, ["rank 0", what, "deadline"], call)
         took = time.monotonic() - start
         assert took < 10, took
@@ -122,6 +126,8 @@ def main(which):
         consistency_errors(commlib.init())
     elif which == "watchdog_env":
         watchdog(commlib.init(), "all_reduce")
+    elif which == "watchdog_shm":
+        watchdog(commlib.init(), "all_reduce_shm")
     elif which == "barrier_timeout":
         watchdog(commlib.init(), "barrier")
     print("errors %s ok" % which)

@@ -35,6 +35,12 @@ def test_watchdog_turns_a_missing_peer_into_an_error():
     assert "watchdog all_reduce ok" in proc.stdout
 
 
+def test_watchdog_on_the_shared_memory_path():
+    proc = run_mpi(2, CODE, args=["watchdog_shm"], timeout=60,
+                   env={"COMMLIB_WATCHDOG_ENABLE": "1", "COMMLIB_WATCHDOG_TIMEOUT": "1"})
+    assert "watchdog all_reduce ok" in proc.stdout
+
+
 def test_barrier_timeout():
     proc = run_mpi(2, CODE, args=["barrier_timeout"], timeout=60)
     assert "watchdog barrier ok" in proc.stdout

@@ -15,7 +15,7 @@ import os
 
 import numpy as np
 
-from ..errors import BackendUnavailableError
+from ..errors import BackendUnavailableError, CollectiveTimeoutError
 from ..ops._arrays import is_cupy
 from .base import Transport
 
@@ -156,9 +156,8 @@ class MpiTransport(Transport):
         IN_PLACE = mpi().IN_PLACE
         h = self._host(buf)
         mop, mtype = _mpi_op(h.dtype, op), _mpi_type(h.dtype)
-        # the shared-memory path has no deadline: the watch dog keeps MPI's
-        if (self._shm is not None and deadline is None and h.nbytes >= SHM_MIN_BYTES
-                and self._shm.all_reduce(h, op)):
+        if (self._shm is not None and h.nbytes >= SHM_MIN_BYTES
+                and self._shared(self._shm.all_reduce, h, op, deadline=deadline)):
             self._write_back(buf, h)
             return
         step = max(1, self.chunk_bytes // h.itemsize)
@@ -167,12 +166,22 @@ class MpiTransport(Transport):
             self._call("Allreduce", deadline, IN_PLACE, [piece, piece.size, mtype], mop)
         self._write_back(buf, h)
 
+    def _shared(self, method, *args, deadline=None):
+        """Run a shared-memory reducer ``method``; a timeout there leaves the
+        transport unusable, as on MPI's path."""
+        self.check_usable()
+        try:
+            return method(*args, deadline=deadline)
+        except CollectiveTimeoutError:
+            self._broken = "all_reduce timed out"
+            raise
+
     def all_reduce_staged(self, buf, op, scale, pack, unpack, deadline=None):
         """Packs straight into this rank's slot of the shared-memory window
         and unpacks from its result, when the bucket fits; else the default."""
-        if (self._shm is not None and deadline is None and type(buf) is np.ndarray
-                and buf.nbytes >= SHM_MIN_BYTES
-                and self._shm.all_reduce_staged(buf.size, buf.dtype, op, scale, pack, unpack)):
+        if (self._shm is not None and type(buf) is np.ndarray and buf.nbytes >= SHM_MIN_BYTES
+                and self._shared(self._shm.all_reduce_staged, buf.size, buf.dtype, op, scale,
+                                 pack, unpack, deadline=deadline)):
             return
         super().all_reduce_staged(buf, op, scale, pack, unpack, deadline)
 

@@ -23,14 +23,17 @@ fused bucket is copied once each way, not twice.
 Synchronisation (``sync``): ``"flags"`` spins on one monotonically increasing
 sequence number per rank in the window (x86-64 only, where stores become
 visible in program order); ``"barrier"`` is ``MPI_Barrier`` on the node
-communicator. ``"auto"`` picks flags on x86-64.
+communicator. ``"auto"`` picks flags on x86-64. With a ``deadline`` the
+waits give up with :class:`~commlib.errors.CollectiveTimeoutError` (the watch
+dog), as MPI's path does.
 """
 import os
 import platform
+import time
 
 import numpy as np
 
-from ..errors import ArgumentError, ArrayTypeError
+from ..errors import ArgumentError, ArrayTypeError, CollectiveTimeoutError
 
 _UFUNCS = {"sum": np.add, "max": np.maximum, "min": np.minimum, "prod": np.multiply}
 _DTYPES = ("float16", "bfloat16", "float32", "float64", "int32", "int64", "uint8")
@@ -101,11 +104,18 @@ class SharedMemoryReducer:
         self._node.Barrier()
 
     # -- synchronisation ---------------------------------------------------------
-    def _wait_all(self, seq):
+    def _wait_all(self, seq, deadline):
         """Publish this rank's sequence number ``seq`` and wait until every
-        rank has published at least ``seq``."""
+        rank has published at least ``seq``, or raise
+        CollectiveTimeoutError once ``deadline`` (``time.monotonic()``
+        value, or None) has passed."""
         if self.sync == "barrier":
-            self._node.Barrier()
+            if deadline is None:
+                self._node.Barrier()
+                return
+            request = self._node.Ibarrier()
+            while not request.Test():
+                self._check_deadline(deadline)
             return
         flags, stride = self._flags, _LINE // 8
         flags[self.rank * stride] = seq
@@ -117,6 +127,14 @@ class SharedMemoryReducer:
                 polls += 1
                 if polls > _SPINS:
                     os.sched_yield()
+                    if deadline is not None:
+                        self._check_deadline(deadline)
+
+    def _check_deadline(self, deadline):
+        if time.monotonic() >= deadline:
+            raise CollectiveTimeoutError(
+                "rank %d: all_reduce did not complete before its deadline; a peer may "
+                "have died, hung, or not called it" % self.rank)
 
     def _views_for(self, dtype):
         found = self._views.get(dtype)
@@ -129,7 +147,7 @@ class SharedMemoryReducer:
         return found
 
     # -- the collective ----------------------------------------------------------
-    def all_reduce(self, buf, op):
+    def all_reduce(self, buf, op, deadline=None):
         """Reduce ``buf`` (1-D C-contiguous writeable numpy array) with ``op``
         (``"sum"``, ``"max"``, ``"min"``, ``"prod"``) over all ranks, in place.
 
@@ -149,9 +167,9 @@ class SharedMemoryReducer:
         def unpack(src):
             buf[...] = src
 
-        return self.all_reduce_staged(buf.size, buf.dtype, op, None, pack, unpack)
+        return self.all_reduce_staged(buf.size, buf.dtype, op, None, pack, unpack, deadline)
 
-    def all_reduce_staged(self, count, dtype, op, scale, pack, unpack):
+    def all_reduce_staged(self, count, dtype, op, scale, pack, unpack, deadline=None):
         """All-reduce ``count`` elements of ``dtype`` that ``pack(slot)``
         writes into this rank's slot (a 1-D numpy view); ``unpack(result)``
         then reads the reduced, ``scale``-d result (a read-only-by-contract
@@ -178,7 +196,7 @@ class SharedMemoryReducer:
         lo, hi = count * rank // n, count * (rank + 1) // n
         pack(slots[rank][:count])
         self._seq += 2
-        self._wait_all(self._seq - 1)
+        self._wait_all(self._seq - 1, deadline)
         out = result[lo:hi]
         with np.errstate(all="ignore"):      # overflow to inf is silent, as in MPI
             ufunc(slots[0][lo:hi], slots[1][lo:hi], out=out)
@@ -186,7 +204,7 @@ class SharedMemoryReducer:
                 ufunc(out, slots[r][lo:hi], out=out)
             if scale is not None:
                 out *= scale
-        self._wait_all(self._seq)
+        self._wait_all(self._seq, deadline)
         unpack(result[:count])
         return True
 
