@@ -118,6 +118,21 @@ def check_flat_views(comm, rng):
     small.close()
 
 
+def check_sub_communicator(comm, rng):
+    """A communicator built on a split of COMM_WORLD reduces within its group."""
+    color = WORLD.rank % 2
+    group = WORLD.Split(color, key=WORLD.rank)
+    sub = commlib.Communicator.from_mpi(group)
+    assert (sub.rank, sub.size) == (group.rank, group.size)
+    arrays = [make(rng, "float32", (n,)) for n in (3, 70000, 300000)]
+    inputs = [group.allgather(a.copy()) for a in arrays]
+    sub.all_reduce(arrays, op="avg")
+    for a, ins in zip(arrays, inputs):
+        assert_equal(a, expected_reduce(ins, "avg", sub.size), "sub-communicator n=%d" % a.size)
+    sub.close()
+    group.Free()
+
+
 def check_resnet50(comm, rng, shapes_path):
     shapes = json.loads(Path(shapes_path).read_text())["shapes"]
     # values k/8 with |k| <= 64: exact in float32 for any order of summation
@@ -208,6 +223,7 @@ def main(which, shapes_path=None):
         "many": lambda: check_many_small_arrays(comm, rng),
         "buckets": lambda: check_larger_than_bucket(comm, rng),
         "flat_views": lambda: check_flat_views(comm, rng),
+        "sub": lambda: check_sub_communicator(comm, rng),
         "resnet50": lambda: check_resnet50(comm, rng, shapes_path),
         "broadcast_reduce": lambda: check_broadcast_reduce(comm, rng),
         "gather_scatter": lambda: check_all_gather_reduce_scatter(comm, rng),

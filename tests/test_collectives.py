@@ -34,6 +34,11 @@ def test_all_gather_reduce_scatter_gatherv_barrier(n):
     run_checks(n, "gather_scatter")
 
 
+@pytest.mark.parametrize("n", [3, 4])
+def test_communicator_on_a_split_of_comm_world(n):
+    run_checks(n, "sub")
+
+
 @pytest.mark.parametrize("n", [2, 4])
 def test_all_reduce_resnet50_gradient_list(n):
     run_checks(n, "resnet50", timeout=240)
