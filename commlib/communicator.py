@@ -343,7 +343,7 @@ class Communicator:
             if i is not None and root is None:
                 transport.all_reduce_staged(
                     buf, reduce_op, scale, lambda dst: prepared.pack(items, i, dst),
-                    lambda src: prepared.unpack(items, i, src=src), deadline)
+                    lambda src, scale: prepared.unpack(items, i, scale, src), deadline)
                 return
             if i is not None:
                 prepared.pack(items, i)

@@ -27,19 +27,18 @@ class Transport:
         raise NotImplementedError
 
     def all_reduce_staged(self, buf, op, scale, pack, unpack, deadline=None):
-        """All-reduce a bucket that ``pack(dst)`` writes and ``unpack(src)``
-        reads back, times ``scale`` (float or None).
+        """All-reduce a bucket that ``pack(dst)`` writes and
+        ``unpack(src, scale)`` reads back, multiplying by ``scale`` (float or
+        None) if the transport has not already.
 
         ``buf`` is the bucket's own 1-D buffer. This default packs into it,
-        all-reduces it and unpacks from it; a transport that reduces in its
-        own memory (a shared-memory window) packs and unpacks there instead,
-        saving a copy each way.
+        all-reduces it and unpacks from it (the scale fused into the unpack);
+        a transport that reduces in its own memory (a shared-memory window)
+        packs and unpacks there instead, saving a copy each way.
         """
         pack(buf)
         self.all_reduce(buf, op, deadline)
-        if scale is not None:
-            buf *= scale
-        unpack(buf)
+        unpack(buf, scale)
 
     def broadcast(self, buf, root, deadline=None):
         raise NotImplementedError

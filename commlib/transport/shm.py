@@ -164,17 +164,17 @@ class SharedMemoryReducer:
         def pack(dst):
             dst[...] = buf
 
-        def unpack(src):
+        def unpack(src, scale):
             buf[...] = src
 
         return self.all_reduce_staged(buf.size, buf.dtype, op, None, pack, unpack, deadline)
 
     def all_reduce_staged(self, count, dtype, op, scale, pack, unpack, deadline=None):
         """All-reduce ``count`` elements of ``dtype`` that ``pack(slot)``
-        writes into this rank's slot (a 1-D numpy view); ``unpack(result)``
-        then reads the reduced, ``scale``-d result (a read-only-by-contract
-        view of shared memory, valid only during the call). Returns False,
-        calling neither, when the reducer cannot take it (see all_reduce).
+        writes into this rank's slot (a 1-D numpy view); ``unpack(result,
+        None)`` then reads the result, already multiplied by ``scale`` (a view
+        of shared memory: read it, don't keep it). Returns False, calling
+        neither, when the reducer cannot take it (see all_reduce).
         """
         ufunc = _UFUNCS.get(op)
         if ufunc is None:
@@ -185,9 +185,7 @@ class SharedMemoryReducer:
         if self.size == 1 or count == 0:
             slot = np.empty(count, dtype=dtype)
             pack(slot)
-            if scale is not None:
-                slot *= scale
-            unpack(slot)
+            unpack(slot, scale)
             return True
         if self._win is None:
             raise ArgumentError("commlib: the shared-memory reducer is closed")
@@ -205,7 +203,7 @@ class SharedMemoryReducer:
             if scale is not None:
                 out *= scale
         self._wait_all(self._seq, deadline)
-        unpack(result[:count])
+        unpack(result[:count], None)      # already scaled
         return True
 
     def close(self):
