@@ -27,6 +27,23 @@ def mpiexec(required=True):
     return exe
 
 
+def run_bounded(cmd, timeout, env=None, cwd=None):
+    """Run ``cmd`` in a new session with ``env`` (a full environment or
+    None); on timeout kill the whole session (mpiexec and every rank) and
+    fail the test with its output. Returns the CompletedProcess."""
+    cmd = [str(c) for c in cmd]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env=env, cwd=cwd, start_new_session=True)
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, err = proc.communicate()
+        pytest.fail("%s timed out after %ss\nstdout:\n%s\nstderr:\n%s"
+                    % (" ".join(cmd), timeout, out, err))
+    return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
+
+
 def run_mpi(n, code, timeout=60, env=None, args=(), expect_fail=False):
     """Run ``code`` (Python source) on ``n`` ranks; returns the CompletedProcess.
 
@@ -43,18 +60,10 @@ def run_mpi(n, code, timeout=60, env=None, args=(), expect_fail=False):
     launcher = mpiexec(required=n > 1)
     # one rank without mpiexec runs as an MPI singleton
     cmd = ([launcher, "-n", str(n)] if launcher else []) + [sys.executable, str(script), *args]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True, env=full_env, start_new_session=True)
     try:
-        out, err = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)  # mpiexec and every rank
-        out, err = proc.communicate()
-        pytest.fail("mpiexec -n %d timed out after %ss\nstdout:\n%s\nstderr:\n%s"
-                    % (n, timeout, out, err))
+        proc = run_bounded(cmd, timeout, env=full_env)
     finally:
         script.unlink(missing_ok=True)
-    proc = subprocess.CompletedProcess(cmd, proc.returncode, out, err)
     failed = proc.returncode != 0
     if failed != expect_fail:
         pytest.fail("mpiexec -n %d exited %d\nstdout:\n%s\nstderr:\n%s"

@@ -2,14 +2,12 @@
 the CNN's gradients; the forked-worker example (GPU only, a clear exit on CPU)."""
 import os
 import re
-import signal
-import subprocess
 import sys
 
 import numpy as np
 import pytest
 
-from mpirun import ROOT, mpiexec
+from mpirun import ROOT, mpiexec, run_bounded
 
 EXAMPLES = ROOT / "examples"
 MNIST = str(EXAMPLES / "mnist_train.py")
@@ -20,19 +18,10 @@ MIN_TEST_ACCURACY = 0.90
 
 
 def run(cmd, timeout=120):
-    """Run ``cmd`` in its own session, killing the session on timeout."""
+    """Run ``cmd`` from the repository root under a bound (see run_bounded)."""
     env = dict(os.environ, OMP_NUM_THREADS="1")  # the same BLAS threads in every run
     env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
-    proc = subprocess.Popen([str(c) for c in cmd], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, env=env, cwd=ROOT,
-                            start_new_session=True)
-    try:
-        out, err = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        out, err = proc.communicate()
-        pytest.fail("%s timed out after %ss\nstdout:\n%s\nstderr:\n%s" % (cmd, timeout, out, err))
-    return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
+    return run_bounded(cmd, timeout, env=env, cwd=ROOT)
 
 
 def metrics(stdout):

@@ -19,7 +19,7 @@ import pytest
 from commlib import NcclId, launch
 from commlib.bootstrap import launcher_env
 from commlib.errors import ArgumentError, BackendUnavailableError
-from mpirun import ROOT
+from mpirun import ROOT, run_bounded
 
 FAKE_ID = "ab" * 128  # parses as an NcclId; never reaches NCCL in these tests
 Result = namedtuple("Result", "returncode stdout stderr seconds")
@@ -33,17 +33,10 @@ def _env(extra=None):
 
 
 def _bounded(cmd, timeout, env=None, cwd=None):
-    """Run ``cmd`` in a new session; kill the session on timeout and fail."""
+    """run_bounded with this file's environment, also timing the run."""
     start = time.monotonic()
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env=_env(env), cwd=cwd, start_new_session=True)
-    try:
-        out, err = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        out, err = proc.communicate()
-        pytest.fail("%s timed out after %ss\nstdout:\n%s\nstderr:\n%s" % (cmd, timeout, out, err))
-    return Result(proc.returncode, out, err, time.monotonic() - start)
+    proc = run_bounded(cmd, timeout, env=_env(env), cwd=cwd)
+    return Result(proc.returncode, proc.stdout, proc.stderr, time.monotonic() - start)
 
 
 def run_launcher(*args, backend="mpi", timeout=60, env=None):
