@@ -26,6 +26,7 @@ import pytest
 from commlib.ops import _pack_cuda, cast as cast_mod
 from commlib.ops.cast import numpy_cast_into
 from commlib.ops.pack import copy_mode, pack, unpack
+from test_ops_cast import STORE, adversarial
 
 ROOT = Path(__file__).resolve().parent.parent
 KERNELS = ROOT / "kernels"
@@ -526,28 +527,6 @@ def test_benchmark_gpu_branch_on_the_host_build(host_cupy, tmp_path):
 
 
 FMTS = ("float32", "float16", "bfloat16")
-STORE = {"float32": np.float32, "float16": np.float16, "bfloat16": np.uint16}
-
-
-def adversarial(fmt, n, seed):
-    """n values of format ``fmt``: random bit patterns mixed with NaN, inf,
-    zero, subnormals, rounding ties and values at the edges of fp16/bf16."""
-    rng = np.random.default_rng(seed)
-    if fmt == "float32":
-        special = np.array([0, 0x80000000, 0x7F800000, 0xFF800000, 0x7FC00000, 0x7F800001,
-                            0xFFFFFFFF, 0x00000001, 0x807FFFFF, 0x477FE000, 0x477FEFFF,
-                            0x477FF000, 0x477FF001, 0x7F7F7FFF, 0x7F7F8000, 0x7F7FFFFF,
-                            0x33000000, 0x33000001, 0x387FE000, 0x38800000, 0x3F808000,
-                            0x3F818000, 0x3F80C000, 0x3F807FFF, 0x00008000, 0x00018000],
-                           np.uint32)
-        bits = rng.integers(0, 2**32, n, dtype=np.uint64).astype(np.uint32)
-        normal = rng.standard_normal(n).astype(np.float32).view(np.uint32)
-        bits = np.where(rng.random(n) < 0.5, normal, bits)
-        pick = rng.random(n) < 0.2
-        bits[pick] = rng.choice(special, int(pick.sum()))
-        return bits.view(np.float32)
-    bits = rng.integers(0, 2**16, n, dtype=np.uint32).astype(np.uint16)
-    return bits.view(np.float16) if fmt == "float16" else bits
 
 
 @needs_nvcc

@@ -10,10 +10,9 @@ from commlib.errors import ArgumentError, ArrayTypeError
 from commlib.ops import _pack_cuda
 from commlib.ops.cast import cast
 from commlib.ops.pack import copy_mode, offsets_of, pack, unpack
-from test_ops_cast import adversarial
+from test_ops_cast import STORE, adversarial
 
 DATA = Path(__file__).resolve().parent / "data"
-STORE = {"float32": np.float32, "float16": np.float16, "bfloat16": np.uint16}
 SHAPES = [(3, 5), (0,), (64,), (1,), (7, 3, 3), (1000,), (17,), (2, 0), (5,)]
 
 
@@ -215,19 +214,24 @@ def test_plan_groups_dtypes_skips_empty_and_picks_units():
 
 # ---------------------------------------------------------------- kernels, GPU
 
+def _device_arrays(cp, arrays_np, views):
+    """Device copies of ``arrays_np``; with ``views``, as views into one flat
+    device buffer at odd offsets."""
+    if not views:
+        return [cp.asarray(a) for a in arrays_np]
+    flat = cp.asarray(np.concatenate([np.zeros(1, arrays_np[0].dtype)]
+                                     + [a.ravel() for a in arrays_np]))
+    arrays, lo = [], 1
+    for a in arrays_np:
+        arrays.append(flat[lo:lo + a.size].reshape(a.shape))
+        lo += a.size
+    return arrays
+
+
 def _check_gpu_pack(cp, arrays_np, bfmt, scale, views=False, bucket_offset=0):
     """pack + unpack(accumulate) on the GPU vs the numpy twin, all bits."""
     total = sum(a.size for a in arrays_np)
-    if views:   # arrays as views into one flat device buffer (odd offsets)
-        flat_np = np.concatenate([np.zeros(1, arrays_np[0].dtype)]
-                                 + [a.ravel() for a in arrays_np])
-        flat = cp.asarray(flat_np)
-        arrays, lo = [], 1
-        for a in arrays_np:
-            arrays.append(flat[lo:lo + a.size].reshape(a.shape))
-            lo += a.size
-    else:
-        arrays = [cp.asarray(a) for a in arrays_np]
+    arrays = _device_arrays(cp, arrays_np, views)
     base = cp.zeros(total + 8, STORE[bfmt])
     bucket = base[bucket_offset:bucket_offset + total + 2]
     bucket_np = cp.asnumpy(bucket)
@@ -325,14 +329,7 @@ def test_gpu_raw_and_generic_dtypes(dtype):
 def _check_raw(cp, arrays_np, views, bucket_offset):
     total = sum(a.size for a in arrays_np)
     dtype = arrays_np[0].dtype
-    if views:
-        flat = cp.asarray(np.concatenate([np.zeros(1, dtype)] + [a.ravel() for a in arrays_np]))
-        arrays, lo = [], 1
-        for a in arrays_np:
-            arrays.append(flat[lo:lo + a.size].reshape(a.shape))
-            lo += a.size
-    else:
-        arrays = [cp.asarray(a) for a in arrays_np]
+    arrays = _device_arrays(cp, arrays_np, views)
     bucket = cp.zeros(total + 4, dtype)[bucket_offset:]
     pack(arrays, bucket)
     np.testing.assert_array_equal(cp.asnumpy(bucket[:total]),
