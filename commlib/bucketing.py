@@ -29,7 +29,7 @@ import numpy as np
 from . import dtypes
 from .ops import hostcopy
 from .ops import pack as _pack
-from .ops._arrays import array_module, is_cupy
+from .ops._arrays import address, array_module
 
 #: default bucket size per transport, in bytes (see benchmarks/allreduce.py)
 DEFAULT_BUCKET_BYTES = {"mpi": 1 << 20, "nccl": 25 << 20}
@@ -79,23 +79,18 @@ def _plan(layout, bucket_bytes):
     return BucketPlan((layout, bucket_bytes), tuple(sorted(direct)), tuple(buckets))
 
 
-def _address(a):
-    """Address of the first byte of a numpy or cupy array."""
-    return a.data.ptr if is_cupy(a) else a.__array_interface__["data"][0]
-
-
 def _span(arrays, xp):
     """A 1-D view of the memory that ``arrays`` (same dtype, C-contiguous)
     fill back to back inside one common base array, or None."""
     base = arrays[0].base
     if base is None or not base.flags.c_contiguous or any(a.base is not base for a in arrays):
         return None
-    start = end = _address(arrays[0])
+    start = end = address(arrays[0])
     for a in arrays:
-        if _address(a) != end:
+        if address(a) != end:
             return None
         end += a.nbytes
-    origin = _address(base)
+    origin = address(base)
     if start < origin or end > origin + base.nbytes:
         return None
     raw = base.reshape(-1).view(xp.uint8)[start - origin:end - origin]

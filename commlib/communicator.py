@@ -255,6 +255,11 @@ class Communicator:
         return validation.check_arrays(arrays, rank=self._rank, device=self._device,
                                        writeable=writeable, floating=floating)
 
+    def _one_array(self, name, array):
+        if isinstance(array, (list, tuple)):
+            raise ArgumentError("rank %d: %s takes one array, got a %s"
+                                % (self._rank, name, type(array).__name__))
+
     def _fused_checks(self, items, prepared, writeable, floating):
         """Array checks for a fused collective; a list already prepared with
         checks at least this strict skips them."""
@@ -363,9 +368,7 @@ class Communicator:
         """Every rank's ``array``, stacked: a new array of shape
         ``(size, *array.shape)``, same kind and dtype."""
         def checks():
-            if isinstance(array, (list, tuple)):
-                raise ArgumentError("rank %d: all_gather takes one array, got a %s"
-                                    % (self._rank, type(array).__name__))
+            self._one_array("all_gather", array)
             return self._array_checks([array], writeable=False)
 
         kind = self._begin("all_gather", [array], {}, checks)
@@ -383,9 +386,7 @@ class Communicator:
         averaging = op == "avg"
 
         def checks():
-            if isinstance(array, (list, tuple)):
-                raise ArgumentError("rank %d: reduce_scatter takes one array, got a %s"
-                                    % (self._rank, type(array).__name__))
+            self._one_array("reduce_scatter", array)
             validation.check_op(op, False, self._rank)
             kind = self._array_checks([array], writeable=False, floating=averaging)
             if array.size % self._size:

@@ -13,3 +13,8 @@ def array_module(a):
         import cupy
         return cupy
     return np
+
+
+def address(a):
+    """Address of the first byte of a numpy or cupy array."""
+    return a.data.ptr if is_cupy(a) else a.__array_interface__["data"][0]

@@ -30,6 +30,7 @@ from pathlib import Path
 import numpy as np
 
 from ..errors import ArrayTypeError, BackendUnavailableError
+from ._arrays import address
 
 _SOURCE = Path(__file__).resolve().parent.parent / "_hostcopy.c"
 _lock = threading.Lock()
@@ -121,17 +122,13 @@ def unavailable_reason():
     return _reason
 
 
-def _address(a):
-    return a.__array_interface__["data"][0]
-
-
 def _copy(lib, arrays, buf, to_arrays):
     if not arrays:
         return True
     if not isinstance(arrays[0], np.ndarray):
         return False
     dtype = arrays[0].dtype
-    return lib.commlib_copy(arrays, np.ndarray, dtype, dtype.itemsize, _address(buf),
+    return lib.commlib_copy(arrays, np.ndarray, dtype, dtype.itemsize, address(buf),
                             buf.nbytes, to_arrays) >= 0
 
 
