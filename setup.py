@@ -33,7 +33,7 @@ setup(
     license="Apache-2.0",
     python_requires=">=3.9",
     packages=["commlib", "commlib.ops", "commlib.transport"],
-    package_data={"commlib": ["_hostcopy.c"]},
+    package_data={"commlib": ["native/*.c", "native/*.h"]},
     install_requires=["numpy>=1.22"],
     extras_require={
         "mpi": ["mpi4py>=4.0", "mpich"],

@@ -27,7 +27,7 @@ from typing import NamedTuple, Tuple
 import numpy as np
 
 from . import dtypes
-from .ops import hostcopy
+from .ops import _native, hostcopy
 from .ops import pack as _pack
 from .ops._arrays import address, array_module
 
@@ -115,10 +115,11 @@ def flat_arrays(shapes, dtype="float32", xp=np):
 
 
 def _getter(indices):
-    """A C-level picker: ``_getter(ix)(items)`` is the tuple of ``items[i]``."""
-    if len(indices) == 1:
-        i = indices[0]
-        return lambda items: (items[i],)
+    """A C-level picker: ``_getter(ix)(items)`` is the sequence (tuple, or a
+    list slice when ``ix`` is a run of consecutive indices) of ``items[i]``."""
+    first, last = indices[0], indices[-1]
+    if last - first == len(indices) - 1:     # consecutive (indices are increasing)
+        return operator.itemgetter(slice(first, last + 1))
     return operator.itemgetter(*indices)
 
 
@@ -159,33 +160,23 @@ class PreparedList:
         """Indices 0..n-1 of the buckets, with their flat buffers."""
         return enumerate(self._buffers)
 
-    def pack(self, items, i, out=None):
-        """Copy bucket ``i``'s arrays of ``items`` into ``out`` (default: the
-        bucket's own buffer); returns the filled buffer."""
+    def pack(self, items, i):
+        """Copy bucket ``i``'s arrays of ``items`` into the bucket's buffer;
+        returns the buffer."""
         buf = self._buffers[i]
         if self._zero_copy[i]:
-            if out is None or out is buf:
-                return buf
-            out[...] = buf
-            return out
-        out = buf if out is None else out
+            return buf
         picked = self._pick[i](items)
         if self.kind != "numpy":
-            return _pack.pack(list(picked), out)
-        if not (self._hostcopy and hostcopy.gather(picked, out)):
-            np.concatenate(picked, axis=None, out=out)
-        return out
+            return _pack.pack(list(picked), buf)
+        if not (self._hostcopy and hostcopy.gather(picked, buf)):
+            np.concatenate(picked, axis=None, out=buf)
+        return buf
 
-    def unpack(self, items, i, scale=None, src=None):
+    def unpack(self, items, i, scale=None):
         """Copy the reduced bucket ``i`` back into its arrays of ``items``,
-        times ``scale``. ``src`` is where it was reduced when not in the
-        bucket's own buffer (e.g. a transport's shared memory)."""
+        times ``scale``."""
         buf = self._buffers[i]
-        if src is not None and src is not buf:
-            if (scale is None and not self._zero_copy[i] and self._hostcopy
-                    and hostcopy.scatter(src, self._pick[i](items))):
-                return
-            buf[...] = src
         if self._zero_copy[i]:
             if scale is not None:
                 buf *= scale
@@ -201,9 +192,26 @@ class PreparedList:
         for dst, view in zip(picked, self._views[i]):
             dst[...] = view
 
+    def parts(self, items, i):
+        """numpy: the arrays whose concatenation bucket ``i`` is (its own
+        buffer when they already lie back to back there), for a transport
+        that reduces them where they lie; cupy: None."""
+        if self.kind != "numpy":
+            return None
+        return (self._buffers[i],) if self._zero_copy[i] else self._pick[i](items)
+
     def direct(self, items):
         """Flat views of the arrays reduced in place."""
         return [a.reshape(-1) for a in self._pick_direct(items)]
+
+
+def _same_items(a, b):
+    """Whether lists/tuples ``a`` and ``b`` hold the very same objects in order
+    (one C loop when the compiled host loops are available)."""
+    ext = _native.module()
+    if ext is not None:
+        return ext.same_items(a, b)
+    return len(a) == len(b) and all(map(operator.is_, a, b))
 
 
 class FusionCache:
@@ -230,7 +238,7 @@ class FusionCache:
         recent = self._recent
         if recent is not None:
             arrays, prepared = recent
-            if len(arrays) == len(items) and all(map(operator.is_, items, arrays)):
+            if _same_items(items, arrays):
                 return None, prepared
             self._recent = None
         key = tuple(map(id, items))

@@ -347,8 +347,9 @@ class Communicator:
         def step(transport, buf, i, prepared):
             if i is not None and root is None:
                 transport.all_reduce_staged(
-                    buf, reduce_op, scale, lambda dst: prepared.pack(items, i, dst),
-                    lambda src, scale: prepared.unpack(items, i, scale, src), deadline)
+                    buf, reduce_op, scale, lambda: prepared.pack(items, i),
+                    lambda scale: prepared.unpack(items, i, scale), deadline,
+                    prepared.parts(items, i))
                 return
             if i is not None:
                 prepared.pack(items, i)

@@ -52,7 +52,13 @@ def test_bfloat16_all_reduce_over_mpi(n):
 
 @pytest.mark.parametrize("n", [2, 3])
 def test_plain_mpi_and_numpy_paths(n):
-    """The same checks with the shared-memory reducer and the compiled copy
-    loop turned off: MPI's own all-reduce and numpy packing."""
+    """The same checks with the shared-memory reducer and the compiled host
+    loops turned off: MPI's own all-reduce and numpy packing."""
     run_checks(n, "all_reduce,many,buckets,flat_views",
-               env={"COMMLIB_SHM": "0", "COMMLIB_HOSTCOPY": "0"})
+               env={"COMMLIB_SHM": "0", "COMMLIB_NATIVE": "0"})
+
+
+@pytest.mark.parametrize("n", [2, 4])
+def test_shared_memory_reducer_without_compiled_loops(n):
+    """The shared-memory reducer with numpy doing the copies and reductions."""
+    run_checks(n, "all_reduce,many,buckets,flat_views", env={"COMMLIB_NATIVE": "0"})

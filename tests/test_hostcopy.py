@@ -28,6 +28,28 @@ def test_gather_then_scatter_round_trip_with_shapes_and_empty_arrays():
     assert (np.concatenate(arrays, axis=None) == new[:want.size]).all()
 
 
+@pytest.mark.parametrize("skip", [(0, 0), (0, 5), (3, 300), (256, 257), (301, 310), (0, 310),
+                                  (310, 310)])
+def test_skip_window_is_left_untouched(skip):
+    rng = np.random.default_rng(1)
+    arrays = [rng.standard_normal(s).astype(np.float64) for s in [(3,), (0,), (16, 16), (1,),
+                                                                 (50,)]]
+    flat = np.concatenate(arrays, axis=None)
+    begin, end = skip
+    out = np.full(flat.size, -7.0)
+    assert hostcopy.gather(arrays, out, skip)
+    want = flat.copy()
+    want[begin:end] = -7.0
+    assert out.tobytes() == want.tobytes()
+    before = [a.copy() for a in arrays]
+    src = rng.standard_normal(flat.size)
+    assert hostcopy.scatter(src, arrays, skip)
+    got = np.concatenate(arrays, axis=None)
+    want = src.copy()
+    want[begin:end] = np.concatenate(before, axis=None)[begin:end]
+    assert got.tobytes() == want.tobytes()
+
+
 def test_misaligned_arrays_and_buffer():
     raw = np.zeros(4 * 600 + 3, np.uint8)
     arrays = [raw[1:1 + 4 * 300].view(np.uint8), raw[1 + 4 * 300:1 + 4 * 300 + 7]]
@@ -89,7 +111,7 @@ def test_compiles_into_a_fresh_cache(tmp_path):
                "o = np.zeros(5); assert hostcopy.gather([a], o) and (o == a).all(); "
                "print(hostcopy.available())", {"COMMLIB_CACHE_DIR": str(tmp_path)})
     assert out.returncode == 0 and out.stdout.strip() == "True", out.stderr
-    assert list(tmp_path.glob("hostcopy-*.so"))
+    assert list(tmp_path.glob("native-*.so"))
 
 
 def test_unavailable_without_compiler_or_when_turned_off(tmp_path):
@@ -98,5 +120,19 @@ def test_unavailable_without_compiler_or_when_turned_off(tmp_path):
     out = _run(code, {"COMMLIB_CACHE_DIR": str(tmp_path), "PATH": str(tmp_path), "CC": ""})
     assert out.returncode == 0, out.stderr
     assert out.stdout.split("\n")[0] == "False" and "compiler" in out.stdout
-    out = _run(code, {"COMMLIB_HOSTCOPY": "0"})
-    assert out.stdout.split("\n")[0] == "False" and "COMMLIB_HOSTCOPY" in out.stdout
+    out = _run(code, {"COMMLIB_NATIVE": "0"})
+    assert out.stdout.split("\n")[0] == "False" and "COMMLIB_NATIVE" in out.stdout
+
+
+def test_native_sources_compile_without_warnings(tmp_path):
+    from commlib.ops import _native
+    compiler = _native._compiler()
+    if compiler is None:
+        pytest.skip("no C compiler")
+    import sysconfig
+    sources = sorted(str(p) for p in _native.SOURCES.glob("*.c"))
+    proc = subprocess.run([compiler, *_native.CFLAGS, "-Wall", "-Wextra", "-Werror",
+                           "-Wno-unused-parameter", "-I", sysconfig.get_paths()["include"],
+                           "-I", str(_native.SOURCES), "-o", str(tmp_path / "x.so"), *sources],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr

@@ -1,4 +1,5 @@
-"""An installed commlib (not only a source checkout) carries the kernel sources."""
+"""An installed commlib (not only a source checkout) carries the kernel sources
+and the C sources of its host loops."""
 import subprocess
 import sys
 
@@ -13,7 +14,8 @@ def test_build_ships_kernel_sources_inside_the_package(tmp_path):
     shipped = sorted(p.name for p in (tmp_path / "lib" / "commlib" / "_kernels").glob("*.cu*"))
     sources = sorted(p.name for p in (ROOT / "kernels").glob("*.cu*"))
     assert sources and shipped == sources
-    assert (tmp_path / "lib" / "commlib" / "_hostcopy.c").is_file()
+    native = sorted(p.name for p in (tmp_path / "lib" / "commlib" / "native").iterdir())
+    assert native == sorted(p.name for p in (ROOT / "commlib" / "native").glob("*.[ch]"))
     code = ("import sys; sys.path.insert(0, %r); from commlib.ops import _loader; "
             "print(_loader.kernel_dir())" % str(tmp_path / "lib"))
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,

@@ -69,13 +69,74 @@ with np.errstate(all="ignore"):
             ref = UFUNCS[op](ref, everyone[r][i]).astype(ref.dtype)
         assert outputs[i].tobytes() == ref.tobytes(), (i, plan[i])
 
-# too big, not numpy, unsupported dtype: declined, buffer untouched
+# longer than the window: reduced piece by piece
+for length in (CAPACITY // 4 + 1, 3 * CAPACITY // 4 + 5):
+    big = make("float32", length, 555 + rank)
+    everyone = comm.allgather(big)
+    assert red.all_reduce(big, "sum") is True
+    assert big.tobytes() == sum(everyone[1:], everyone[0].copy()).tobytes()
+# a bucket longer than the window, not numpy, unsupported dtype: declined, untouched
 big = np.ones(CAPACITY // 4 + 1, np.float32)
-assert red.all_reduce(big, "sum") is False and (big == 1).all()
+assert red.all_reduce_parts((big,), big.size, big.dtype, "sum") is False and (big == 1).all()
 assert red.all_reduce([1.0, 2.0], "sum") is False
 assert red.all_reduce(np.ones(4, np.complex64), "sum") is False
 assert red.all_reduce(np.ones(4, np.int16), "sum") is False
 red.close()
+red.close()
+print("rank %d ok" % rank)
+"""
+
+PARTS_CODE = """
+import os, sys
+from mpi4py import MPI
+comm = MPI.COMM_WORLD
+rank, n = comm.Get_rank(), comm.Get_size()
+mode = sys.argv[1]          # compiled loops on every rank, on none, or on even ranks only
+stores = sys.argv[2]        # plain, streaming or auto stores into the window
+if mode == "none" or (mode == "even" and rank % 2):
+    os.environ["COMMLIB_NATIVE"] = "0"
+import numpy as np
+from commlib.ops import hostreduce
+from commlib.transport.shm import SharedMemoryReducer
+
+assert hostreduce.supports(np.dtype(np.float32), "sum") == (os.environ.get("COMMLIB_NATIVE") != "0")
+UFUNCS = {"sum": np.add, "max": np.maximum, "min": np.minimum, "prod": np.multiply}
+DTYPES = ["float16", "float32", "float64", "int32", "int64", "uint8"]
+red = SharedMemoryReducer(comm, capacity_bytes=1 << 16, stores=stores)
+red.stores.min_bytes, red.stores.explore_every = 1024, 3     # measure and switch a lot
+rng = np.random.default_rng(99)              # same layouts on every rank
+for trial in range(40):
+    dtype = np.dtype(DTYPES[trial % len(DTYPES)])
+    op = list(UFUNCS)[trial % 4]
+    sizes = [int(s) for s in rng.integers(0, 300, rng.integers(1, 30))]
+    count = sum(sizes)
+    if count * dtype.itemsize > red.capacity_bytes:
+        continue
+    scale = 0.25 if dtype.kind == "f" and op == "sum" and trial % 3 else None
+    mine = np.random.default_rng(1000 * trial + rank)
+    flat = ((mine.standard_normal(count) * 4) if dtype.kind == "f"
+            else mine.integers(0, 200, count)).astype(dtype)
+    parts, at = [], 0
+    for k, size in enumerate(sizes):
+        piece = flat[at:at + size].copy()
+        parts.append(piece.reshape(size // 2, 2) if size % 2 == 0 and k % 2 else piece)
+        at += size
+    everyone = comm.allgather(flat)
+    with np.errstate(all="ignore"):
+        ref = everyone[0].copy()
+        for other in everyone[1:]:
+            ref = UFUNCS[op](ref, other)
+        if scale is not None:
+            ref *= scale
+        assert red.all_reduce_parts(tuple(parts) if trial % 2 else parts, count, dtype, op,
+                                    scale) is True
+    got = np.concatenate(parts, axis=None) if parts else flat[:0]
+    assert got.tobytes() == ref.tobytes(), (trial, dtype, op, sizes)
+    assert all(b == got.tobytes() for b in comm.allgather(got.tobytes())), "ranks differ"
+modes = comm.allgather((red.stores.mode, red.stores.cost, red.stores.measured))
+assert all(m == modes[0] for m in modes), modes           # every rank chose alike
+if stores == "auto" and mode == "all" and n > 1:
+    assert None not in modes[0][1], modes                  # both kinds of stores were measured
 red.close()
 print("rank %d ok" % rank)
 """
@@ -118,6 +179,17 @@ print("ok")
 @pytest.mark.parametrize("n", [1, 2, 3, 4])
 def test_reducer_matches_rank_order_numpy_reduction(n):
     run_mpi(n, REDUCE_CODE, timeout=60, args=("auto",))
+
+
+@pytest.mark.parametrize("n,mode,stores", [
+    (1, "all", "auto"), (2, "all", "auto"), (3, "all", "auto"), (4, "all", "auto"),
+    (2, "all", "plain"), (3, "all", "streaming"), (4, "all", "streaming"),
+    (2, "none", "auto"), (3, "even", "auto"), (4, "even", "streaming")])
+def test_reducer_of_many_parts_with_scale(n, mode, stores):
+    """Buckets given as lists of arrays: reduced straight from and into them
+    with the compiled loops, through the slots with numpy, or mixed; with
+    plain, streaming or measured stores."""
+    run_mpi(n, PARTS_CODE, timeout=60, args=(mode, stores))
 
 
 def test_reducer_with_mpi_barrier_sync():

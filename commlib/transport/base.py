@@ -26,19 +26,20 @@ class Transport:
     def all_reduce(self, buf, op, deadline=None):
         raise NotImplementedError
 
-    def all_reduce_staged(self, buf, op, scale, pack, unpack, deadline=None):
-        """All-reduce a bucket that ``pack(dst)`` writes and
-        ``unpack(src, scale)`` reads back, multiplying by ``scale`` (float or
-        None) if the transport has not already.
+    def all_reduce_staged(self, buf, op, scale, pack, unpack, deadline=None, parts=None):
+        """All-reduce a fused bucket: ``pack()`` fills ``buf`` (the bucket's
+        1-D buffer) from the arrays, ``unpack(scale)`` copies ``buf`` back
+        into them times ``scale`` (float or None).
 
-        ``buf`` is the bucket's own 1-D buffer. This default packs into it,
-        all-reduces it and unpacks from it (the scale fused into the unpack);
-        a transport that reduces in its own memory (a shared-memory window)
-        packs and unpacks there instead, saving a copy each way.
+        ``parts``, when given, is the tuple of numpy arrays whose
+        concatenation the bucket is. This default packs, all-reduces ``buf``
+        and unpacks (the scale fused into the unpack); a transport that
+        reduces in its own memory (a shared-memory window) may instead copy
+        the parts there and back, never touching ``buf``.
         """
-        pack(buf)
+        pack()
         self.all_reduce(buf, op, deadline)
-        unpack(buf, scale)
+        unpack(scale)
 
     def broadcast(self, buf, root, deadline=None):
         raise NotImplementedError

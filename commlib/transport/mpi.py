@@ -7,9 +7,10 @@ or the deadline passes. Reductions of float16 and
 bfloat16, which MPI lacks, use user-defined operators computed with numpy.
 Large all-reduces are split into ``chunk_bytes`` pieces, which keeps each
 piece cache-resident. When every rank is on one node, all-reduces of
-``SHM_MIN_BYTES`` to ``SHM_MAX_BYTES`` (latency-bound: fused buckets) go
-through :class:`~commlib.transport.shm.SharedMemoryReducer` (one shared
-window, two synchronisations per call) instead of MPI's message path.
+numpy buffers of at least ``SHM_MIN_BYTES`` go through
+:class:`~commlib.transport.shm.SharedMemoryReducer` (one shared window, two
+synchronisations per ``SHM_WINDOW_BYTES`` piece) instead of MPI's message
+path, and fused buckets are reduced there straight from their arrays.
 """
 import os
 
@@ -38,12 +39,14 @@ def mpi():
 
 #: set to 0 to keep single-node all-reduces on MPI's own path
 ENV_SHM = "COMMLIB_SHM"
+#: stores into the shared-memory window: auto (measured), plain or streaming
+ENV_SHM_STORES = "COMMLIB_SHM_STORES"
 #: smallest all-reduce (bytes) sent through the shared-memory reducer; below
 #: it MPI's latency is lower (benchmarks/allreduce.py)
 SHM_MIN_BYTES = 64 << 10
-#: largest all-reduce (bytes) taken by the shared-memory reducer: above it the
-#: extra copies cost more than MPI's pipelined path saves (memory-bound)
-SHM_MAX_BYTES = 1 << 20
+#: bytes reduced per round in the shared-memory reducer (its slot size):
+#: pieces of 1-2 MiB stay cache-resident and were fastest from 4 to 64 MiB
+SHM_WINDOW_BYTES = 2 << 20
 
 _NATIVE = {"float32": "FLOAT", "float64": "DOUBLE", "int32": "INT32_T",
            "int64": "INT64_T", "uint8": "UINT8_T"}
@@ -113,7 +116,8 @@ class MpiTransport(Transport):
         self._shm = None
         if self.size > 1 and os.environ.get(ENV_SHM, "1") != "0":
             from .shm import SharedMemoryReducer
-            reducer = SharedMemoryReducer(mpi_comm, capacity_bytes=SHM_MAX_BYTES)
+            reducer = SharedMemoryReducer(mpi_comm, capacity_bytes=SHM_WINDOW_BYTES,
+                                          stores=os.environ.get(ENV_SHM_STORES, "auto"))
             if reducer.usable:
                 self._shm = reducer
             else:
@@ -176,12 +180,13 @@ class MpiTransport(Transport):
             self._broken = "all_reduce timed out"
             raise
 
-    def all_reduce_staged(self, buf, op, scale, pack, unpack, deadline=None):
-        """Packs straight into this rank's slot of the shared-memory window
-        and unpacks from its result, when the bucket fits; else the default."""
-        if (self._shm is not None and type(buf) is np.ndarray and buf.nbytes >= SHM_MIN_BYTES
-                and self._shared(self._shm.all_reduce_staged, buf.size, buf.dtype, op, scale,
-                                 pack, unpack, deadline=deadline)):
+    def all_reduce_staged(self, buf, op, scale, pack, unpack, deadline=None, parts=None):
+        """Reduces the parts in the shared-memory window (no pack into
+        ``buf``, no unpack from it) when the bucket fits; else the default."""
+        if (self._shm is not None and parts is not None and buf.nbytes >= SHM_MIN_BYTES
+                and type(buf) is np.ndarray and self._shared(
+                    self._shm.all_reduce_parts, parts, buf.size, buf.dtype, op, scale,
+                    deadline=deadline)):
             return
         super().all_reduce_staged(buf, op, scale, pack, unpack, deadline)
 

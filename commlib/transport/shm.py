@@ -1,14 +1,23 @@
 """Intra-node all-reduce through one MPI shared-memory window.
 
 When every rank of a communicator lives on one node, :class:`SharedMemoryReducer`
-all-reduces a numpy buffer of at most ``capacity_bytes`` without MPI's
-message path: each rank copies its buffer into its own slot of the window,
+all-reduces numpy arrays without MPI's message path, ``capacity_bytes`` at a
+time: each rank copies its data into its own slot of the window,
 the ranks synchronise, rank r reduces elements ``[r*N//n, (r+1)*N//n)`` of
 all slots (in rank order) into a shared result region, the ranks synchronise
 again, and every rank copies the whole result region out. Every rank reads
 the same result bytes, so results are bit-identical across ranks, and each
 element is ``op(...op(op(x0, x1), x2)..., x(n-1))`` in rank order, computed
-with the numpy ufunc in the buffer's dtype (deterministic from run to run).
+in the data's dtype as the numpy ufunc does (deterministic from run to run).
+
+The data is a list of arrays (a fused bucket's gradients, or one array):
+they are copied straight into the slot and out of the result, with no
+intermediate flat buffer. With the compiled host loops
+(:mod:`commlib.ops.hostreduce`; float32/64, int32/64, uint8) rank r's own
+share ``[lo, hi)`` skips its slot altogether: it is reduced straight from
+the arrays and written straight back to them, so each rank copies only the
+other ranks' shares in and out. No rank ever reads another rank's share of
+its slot, so ranks may mix both ways.
 
 Reuse needs no extra synchronisation: a rank starts writing its slot for
 call k+1 only after the second synchronisation of call k, when every reduction
@@ -16,14 +25,15 @@ that reads the slots is done; and the result region of call k+1 is written
 only after the first synchronisation of call k+1, which every rank reaches
 only once it has copied out the result of call k.
 
-:meth:`SharedMemoryReducer.all_reduce_staged` lets the caller pack its
-arrays straight into the slot and unpack them straight from the result, so a
-fused bucket is copied once each way, not twice.
-
 Synchronisation (``sync``): ``"flags"`` spins on one monotonically increasing
 sequence number per rank in the window (x86-64 only, where stores become
 visible in program order); ``"barrier"`` is ``MPI_Barrier`` on the node
-communicator. ``"auto"`` picks flags on x86-64. With a ``deadline`` the
+communicator. ``"auto"`` picks flags on x86-64.
+
+Stores (``stores``): with flags, the copies into the window and the result
+use plain or streaming (non-temporal) stores; ``"auto"`` measures both and
+picks the faster, the same on every rank (:mod:`.store_mode`; each rank
+publishes its busy time next to its sequence number). With a ``deadline`` the
 waits give up with :class:`~commlib.errors.CollectiveTimeoutError` (the watch
 dog), as MPI's path does.
 """
@@ -34,10 +44,13 @@ import time
 import numpy as np
 
 from ..errors import ArgumentError, ArrayTypeError, CollectiveTimeoutError
+from ..ops import _native, hostcopy, hostreduce
+from .store_mode import StoreModeChooser
 
 _UFUNCS = {"sum": np.add, "max": np.maximum, "min": np.minimum, "prod": np.multiply}
 _DTYPES = ("float16", "bfloat16", "float32", "float64", "int32", "int64", "uint8")
-_LINE = 64                # bytes between two ranks' sequence numbers
+_LINE = 64                # bytes per rank in the control region: sequence number, busy ns
+_STORES = {"auto": None, "plain": False, "streaming": True}
 _ALIGN = 4096             # alignment of slots and the result region, bytes
 _SPINS = 2000             # polls before each poll also yields the CPU
 
@@ -58,15 +71,15 @@ def _round_up(x, to):
 
 
 class SharedMemoryReducer:
-    """All-reduce of numpy buffers up to ``capacity_bytes`` over ``comm`` (an
-    mpi4py communicator whose ranks share one node).
+    """All-reduce of numpy buffers over ``comm`` (an mpi4py communicator
+    whose ranks share one node), ``capacity_bytes`` at a time.
 
     The constructor is collective over ``comm``. If the ranks span several
     nodes, :attr:`usable` is False and :meth:`all_reduce` always returns
     False. Memory: ``(size + 1) * capacity_bytes`` bytes of shared memory.
     """
 
-    def __init__(self, comm, capacity_bytes=4 << 20, sync="auto"):
+    def __init__(self, comm, capacity_bytes=4 << 20, sync="auto", stores="auto"):
         from .mpi import mpi
         MPI = mpi()
         if int(capacity_bytes) <= 0:
@@ -80,6 +93,9 @@ class SharedMemoryReducer:
             sync = "flags" if x86 else "barrier"
         if sync == "flags" and not x86:
             raise ArgumentError("commlib: sync='flags' needs x86-64 memory ordering")
+        if stores not in _STORES:
+            raise ArgumentError("commlib: stores must be one of %s, got %r"
+                                % (", ".join(_STORES), stores))
         self.rank, self.size = comm.Get_rank(), comm.Get_size()
         self.capacity_bytes = _round_up(int(capacity_bytes), _ALIGN)
         self.sync = sync
@@ -88,6 +104,9 @@ class SharedMemoryReducer:
         self._win = None
         self._views = {}          # dtype -> (slots, result), arrays of that dtype
         self._seq = 0
+        # streaming stores need x86-64 (and the flags carry the busy times)
+        self.stores = StoreModeChooser(fixed=_STORES[stores] if sync == "flags" else False)
+        self._last = None         # (mode, bytes, busy ns) of the last call with the C loops
         if not self.usable or self.size == 1:
             return
         control = _round_up(self.size * _LINE, _ALIGN)
@@ -98,26 +117,39 @@ class SharedMemoryReducer:
         self._mem = np.frombuffer(memory, dtype=np.uint8, count=total)
         self._slots_at = [control + r * self.capacity_bytes for r in range(self.size)]
         self._result_at = control + self.size * self.capacity_bytes
-        self._flags = memoryview(self._mem[:control]).cast("q")
+        self._control = self._mem[:control].view(np.int64)
+        self._flags = memoryview(self._control)
         if self.rank == 0:
             self._mem[:control] = 0
         self._node.Barrier()
 
     # -- synchronisation ---------------------------------------------------------
-    def _wait_all(self, seq, deadline):
-        """Publish this rank's sequence number ``seq`` and wait until every
-        rank has published at least ``seq``, or raise
+    def _wait_all(self, seq, deadline, publish=None):
+        """Publish this rank's sequence number ``seq`` (and before it, with
+        flags, ``publish``: its busy ns of the previous call) and wait until
+        every rank has published at least ``seq``, or raise
         CollectiveTimeoutError once ``deadline`` (``time.monotonic()``
-        value, or None) has passed."""
+        value, or None) has passed. Returns, with flags, the largest busy
+        time every rank published (0 if one published none)."""
         if self.sync == "barrier":
             if deadline is None:
                 self._node.Barrier()
-                return
+                return 0
             request = self._node.Ibarrier()
             while not request.Test():
                 self._check_deadline(deadline)
-            return
-        flags, stride = self._flags, _LINE // 8
+            return 0
+        stride = _LINE // 8
+        ext = _native.module()
+        if ext is not None:      # spins in C, without the GIL
+            found = ext.wait_flags(self._control, self.rank, self.size, stride, seq, publish,
+                                   deadline)
+            if found < 0:
+                self._check_deadline(deadline)
+            return found
+        flags = self._flags
+        if publish is not None:
+            flags[self.rank * stride + 1] = publish
         flags[self.rank * stride] = seq
         for r in range(self.size):
             if r == self.rank:
@@ -129,6 +161,8 @@ class SharedMemoryReducer:
                     os.sched_yield()
                     if deadline is not None:
                         self._check_deadline(deadline)
+        published = [flags[r * stride + 1] for r in range(self.size)]
+        return max(published) if min(published) > 0 else 0
 
     def _check_deadline(self, deadline):
         if time.monotonic() >= deadline:
@@ -137,44 +171,47 @@ class SharedMemoryReducer:
                 "have died, hung, or not called it" % self.rank)
 
     def _views_for(self, dtype):
+        """(slots, result) for ``dtype``: a tuple of every rank's slot, and
+        the result region, as arrays of ``dtype``."""
         found = self._views.get(dtype)
         if found is None:
             count = self.capacity_bytes // dtype.itemsize
             mem = self._mem
             slots = [mem[at:at + count * dtype.itemsize].view(dtype) for at in self._slots_at]
             at = self._result_at
-            found = self._views[dtype] = (slots, mem[at:at + count * dtype.itemsize].view(dtype))
+            result = mem[at:at + count * dtype.itemsize].view(dtype)
+            found = self._views[dtype] = (tuple(slots), result)
         return found
 
     # -- the collective ----------------------------------------------------------
     def all_reduce(self, buf, op, deadline=None):
-        """Reduce ``buf`` (1-D C-contiguous writeable numpy array) with ``op``
+        """Reduce ``buf`` (1-D C-contiguous writeable numpy array, any length:
+        pieces of ``capacity_bytes`` one after the other) with ``op``
         (``"sum"``, ``"max"``, ``"min"``, ``"prod"``) over all ranks, in place.
 
         Returns True when done, False (``buf`` untouched, no communication)
         when this reducer cannot take the call: not usable, not a numpy
-        array, unsupported dtype or more than ``capacity_bytes`` bytes. Every
-        rank must pass the same dtype and length, so all ranks agree.
+        array or an unsupported dtype. Every rank must pass the same dtype and
+        length, so all ranks agree.
         """
         if type(buf) is not np.ndarray:
             return False
         if buf.ndim != 1 or not buf.flags.c_contiguous or not buf.flags.writeable:
             raise ArrayTypeError("commlib: all_reduce needs a 1-D C-contiguous writeable array")
+        step = max(1, self.capacity_bytes // buf.itemsize)
+        for start in range(0, max(buf.size, 1), step):
+            piece = buf[start:start + step]
+            # False can only come on the first piece: nothing has been touched then
+            if not self.all_reduce_parts((piece,), piece.size, buf.dtype, op, None, deadline):
+                return False
+        return True
 
-        def pack(dst):
-            dst[...] = buf
-
-        def unpack(src, scale):
-            buf[...] = src
-
-        return self.all_reduce_staged(buf.size, buf.dtype, op, None, pack, unpack, deadline)
-
-    def all_reduce_staged(self, count, dtype, op, scale, pack, unpack, deadline=None):
-        """All-reduce ``count`` elements of ``dtype`` that ``pack(slot)``
-        writes into this rank's slot (a 1-D numpy view); ``unpack(result,
-        None)`` then reads the result, already multiplied by ``scale`` (a view
-        of shared memory: read it, don't keep it). Returns False, calling
-        neither, when the reducer cannot take it (see all_reduce).
+    def all_reduce_parts(self, parts, count, dtype, op, scale=None, deadline=None):
+        """All-reduce, in place, the concatenation of ``parts`` (a tuple or
+        list of C-contiguous writeable numpy arrays of ``dtype``, ``count``
+        elements in all, any shapes) and multiply it by ``scale`` (float, or
+        None for no scaling). Returns False, touching nothing, when the
+        reducer cannot take it (see :meth:`all_reduce`).
         """
         ufunc = _UFUNCS.get(op)
         if ufunc is None:
@@ -183,33 +220,59 @@ class SharedMemoryReducer:
                 or count * dtype.itemsize > self.capacity_bytes):
             return False
         if self.size == 1 or count == 0:
-            slot = np.empty(count, dtype=dtype)
-            pack(slot)
-            unpack(slot, scale)
+            if scale is not None:
+                for part in parts:
+                    part *= scale
             return True
         if self._win is None:
             raise ArgumentError("commlib: the shared-memory reducer is closed")
         slots, result = self._views_for(dtype)
         n, rank = self.size, self.rank
         lo, hi = count * rank // n, count * (rank + 1) // n
-        pack(slots[rank][:count])
+        slot, result = slots[rank][:count], result[:count]
+        native = hostcopy.available()
+        streaming, clock = self.stores.mode, time.perf_counter_ns
+        start = clock()
+        # this rank's own share: straight from and to the parts, or via its slot
+        own = (lo, hi) if hostreduce.supports(dtype, op) else None
+        if not (native and hostcopy.gather(parts, slot, own, streaming)):
+            own = None
+            np.concatenate(parts, axis=None, out=slot)
+        busy = clock() - start
         self._seq += 2
-        self._wait_all(self._seq - 1, deadline)
-        out = result[lo:hi]
-        with np.errstate(all="ignore"):      # overflow to inf is silent, as in MPI
-            ufunc(slots[0][lo:hi], slots[1][lo:hi], out=out)
-            for r in range(2, n):
-                ufunc(out, slots[r][lo:hi], out=out)
-            if scale is not None:
-                out *= scale
+        slowest = self._wait_all(self._seq - 1, deadline,
+                                 publish=self._last[2] if self._last else 0)
+        if slowest and self._last is not None:
+            self.stores.observe(self._last[0], self._last[1], slowest)
+        start = clock()
+        if own is not None:
+            hostreduce.reduce_share(parts, slots, rank, result, lo, hi, op, scale, streaming)
+        else:
+            out = result[lo:hi]
+            with np.errstate(all="ignore"):      # overflow to inf is silent, as in MPI
+                ufunc(slots[0][lo:hi], slots[1][lo:hi], out=out)
+                for r in range(2, n):
+                    ufunc(out, slots[r][lo:hi], out=out)
+                if scale is not None:
+                    out *= scale
+        busy += clock() - start
         self._wait_all(self._seq, deadline)
-        unpack(result[:count], None)      # already scaled
+        start = clock()
+        if not (native and hostcopy.scatter(result, parts, own)):
+            offset = 0
+            for part in parts:
+                part[...] = result[offset:offset + part.size].reshape(part.shape)
+                offset += part.size
+        busy += clock() - start
+        # only calls with the C loops are measured (0: not measured)
+        self._last = (streaming, count * dtype.itemsize, max(1, busy) if own is not None else 0)
         return True
 
     def close(self):
         """Free the window (collective over the communicator). Idempotent."""
         if self._win is not None:
             self._flags.release()
+            self._control = None
             self._views.clear()
             self._mem = None
             self._win.Free()

@@ -1,0 +1,111 @@
+/* This rank's share of a shared-memory all-reduce, read straight from the
+ * caller's arrays (commlib/ops/hostreduce.py, commlib/transport/shm.py). */
+#include <stdint.h>
+#include <string.h>
+
+#include "native.h"
+#include "streaming.h"
+
+enum { T_FLOAT32 = COMMLIB_T_FLOAT32, T_FLOAT64 = COMMLIB_T_FLOAT64,
+       T_INT32 = COMMLIB_T_INT32, T_INT64 = COMMLIB_T_INT64 };
+enum { OP_SUM = COMMLIB_OP_SUM, OP_PROD = COMMLIB_OP_PROD, OP_MAX = COMMLIB_OP_MAX };
+
+/* numpy's semantics: integers wrap (computed unsigned, so no undefined
+ * overflow); maximum/minimum return a NaN operand, the first if both are. */
+#define MAX_FLOAT(a, b) (((a) >= (b) || (a) != (a)) ? (a) : (b))
+#define MIN_FLOAT(a, b) (((a) <= (b) || (a) != (a)) ? (a) : (b))
+#define MAX_INT(a, b) ((a) >= (b) ? (a) : (b))
+#define MIN_INT(a, b) ((a) <= (b) ? (a) : (b))
+
+#define ELEMENTWISE(T, EXPR)                           \
+    for (Py_ssize_t j = 0; j < len; ++j) {              \
+        T a = x[j], b = y[j];                           \
+        out[j] = (EXPR);                                \
+    }
+
+/* out[j] = op(x[j], y[j]) for j < len; out may be x. U: T's arithmetic type. */
+#define DEFINE_COMBINE(NAME, T, U, MAX, MIN)                                        \
+    static void combine_##NAME(int op, T *out, const T *x, const T *y, Py_ssize_t len) \
+    {                                                                               \
+        switch (op) {                                                               \
+        case OP_SUM: ELEMENTWISE(T, (T)((U)a + (U)b)) break;                        \
+        case OP_PROD: ELEMENTWISE(T, (T)((U)a * (U)b)) break;                       \
+        case OP_MAX: ELEMENTWISE(T, MAX(a, b)) break;                               \
+        default: ELEMENTWISE(T, MIN(a, b)) break;                                   \
+        }                                                                           \
+    }
+
+DEFINE_COMBINE(float32, float, float, MAX_FLOAT, MIN_FLOAT)
+DEFINE_COMBINE(float64, double, double, MAX_FLOAT, MIN_FLOAT)
+DEFINE_COMBINE(int32, int32_t, uint32_t, MAX_INT, MIN_INT)
+DEFINE_COMBINE(int64, int64_t, uint64_t, MAX_INT, MIN_INT)
+DEFINE_COMBINE(uint8, uint8_t, uint32_t, MAX_INT, MIN_INT)
+
+static void combine(int type, int op, char *out, const char *x, const char *y, Py_ssize_t len)
+{
+    switch (type) {
+    case T_FLOAT32: combine_float32(op, (float *)out, (const float *)x, (const float *)y, len); break;
+    case T_FLOAT64: combine_float64(op, (double *)out, (const double *)x, (const double *)y, len); break;
+    case T_INT32: combine_int32(op, (int32_t *)out, (const int32_t *)x, (const int32_t *)y, len); break;
+    case T_INT64: combine_int64(op, (int64_t *)out, (const int64_t *)x, (const int64_t *)y, len); break;
+    default: combine_uint8(op, (uint8_t *)out, (const uint8_t *)x, (const uint8_t *)y, len); break;
+    }
+}
+
+/* out[j] *= scale, in the element type (as numpy's `out *= scale`). */
+static void scale_floats(int type, char *out, Py_ssize_t len, double scale)
+{
+    if (type == T_FLOAT32) {
+        float s = (float)scale, *o = (float *)out;
+        for (Py_ssize_t j = 0; j < len; ++j)
+            o[j] *= s;
+    } else if (type == T_FLOAT64) {
+        double *o = (double *)out;
+        for (Py_ssize_t j = 0; j < len; ++j)
+            o[j] *= scale;
+    }
+}
+
+/* Bytes reduced at a time in a private scratch buffer that stays in L1. */
+#define SCRATCH_BYTES 16384
+
+/* Reduce bytes [begin, end) of a bucket of `nranks` ranks' contributions.
+ *
+ * Rank q's contribution is slots[q] (each a flat buffer of the whole bucket)
+ * for q != rank, and the concatenation of `arrays` (this rank's own arrays,
+ * checked: see checked_total; at least `end` bytes together) for q ==
+ * rank. Each element becomes op(...op(op(x0, x1), x2)..., x(n-1)) in rank
+ * order, times `scale` when `scaled` (floating types), and is written both
+ * to `result` (at the same byte offset; with streaming stores when
+ * `streaming`, see streaming.h) and back into this rank's arrays. `type`
+ * and `op` are the enums of native.h. */
+void commlib_reduce_share(PyObject *arrays, Py_ssize_t itemsize, int type, int op,
+                          char *const *slots, int nranks, int rank, char *result,
+                          Py_ssize_t begin, Py_ssize_t end, double scale, int scaled,
+                          int streaming)
+{
+    _Alignas(64) char scratch[SCRATCH_BYTES];
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(arrays);
+    PyObject **items = PySequence_Fast_ITEMS(arrays);
+    Py_ssize_t at = 0;
+    for (Py_ssize_t i = 0; i < n && at < end; ++i) {
+        array_head *a = (array_head *)items[i];
+        Py_ssize_t bytes = array_bytes(a, itemsize);
+        Py_ssize_t lo = at > begin ? at : begin, hi = at + bytes < end ? at + bytes : end;
+        for (; lo < hi; lo += SCRATCH_BYTES) {
+            Py_ssize_t piece = hi - lo < SCRATCH_BYTES ? hi - lo : SCRATCH_BYTES;
+            Py_ssize_t len = piece / itemsize;
+            char *own = a->data + (lo - at);
+            combine(type, op, scratch, rank == 0 ? own : slots[0] + lo,
+                    rank == 1 ? own : slots[1] + lo, len);
+            for (int q = 2; q < nranks; ++q)
+                combine(type, op, scratch, scratch, q == rank ? own : slots[q] + lo, len);
+            if (scaled)
+                scale_floats(type, scratch, len, scale);
+            memcpy(own, scratch, (size_t)piece);
+            copy_out(result + lo, scratch, (size_t)piece, streaming);
+        }
+        at += bytes;
+    }
+    streaming_fence(streaming);
+}

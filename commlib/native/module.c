@@ -1,0 +1,210 @@
+/* The extension module `commlib_native`: argument checks in front of the
+ * host loops (hostcopy.c, hostreduce.c, flag_wait.c), called from
+ * commlib/ops/hostcopy.py, commlib/ops/hostreduce.py, commlib/bucketing.py
+ * and commlib/transport/shm.py. Built on first use by commlib/ops/_native.py.
+ *
+ * Every check runs before any memory is touched; a check that fails
+ * returns -1 (the caller takes its numpy path or raises) and nothing is
+ * written. */
+#include "native.h"
+
+static PyObject *ndarray_type;       /* numpy.ndarray, from init() */
+static PyObject *array_type_error;   /* commlib.errors.ArrayTypeError, from init() */
+
+#define MAX_STACK_RANKS 64
+
+/* Bytes of `o` when it is an exact ndarray of dtype object `descr`,
+ * C-contiguous and (when `writing`) writeable; else -1. */
+static Py_ssize_t buffer_bytes(PyObject *o, PyObject *descr, Py_ssize_t itemsize, int writing)
+{
+    array_head *a = (array_head *)o;
+    if ((PyObject *)Py_TYPE(o) != ndarray_type || a->descr != descr
+            || !(a->flags & COMMLIB_C_CONTIGUOUS) || (writing && !(a->flags & COMMLIB_WRITEABLE)))
+        return -1;
+    return array_bytes(a, itemsize);
+}
+
+/* The dtype object of the first array of `arrays` (a tuple or list of at
+ * least one exact ndarray), or NULL. */
+static PyObject *first_descr(PyObject *arrays)
+{
+    if ((!PyTuple_Check(arrays) && !PyList_Check(arrays)) || PySequence_Fast_GET_SIZE(arrays) < 1)
+        return NULL;
+    PyObject *first = PySequence_Fast_ITEMS(arrays)[0];
+    return (PyObject *)Py_TYPE(first) == ndarray_type ? ((array_head *)first)->descr : NULL;
+}
+
+static int check_nargs(const char *name, Py_ssize_t nargs, Py_ssize_t want)
+{
+    if (nargs == want)
+        return 0;
+    PyErr_Format(PyExc_TypeError, "%s takes %zd arguments, got %zd", name, want, nargs);
+    return -1;
+}
+
+/* init(ndarray, ArrayTypeError) */
+static PyObject *py_init(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (check_nargs("init", nargs, 2))
+        return NULL;
+    Py_INCREF(args[0]);
+    Py_INCREF(args[1]);
+    Py_XDECREF(ndarray_type);
+    Py_XDECREF(array_type_error);
+    ndarray_type = args[0];
+    array_type_error = args[1];
+    Py_RETURN_NONE;
+}
+
+/* copy(arrays, flat, itemsize, to_arrays, skip_begin, skip_end, streaming)
+ * -> bytes of the arrays together, or -1 (nothing copied) when they do not
+ * qualify (see checked_total) or do not fit. Raises ArrayTypeError when
+ * `flat` is not a C-contiguous numpy array (writeable, for a gather).
+ * Skip bounds are in bytes. */
+static PyObject *py_copy(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (check_nargs("copy", nargs, 7))
+        return NULL;
+    PyObject *arrays = args[0], *flat = args[1];
+    Py_ssize_t itemsize = PyLong_AsSsize_t(args[2]);
+    int to_arrays = PyObject_IsTrue(args[3]);
+    Py_ssize_t skip_begin = PyLong_AsSsize_t(args[4]), skip_end = PyLong_AsSsize_t(args[5]);
+    int streaming = PyObject_IsTrue(args[6]);
+    if (PyErr_Occurred())
+        return NULL;
+    array_head *f = (array_head *)flat;
+    if ((PyObject *)Py_TYPE(flat) != ndarray_type || !(f->flags & COMMLIB_C_CONTIGUOUS))
+        return PyErr_Format(array_type_error,
+                            "commlib: the flat buffer must be a C-contiguous numpy array");
+    if (!to_arrays && !(f->flags & COMMLIB_WRITEABLE))
+        return PyErr_Format(array_type_error, "commlib: the flat buffer is read-only");
+    if ((PyTuple_Check(arrays) || PyList_Check(arrays)) && PySequence_Fast_GET_SIZE(arrays) == 0)
+        return PyLong_FromLong(0);
+    PyObject *descr = first_descr(arrays);
+    if (descr == NULL || itemsize <= 0)
+        return PyLong_FromLong(-1);
+    Py_ssize_t capacity = buffer_bytes(flat, descr, itemsize, !to_arrays);
+    Py_ssize_t total = checked_total(arrays, ndarray_type, descr, itemsize, capacity, to_arrays);
+    if (capacity < 0 || total < 0)
+        return PyLong_FromLong(-1);
+    commlib_copy(arrays, itemsize, f->data, to_arrays, skip_begin, skip_end, total, streaming);
+    return PyLong_FromSsize_t(total);
+}
+
+/* reduce_share(parts, slots, rank, result, itemsize, type, op, begin, end,
+ * scale, streaming) -> end - begin, or -1 (nothing written) when an
+ * argument does not qualify. `slots`: tuple of every rank's flat buffer;
+ * `scale`: float or None; bounds in bytes. See hostreduce.c. */
+static PyObject *py_reduce_share(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (check_nargs("reduce_share", nargs, 11))
+        return NULL;
+    PyObject *parts = args[0], *slots = args[1], *result = args[3];
+    long rank = PyLong_AsLong(args[2]);
+    Py_ssize_t itemsize = PyLong_AsSsize_t(args[4]);
+    long type = PyLong_AsLong(args[5]), op = PyLong_AsLong(args[6]);
+    Py_ssize_t begin = PyLong_AsSsize_t(args[7]), end = PyLong_AsSsize_t(args[8]);
+    int scaled = args[9] != Py_None;
+    double scale = scaled ? PyFloat_AsDouble(args[9]) : 0.0;
+    int streaming = PyObject_IsTrue(args[10]);
+    if (PyErr_Occurred())
+        return NULL;
+    PyObject *descr = first_descr(parts);
+    if (descr == NULL || !PyTuple_Check(slots) || type < 0 || type >= COMMLIB_T_COUNT || op < 0
+            || op >= COMMLIB_OP_COUNT || itemsize <= 0 || itemsize > 8 || begin < 0
+            || begin > end || begin % itemsize || end % itemsize)
+        return PyLong_FromLong(-1);
+    Py_ssize_t nranks = PyTuple_GET_SIZE(slots);
+    if (nranks < 2 || nranks > 1 << 20 || rank < 0 || rank >= nranks
+            || buffer_bytes(result, descr, itemsize, 1) < end
+            || checked_total(parts, ndarray_type, descr, itemsize, PY_SSIZE_T_MAX, 1) < end)
+        return PyLong_FromLong(-1);
+    char *stack[MAX_STACK_RANKS];
+    char **pointers = nranks <= MAX_STACK_RANKS ? stack : PyMem_Malloc(nranks * sizeof(char *));
+    if (pointers == NULL)
+        return PyErr_NoMemory();
+    int ok = 1;
+    for (Py_ssize_t q = 0; q < nranks; ++q) {
+        PyObject *slot = PyTuple_GET_ITEM(slots, q);
+        ok &= q == rank || buffer_bytes(slot, descr, itemsize, 0) >= end;
+        pointers[q] = ((array_head *)slot)->data;
+    }
+    if (ok)
+        commlib_reduce_share(parts, itemsize, (int)type, (int)op, pointers, (int)nranks, (int)rank,
+                             ((array_head *)result)->data, begin, end, scale, scaled, streaming);
+    if (pointers != stack)
+        PyMem_Free(pointers);
+    return PyLong_FromSsize_t(ok ? end - begin : -1);
+}
+
+/* same_items(a, b) -> whether lists/tuples a and b hold the very same
+ * objects in the same order. */
+static PyObject *py_same_items(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (check_nargs("same_items", nargs, 2))
+        return NULL;
+    PyObject *a = args[0], *b = args[1];
+    if ((!PyTuple_Check(a) && !PyList_Check(a)) || (!PyTuple_Check(b) && !PyList_Check(b)))
+        Py_RETURN_FALSE;
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(a);
+    if (n != PySequence_Fast_GET_SIZE(b))
+        Py_RETURN_FALSE;
+    PyObject **x = PySequence_Fast_ITEMS(a), **y = PySequence_Fast_ITEMS(b);
+    for (Py_ssize_t i = 0; i < n; ++i)
+        if (x[i] != y[i])
+            Py_RETURN_FALSE;
+    Py_RETURN_TRUE;
+}
+
+/* wait_flags(flags, rank, nranks, stride, seq, publish, deadline) -> the
+ * largest value every rank published (0 if one published none), or -1 when
+ * `deadline` (time.monotonic() seconds, or None) passed first. `flags`: a
+ * writeable C-contiguous int64 numpy array of at least nranks * stride
+ * elements; `publish`: int or None. The GIL is released while waiting. See
+ * flag_wait.c. */
+static PyObject *py_wait_flags(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (check_nargs("wait_flags", nargs, 7))
+        return NULL;
+    PyObject *flags = args[0];
+    long rank = PyLong_AsLong(args[1]), nranks = PyLong_AsLong(args[2]);
+    Py_ssize_t stride = PyLong_AsSsize_t(args[3]);
+    long long seq = PyLong_AsLongLong(args[4]);
+    int publishing = args[5] != Py_None;
+    long long publish = publishing ? PyLong_AsLongLong(args[5]) : 0;
+    double deadline = args[6] == Py_None ? -1.0 : PyFloat_AsDouble(args[6]);
+    if (PyErr_Occurred())
+        return NULL;
+    array_head *f = (array_head *)flags;
+    if ((PyObject *)Py_TYPE(flags) != ndarray_type || !(f->flags & COMMLIB_C_CONTIGUOUS)
+            || !(f->flags & COMMLIB_WRITEABLE) || stride < 2 || nranks < 1 || rank < 0
+            || rank >= nranks || array_bytes(f, 1) < (Py_ssize_t)(nranks * stride * 8)
+            || ((uintptr_t)f->data & 7))
+        return PyErr_Format(PyExc_ValueError, "commlib: wait_flags got an unusable flag array");
+    int64_t most = 0;
+    int status;
+    Py_BEGIN_ALLOW_THREADS
+    status = commlib_wait_flags((volatile int64_t *)f->data, (int)rank, (int)nranks, stride,
+                                seq, publish, publishing, deadline, &most);
+    Py_END_ALLOW_THREADS
+    return PyLong_FromLongLong(status < 0 ? -1 : most);
+}
+
+static PyMethodDef methods[] = {
+    {"init", (PyCFunction)(void (*)(void))py_init, METH_FASTCALL, NULL},
+    {"copy", (PyCFunction)(void (*)(void))py_copy, METH_FASTCALL, NULL},
+    {"reduce_share", (PyCFunction)(void (*)(void))py_reduce_share, METH_FASTCALL, NULL},
+    {"same_items", (PyCFunction)(void (*)(void))py_same_items, METH_FASTCALL, NULL},
+    {"wait_flags", (PyCFunction)(void (*)(void))py_wait_flags, METH_FASTCALL, NULL},
+    {NULL, NULL, 0, NULL},
+};
+
+static struct PyModuleDef definition = {
+    PyModuleDef_HEAD_INIT, "commlib_native", "commlib's compiled host loops", -1, methods,
+    NULL, NULL, NULL, NULL,
+};
+
+PyMODINIT_FUNC PyInit_commlib_native(void)
+{
+    return PyModule_Create(&definition);
+}

@@ -1,0 +1,113 @@
+"""commlib.ops.hostreduce: one rank's share of a shared-memory all-reduce,
+read from its arrays, against numpy's ufunc reduction in rank order."""
+import numpy as np
+import pytest
+
+from commlib.errors import CommlibError
+from commlib.ops import hostreduce
+
+pytestmark = pytest.mark.skipif(not hostreduce.supports(np.dtype(np.float32), "sum"),
+                                reason="compiled host loops unavailable")
+
+UFUNCS = {"sum": np.add, "prod": np.multiply, "max": np.maximum, "min": np.minimum}
+DTYPES = ["float32", "float64", "int32", "int64", "uint8"]
+SIZES = [0, 1, 7, 256, 0, 3, 64, 13, 1, 100]       # parts of a bucket, odd and empty
+
+
+def contributions(dtype, n, count, rng):
+    dtype = np.dtype(dtype)
+    if dtype.kind == "f":
+        x = (rng.standard_normal((n, count)) * 3).astype(dtype)
+        x.flat[rng.integers(0, x.size, 5)] = np.nan       # NaN propagation of max/min
+        x.flat[rng.integers(0, x.size, 3)] = np.inf
+        x.flat[rng.integers(0, x.size, 3)] = -0.0
+        return x
+    info = np.iinfo(dtype)
+    return rng.integers(info.min, info.max, (n, count), dtype=dtype, endpoint=True)  # wraps
+
+
+def split(flat, sizes, shapes=True):
+    """Arrays of ``sizes`` elements (some 2-D) holding consecutive pieces of ``flat``."""
+    out, at = [], 0
+    for k, size in enumerate(sizes):
+        piece = flat[at:at + size].copy()
+        out.append(piece.reshape(size // 4, 4) if shapes and size % 4 == 0 and size and k % 2
+                   else piece)
+        at += size
+    return out
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("op", list(UFUNCS))
+@pytest.mark.parametrize("n", [2, 3, 4])
+def test_every_rank_share_matches_numpy(dtype, op, n):
+    rng = np.random.default_rng(hash((dtype, op, n)) % 2**32)
+    count = sum(SIZES)
+    x = contributions(dtype, n, count, rng)
+    with np.errstate(all="ignore"):
+        want = x[0].copy()
+        for q in range(1, n):
+            want = UFUNCS[op](want, x[q])
+    for rank in range(n):
+        lo, hi = count * rank // n, count * (rank + 1) // n
+        slots = [x[q].copy() for q in range(n)]
+        slots[rank][:] = 0                 # never read: this rank's data is in its parts
+        parts = split(x[rank], SIZES)
+        result = np.full(count + 5, 99, dtype=dtype)
+        hostreduce.reduce_share(parts, tuple(slots), rank, result, lo, hi, op)
+        assert result[lo:hi].tobytes() == want[lo:hi].tobytes(), (rank, op)
+        assert (result[:lo] == 99).all() and (result[hi:] == 99).all()
+        got = np.concatenate(parts, axis=None)
+        expect = x[rank].copy()
+        expect[lo:hi] = want[lo:hi]
+        assert got.tobytes() == expect.tobytes()
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+def test_scale_is_applied_in_the_element_type(dtype):
+    rng = np.random.default_rng(5)
+    x = rng.standard_normal((3, 1001)).astype(dtype)
+    scale = 1.0 / 3
+    want = ((x[0] + x[1]) + x[2]) * np.dtype(dtype).type(scale)
+    parts = split(x[1], [500, 0, 501], shapes=False)
+    result = np.zeros(1001, dtype)
+    hostreduce.reduce_share(parts, tuple(x), 1, result, 0, 1001,
+                            "sum", scale)
+    assert result.tobytes() == want.tobytes()
+    assert np.concatenate(parts).tobytes() == want.tobytes()
+
+
+def test_subnormals_are_not_flushed():
+    tiny = np.float32(1e-40)
+    x = np.full((2, 8), tiny, np.float32)
+    parts = [x[0].copy()]
+    result = np.zeros(8, np.float32)
+    hostreduce.reduce_share(parts, tuple(x), 0, result, 0, 8, "sum")
+    assert (result == tiny + tiny).all() and result[0] != 0
+
+
+def test_unsupported_inputs_write_nothing():
+    x = np.ones((2, 16), np.float32)
+    table = tuple(x)
+    result = np.zeros(16, np.float32)
+    part = np.full(16, 5, np.float32)
+    readonly = part.copy()
+    readonly.flags.writeable = False
+    for parts, op in [([part[::2], part[::2]], "sum"),         # strided
+                      ([readonly], "sum"),                      # read-only
+                      ([part.astype(np.float64)], "sum"),       # another dtype
+                      ([part[:8]], "sum"),                       # shorter than the range
+                      ([part], "avg")]:                          # not an op
+        with pytest.raises(CommlibError):
+            hostreduce.reduce_share(parts, table, 0, result, 0, 16, op)
+        assert (result == 0).all() and (part == 5).all()
+    for slots, out in [(table, result[:8]),                       # result shorter than the range
+                       ((x[0], x[1][:8]), result),                 # a slot shorter than the range
+                       ((x[0],), result),                          # one rank only
+                       ((x[0], x[1].astype(np.float64)), result)]:   # a slot of another dtype
+        with pytest.raises(CommlibError):
+            hostreduce.reduce_share([part], slots, 0, out, 0, 16, "sum")
+        assert (result == 0).all() and (part == 5).all()
+    assert not hostreduce.supports(np.dtype(np.float16), "sum")
+    assert not hostreduce.supports(np.dtype(">f4"), "sum")
+    assert not hostreduce.supports(np.dtype(np.float32), "avg")
