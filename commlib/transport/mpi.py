@@ -127,7 +127,7 @@ class MpiTransport(Transport):
     def _host(self, buf):
         """A buffer MPI can use for ``buf``: itself (numpy, or cupy with a
         CUDA-aware MPI, after synchronising the stream) or a host copy."""
-        if not is_cupy(buf):
+        if type(buf) is np.ndarray or not is_cupy(buf):
             return buf
         import cupy
         if self.cuda_aware:
@@ -157,17 +157,20 @@ class MpiTransport(Transport):
 
     # -- collectives ---------------------------------------------------------
     def all_reduce(self, buf, op, deadline=None):
-        IN_PLACE = mpi().IN_PLACE
         h = self._host(buf)
-        mop, mtype = _mpi_op(h.dtype, op), _mpi_type(h.dtype)
         if (self._shm is not None and h.nbytes >= SHM_MIN_BYTES
                 and self._shared(self._shm.all_reduce, h, op, deadline=deadline)):
             self._write_back(buf, h)
             return
+        mop, mtype = _mpi_op(h.dtype, op), _mpi_type(h.dtype)
         step = max(1, self.chunk_bytes // h.itemsize)
-        for start in range(0, h.size, step):
-            piece = h[start:start + step] if h.size > step else h
-            self._call("Allreduce", deadline, IN_PLACE, [piece, piece.size, mtype], mop)
+        if h.size <= step and deadline is None:      # the common small case, without detours
+            self.check_usable()
+            self.comm.Allreduce(mpi().IN_PLACE, [h, mtype], mop)
+        else:
+            for start in range(0, h.size, step):
+                piece = h[start:start + step]
+                self._call("Allreduce", deadline, mpi().IN_PLACE, [piece, mtype], mop)
         self._write_back(buf, h)
 
     def _shared(self, method, *args, deadline=None):

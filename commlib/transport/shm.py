@@ -109,6 +109,7 @@ class SharedMemoryReducer:
         self._last = None         # (mode, bytes, busy ns) of the last call with the C loops
         if not self.usable or self.size == 1:
             return
+        _native.available()     # compile the host loops now, not inside a timed collective
         control = _round_up(self.size * _LINE, _ALIGN)
         total = control + (self.size + 1) * self.capacity_bytes
         self._win = MPI.Win.Allocate_shared(total if self.rank == 0 else 0, 1,
