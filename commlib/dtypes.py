@@ -21,7 +21,10 @@ def name_of(dtype):
 
 
 def is_supported(dtype):
-    return name_of(dtype) in SUPPORTED
+    """A supported element type in the machine's byte order (MPI and NCCL
+    reduce native numbers only)."""
+    dtype = np.dtype(dtype)
+    return dtype.name in SUPPORTED and dtype.isnative
 
 
 def is_floating(dtype):

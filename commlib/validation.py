@@ -72,8 +72,10 @@ def check_arrays(arrays, *, rank, device=None, writeable=True, floating=False,
     for dt in dts:
         if not dtypes.is_supported(dt):
             i = _first(arrays, lambda a: a.dtype == dt)
-            raise ArrayTypeError("rank %d: %s[%d] has dtype %s; supported dtypes: %s"
-                                 % (rank, what, i, dtypes.name_of(dt), ", ".join(dtypes.SUPPORTED)))
+            order = "" if dt.isnative else " in non-native byte order (%s)" % dt.str
+            raise ArrayTypeError("rank %d: %s[%d] has dtype %s%s; supported dtypes: %s, in "
+                                 "native byte order" % (rank, what, i, dtypes.name_of(dt), order,
+                                                        ", ".join(dtypes.SUPPORTED)))
         if floating and not dtypes.is_floating(dt):
             i = _first(arrays, lambda a: a.dtype == dt)
             raise ArrayTypeError(

@@ -32,6 +32,9 @@ def argument_errors(comm):
     expect(errors.ArrayTypeError, ["arrays[0]", "read-only"], lambda: comm.all_reduce(ro))
     expect(errors.ArrayTypeError, ["arrays[1]", "complex64", "supported dtypes"],
            lambda: comm.all_reduce([a, np.ones(2, np.complex64)]))
+    swapped = np.ones(5, np.float32).astype(">f4" if np.little_endian else "<f4")
+    expect(errors.ArrayTypeError, ["arrays[1]", "float32", "byte order"],
+           lambda: comm.all_reduce([a, swapped]))
     expect(errors.ArrayTypeError, ["int32", "floating dtype"],
            lambda: comm.all_reduce(np.ones(2, np.int32), op="avg"))
     expect(errors.ArrayTypeError, ["int64", "floating dtype"],
