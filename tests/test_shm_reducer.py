@@ -141,6 +141,43 @@ red.close()
 print("rank %d ok" % rank)
 """
 
+GIL_CODE = """
+import threading, time
+import numpy as np
+from mpi4py import MPI
+from commlib.ops import hostcopy
+from commlib.transport.shm import SharedMemoryReducer
+
+comm = MPI.COMM_WORLD
+rank = comm.Get_rank()
+red = SharedMemoryReducer(comm, capacity_bytes=1 << 16)
+x = np.full(1 << 12, rank + 1.0, np.float32)
+ticks, stop = [0], threading.Event()
+
+def spin():
+    while not stop.is_set():
+        ticks[0] += 1
+
+if rank == 0:
+    worker = threading.Thread(target=spin)
+    worker.start()
+    time.sleep(0.1)
+    before = ticks[0]
+    assert red.all_reduce(x, "sum")       # waits about 1 s for rank 1
+    during = ticks[0] - before
+    stop.set()
+    worker.join()
+    # while rank 0 waited, its other thread kept running (the wait holds no GIL)
+    print("ticks while waiting:", during)
+    assert during > 1000000 or not hostcopy.available(), during
+else:
+    time.sleep(1.0)
+    assert red.all_reduce(x, "sum")
+assert (x == 3).all()
+red.close()
+print("rank %d ok" % rank)
+"""
+
 ERROR_CODE = """
 import numpy as np
 from mpi4py import MPI
@@ -198,3 +235,8 @@ def test_reducer_with_mpi_barrier_sync():
 
 def test_reducer_argument_errors():
     run_mpi(2, ERROR_CODE, timeout=60)
+
+
+def test_waiting_rank_lets_other_threads_run():
+    proc = run_mpi(2, GIL_CODE, timeout=60)
+    assert "ticks while waiting" in proc.stdout
