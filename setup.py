@@ -32,7 +32,7 @@ setup(
     long_description_content_type="text/markdown",
     license="Apache-2.0",
     python_requires=">=3.9",
-    packages=["commlib", "commlib.ops", "commlib.transport"],
+    packages=["commlib", "commlib.compression", "commlib.ops", "commlib.transport"],
     package_data={"commlib": ["native/*.c", "native/*.h"]},
     install_requires=["numpy>=1.22"],
     extras_require={

@@ -86,6 +86,8 @@ def parse_args(argv=None):
                         "one is checked for correctness)")
     p.add_argument("--bucket-bytes", type=parse_bytes, default=None,
                    help="commlib bucket size (default: commlib's default)")
+    p.add_argument("--compression", default=None, choices=("fp16",),
+                   help="commlib's compression= (the baselines stay uncompressed)")
     p.add_argument("--device", choices=("cpu", "gpu"), default="cpu",
                    help="numpy arrays over MPI, or cupy arrays (commlib uses NCCL)")
     p.add_argument("--json", default=None, help="also write the results here")
@@ -109,6 +111,7 @@ class Context:
         self.rank, self.size = self.mpi.rank, self.mpi.size
         self.comm = commlib.Communicator.from_mpi(
             backend="mpi" if args.device == "cpu" else None, bucket_bytes=args.bucket_bytes)
+        self.compression = args.compression
         self.xp = np
         if args.device == "gpu":
             import cupy
@@ -135,7 +138,8 @@ def make_methods(ctx, shapes, views=False):
         arrays = commlib.flat_arrays(shapes, DTYPE, xp=ctx.xp)
     else:
         arrays = [ctx.xp.empty(s, DTYPE) for s in shapes]
-    methods = {"commlib": (arrays, lambda: ctx.comm.all_reduce(arrays))}
+    methods = {"commlib": (arrays, lambda: ctx.comm.all_reduce(arrays,
+                                                              compression=ctx.compression))}
     if ctx.baselines:
         flat = ctx.xp.empty(sum(a.size for a in arrays), DTYPE)
 
@@ -219,9 +223,11 @@ def main(argv=None):
     say = print if ctx.rank == 0 else (lambda *a, **k: None)
     config = {"ranks": ctx.size, "backend": ctx.comm.backend, "device": args.device,
               "bucket_bytes": ctx.bucket_bytes, "check": ctx.comm.check,
+              "compression": args.compression,
               "dtype": np.dtype(DTYPE).name, "warmup": args.warmup}
     say("# all-reduce, %(ranks)d ranks, backend %(backend)s, device %(device)s, "
-        "bucket_bytes %(bucket_bytes)d, consistency check %(check)s, %(dtype)s" % config)
+        "bucket_bytes %(bucket_bytes)d, consistency check %(check)s, %(dtype)s, "
+        "compression %(compression)s" % config)
     say("# time: max over ranks, median of the repeats; GB/s = 1e9 bytes/s; "
         "busbw = algbw * 2(n-1)/n", flush=True)
     notes, rows = [], []

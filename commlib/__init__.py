@@ -6,7 +6,7 @@
 
 ``import commlib`` works without cupy, NCCL or a GPU.
 """
-from . import errors
+from . import compression, errors
 from .bootstrap import NcclId
 from .bucketing import flat_arrays
 from .communicator import Communicator
@@ -36,6 +36,6 @@ def init(**options):
     return Communicator.from_mpi(**options)
 
 
-__all__ = ["Communicator", "NcclId", "init", "flat_arrays", "errors", "ArgumentError", "ArrayTypeError",
+__all__ = ["Communicator", "NcclId", "init", "flat_arrays", "compression", "errors", "ArgumentError", "ArrayTypeError",
            "BackendUnavailableError", "ClosedError", "CollectiveTimeoutError",
            "CommlibError", "ConsistencyError", "DeviceMismatchError"]

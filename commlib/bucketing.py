@@ -146,6 +146,7 @@ class PreparedList:
         self._buffers = [span if span is not None else xp.empty(b.size, dtype=b.dtype)
                          for span, b in zip(spans, plan.buckets)]
         self._views = []          # numpy: per bucket, a view of the buffer per array
+        self._workspaces = {}     # see workspace()
         # numpy: one C call per bucket copies every array (see ops/hostcopy.py)
         self._hostcopy = kind == "numpy" and hostcopy.available()
         if kind == "numpy":
@@ -199,6 +200,24 @@ class PreparedList:
         if self.kind != "numpy":
             return None
         return (self._buffers[i],) if self._zero_copy[i] else self._pick[i](items)
+
+    def arrays(self, items, i, buf):
+        """The arrays of bucket ``i`` of ``items`` (the bucket's own buffer
+        when they lie back to back in it), or ``(buf,)`` for an array reduced
+        in place (``i`` None, ``buf`` its flat view)."""
+        if i is None:
+            return (buf,)
+        return (buf,) if self._zero_copy[i] else tuple(self._pick[i](items))
+
+    def workspace(self, i, buf):
+        """A dict kept with this list for bucket ``i`` (or, ``i`` None, for
+        the in-place array whose flat view is ``buf``): where a compression
+        strategy keeps its buffers and state between calls."""
+        key = i if i is not None else ("direct", address(buf))
+        found = self._workspaces.get(key)
+        if found is None:
+            found = self._workspaces[key] = {}
+        return found
 
     def direct(self, items):
         """Flat views of the arrays reduced in place."""

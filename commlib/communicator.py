@@ -16,6 +16,7 @@ import time
 import numpy as np
 
 from . import bucketing, consistency, validation
+from . import compression as _compression
 from ._cuda import available as _gpu_available, nccl_unavailable_reason
 from .bootstrap import NcclId
 from .errors import (ArgumentError, BackendUnavailableError, ClosedError, CommlibError,
@@ -281,14 +282,16 @@ class Communicator:
             step(transport, flat, None, prepared)
 
     # -- collectives -----------------------------------------------------------------
-    def all_reduce(self, arrays, op="sum", division=False):
+    def all_reduce(self, arrays, op="sum", division=False, compression=None):
         """Reduce ``arrays`` (one array or a list) over all ranks, in place.
 
         ``op``: ``"sum"``, ``"avg"``, ``"max"``, ``"min"`` or ``"prod"``;
         ``division=True`` divides the sum by ``size`` (same as ``"avg"``).
-        Returns ``arrays``.
+        ``compression``: None, ``"fp16"`` (float32 arrays travel as float16,
+        see :mod:`commlib.compression.fp16`) or a
+        :class:`~commlib.compression.Compression`. Returns ``arrays``.
         """
-        return self._reduce("all_reduce", arrays, None, op, division)
+        return self._reduce("all_reduce", arrays, None, op, division, compression)
 
     def broadcast(self, arrays, root=0):
         """Copy ``arrays`` of rank ``root`` into every rank's ``arrays``, in place.
@@ -321,22 +324,27 @@ class Communicator:
         ranks' arrays are left unchanged. Returns ``arrays``."""
         return self._reduce("reduce", arrays, root, op, division)
 
-    def _reduce(self, name, arrays, root, op, division):
+    def _reduce(self, name, arrays, root, op, division, compression=None):
         """all_reduce (``root=None``: every rank receives) or reduce to ``root``."""
         items, _ = validation.as_list(arrays)
         averaging = op == "avg" or (division is True and op == "sum")
         receives = root is None or self._rank == root
         key, prepared = self._fusion.lookup(items)
+        strategy = None
 
         def checks():
+            nonlocal strategy
             if root is not None:
                 validation.check_root(root, self._size, self._rank)
             validation.check_op(op, division, self._rank)
+            strategy = _compression.resolve(compression, self._rank)
             return self._fused_checks(items, prepared, receives, averaging)
 
         params = {"op": op, "division": division}
         if root is not None:
             params["root"] = root
+        if compression is not None:
+            params["compression"] = getattr(compression, "name", compression)
         kind = self._begin(name, items, params, checks)
         if kind is None:
             return arrays
@@ -345,6 +353,11 @@ class Communicator:
         deadline = self._deadline()
 
         def step(transport, buf, i, prepared):
+            if strategy is not None and strategy.applies_to(buf.dtype):
+                arrays_i = prepared.arrays(items, i, buf)
+                strategy.reduce(transport, arrays_i, reduce_op, scale,
+                                prepared.workspace(i, buf), deadline)
+                return
             if i is not None and root is None:
                 transport.all_reduce_staged(
                     buf, reduce_op, scale, lambda: prepared.pack(items, i),

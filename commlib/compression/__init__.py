@@ -1,0 +1,30 @@
+"""Compressed all-reduce: how a fused bucket travels between ranks.
+
+``comm.all_reduce(grads, op="avg", compression="fp16")`` (or a
+:class:`Compression` instance) hands every bucket of arrays the strategy
+applies to (:meth:`Compression.applies_to`) to :meth:`Compression.reduce`
+instead of the plain all-reduce; the other arrays of the call are reduced as
+usual. One small module per strategy: :mod:`.fp16`.
+"""
+from ..errors import ArgumentError
+from .base import Compression
+from .fp16 import FP16
+
+#: strategies by the names ``compression=`` accepts
+BY_NAME = {"fp16": FP16()}
+
+
+def resolve(compression, rank):
+    """The strategy for ``compression`` (None, a name of :data:`BY_NAME`, or a
+    :class:`Compression`), or None for no compression."""
+    if compression is None or isinstance(compression, Compression):
+        return compression
+    found = BY_NAME.get(compression) if isinstance(compression, str) else None
+    if found is None:
+        raise ArgumentError("rank %d: compression=%r is not supported; expected None, one of "
+                            "%s, or a commlib.compression.Compression"
+                            % (rank, compression, ", ".join(sorted(BY_NAME))))
+    return found
+
+
+__all__ = ["Compression", "FP16", "BY_NAME", "resolve"]

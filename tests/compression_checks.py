@@ -1,0 +1,121 @@
+"""Checks of compressed all-reduce run inside MPI jobs (tests/test_compression.py).
+
+Every rank reduces its own random inputs; the expected values are computed
+independently with numpy from every rank's inputs (all-gathered)."""
+import sys
+
+import numpy as np
+from mpi4py import MPI
+
+import commlib
+from commlib import errors
+
+WORLD = MPI.COMM_WORLD
+SHAPES = [(3,), (0,), (17, 5), (1,), (257,), (300_001,), (64, 64), (2,)]   # one > the bucket
+
+
+def halves(x):
+    """float32 values that float16 represents exactly."""
+    return x.astype(np.float16).astype(np.float32)
+
+
+def check_fp16(comm, xp, to_host, op, division, seed, views=False):
+    """``views``: the float32 arrays are commlib.flat_arrays (zero-copy buckets)."""
+    rank, n = comm.rank, comm.size
+    rng = np.random.default_rng(seed * 100 + rank)
+    averaging = op == "avg" or division
+    # as views, the large array goes last so the small ones form one zero-copy bucket
+    shapes = sorted(SHAPES, key=lambda s: np.prod(s) > 100_000) if views else SHAPES
+    host = [(rng.standard_normal(s) * 3).astype(np.float32) for s in shapes]
+    arrays = commlib.flat_arrays(shapes, np.float32, xp=xp) if views else []
+    for a, h in zip(arrays, host):
+        a[...] = xp.asarray(h)
+    host.append(rng.standard_normal(5))                                   # float64: as is
+    if not averaging:
+        host.append(rng.integers(-9, 9, 6).astype(np.int32))              # int32: as is
+    arrays += [xp.asarray(h) for h in host[len(arrays):]]
+    everyone = WORLD.allgather(host)
+    comm.all_reduce(arrays, op=op, division=division, compression="fp16")
+    got = [to_host(a) for a in arrays]
+    reduce = {"sum": np.add, "avg": np.add, "max": np.maximum, "min": np.minimum}[op]
+    for k, g in enumerate(got):
+        inputs = [everyone[r][k] for r in range(n)]
+        if g.dtype != np.float32:                   # uncompressed: exact rank-order result
+            want = inputs[0].copy()
+            for x in inputs[1:]:
+                want = reduce(want, x)
+            if averaging:
+                want = want / n
+            assert np.allclose(g, want, rtol=1e-12, atol=0), (k, op)
+            continue
+        # travelled as float16: divided by n first when averaging, then cast
+        terms = [halves(x / np.float32(n) if averaging else x).astype(np.float64)
+                 for x in inputs]
+        want = terms[0]
+        for t in terms[1:]:
+            want = reduce(want, t)
+        bound = sum(np.abs(t) for t in terms) * (n * 2.0 ** -10) + 2.0 ** -24
+        assert (halves(g) == g).all(), "result did not come through float16"
+        assert (np.abs(g - want) <= bound).all(), (k, op, np.abs(g - want).max())
+    mine = b"".join(g.tobytes() for g in got)
+    assert all(b == mine for b in WORLD.allgather(mine)), "ranks differ"
+
+
+def check_range(comm, xp, to_host):
+    """Averaging divides before the cast: no overflow; a sum beyond float16 is inf."""
+    n = comm.size
+    x = xp.full(1000, 40000.0, dtype=np.float32)
+    comm.all_reduce(x, op="avg", compression="fp16")
+    assert (to_host(x) == 40000.0).all()
+    x = xp.full(1000, 40000.0, dtype=np.float32)
+    comm.all_reduce(x, op="sum", compression="fp16")
+    want = np.inf if n > 1 else 40000.0
+    assert (to_host(x) == want).all(), to_host(x)[:3]
+
+
+def check_errors(comm, xp):
+    x = xp.ones(4, dtype=np.float32)
+    try:
+        comm.all_reduce(x, compression="zip")
+    except errors.ArgumentError as exc:
+        assert "rank %d" % comm.rank in str(exc) and "compression='zip'" in str(exc), exc
+    else:
+        raise AssertionError("compression='zip' accepted")
+    assert (to_host_any(x) == 1).all()              # untouched
+    checked = commlib.Communicator.from_mpi(backend=comm.backend, check=True)
+    try:
+        if comm.size > 1:
+            checked.all_reduce(x, compression="fp16" if comm.rank == 0 else None)
+            raise AssertionError("ranks with and without compression were not told apart")
+    except errors.ConsistencyError as exc:
+        assert "compression=fp16" in str(exc), exc
+    finally:
+        checked.close()
+
+
+def to_host_any(a):
+    return a if isinstance(a, np.ndarray) else a.get()
+
+
+def main(which):
+    if which == "cupy":
+        import cupy
+        xp, to_host = cupy, (lambda a: a.get())
+        comm = commlib.init()
+    else:
+        xp, to_host = np, (lambda a: a)
+        comm = commlib.Communicator.from_mpi(backend="mpi")
+    seed = 0
+    for op, division in [("avg", False), ("sum", True), ("sum", False), ("max", False),
+                         ("min", False)]:
+        for views in (False, False, True):          # the second call reuses the buffers
+            seed += 1
+            check_fp16(comm, xp, to_host, op, division, seed, views)
+    check_range(comm, xp, to_host)
+    check_errors(comm, xp)
+    comm.close()
+    print("compression rank %d ok" % WORLD.rank)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])
