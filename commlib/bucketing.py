@@ -146,7 +146,8 @@ class PreparedList:
         self._buffers = [span if span is not None else xp.empty(b.size, dtype=b.dtype)
                          for span, b in zip(spans, plan.buckets)]
         self._views = []          # numpy: per bucket, a view of the buffer per array
-        self._workspaces = {}     # see workspace()
+        #: the communicator's compression state for this plan's layout
+        self.workspaces = None
         # numpy: one C call per bucket copies every array (see ops/hostcopy.py)
         self._hostcopy = kind == "numpy" and hostcopy.available()
         if kind == "numpy":
@@ -209,19 +210,19 @@ class PreparedList:
             return (buf,)
         return (buf,) if self._zero_copy[i] else tuple(self._pick[i](items))
 
-    def workspace(self, i, buf):
-        """A dict kept with this list for bucket ``i`` (or, ``i`` None, for
-        the in-place array whose flat view is ``buf``): where a compression
-        strategy keeps its buffers and state between calls."""
-        key = i if i is not None else ("direct", address(buf))
-        found = self._workspaces.get(key)
-        if found is None:
-            found = self._workspaces[key] = {}
-        return found
-
     def direct(self, items):
         """Flat views of the arrays reduced in place."""
         return [a.reshape(-1) for a in self._pick_direct(items)]
+
+    def units(self, items):
+        """``(where, i, buffer)`` for every bucket (``i`` its index, ``buffer``
+        its flat buffer) and then every array reduced in place (``i`` None,
+        ``buffer`` its flat view). ``where`` names the unit within the plan:
+        the bucket index, or ``("direct", position in the list)``."""
+        for i, buf in enumerate(self._buffers):
+            yield i, i, buf
+        for position, flat in zip(self.plan.direct, self.direct(items)):
+            yield ("direct", position), None, flat
 
 
 def _same_items(a, b):

@@ -115,6 +115,7 @@ class Communicator:
         self._check = _env_flag(ENV_CHECK) if check is None else bool(check)
         self._timeout = _default_timeout() if timeout is None else _check_timeout(timeout)
         self._fusion = bucketing.FusionCache()
+        self._workspaces = {}     # compression state, see _workspace()
         self._seq = 0
         self._closed = False
 
@@ -269,17 +270,35 @@ class Communicator:
             return prepared.kind
         return self._array_checks(items, writeable=writeable, floating=floating)
 
-    def _fused(self, items, kind, key, prepared, writeable, step):
+    def _fused(self, items, kind, key, prepared, writeable, step, compressed=None):
         """Run ``step(transport, flat_buffer, bucket_index_or_None, prepared)``
-        for every bucket and every in-place array of the list."""
+        for every bucket and every in-place array of the list. With
+        ``compressed = (strategy, op, scale, deadline)``, a bucket or array
+        the compression strategy applies to goes to the strategy instead."""
+        strategy = compressed[0] if compressed else None
         transport = self._transport(kind)
         if prepared is None:
             plan = bucketing.plan_for(items, self._bucket_bytes_for(transport))
             prepared = self._fusion.prepare(key, items, plan, kind, writeable)
-        for i, buf in prepared.buckets():
-            step(transport, buf, i, prepared)
-        for flat in prepared.direct(items):
-            step(transport, flat, None, prepared)
+        for where, i, buf in prepared.units(items):
+            if strategy is not None and strategy.applies_to(buf.dtype):
+                strategy.reduce(transport, prepared.arrays(items, i, buf), *compressed[1:],
+                                workspace=self._workspace(prepared, strategy, where))
+            else:
+                step(transport, buf, i, prepared)
+
+    def _workspace(self, prepared, strategy, where):
+        """The dict a compression strategy keeps for one bucket (``where``)
+        of one list layout (``prepared.plan.key``): it lasts as long as the
+        communicator, so error-feedback residuals carry over between calls
+        with arrays of the same shapes. The layout's table is looked up once
+        per prepared list (hashing a layout of many arrays is not free)."""
+        if prepared.workspaces is None:
+            prepared.workspaces = self._workspaces.setdefault(prepared.plan.key, {})
+        found = prepared.workspaces.get((strategy, where))
+        if found is None:
+            found = prepared.workspaces[(strategy, where)] = {}
+        return found
 
     # -- collectives -----------------------------------------------------------------
     def all_reduce(self, arrays, op="sum", division=False, compression=None):
@@ -338,6 +357,8 @@ class Communicator:
                 validation.check_root(root, self._size, self._rank)
             validation.check_op(op, division, self._rank)
             strategy = _compression.resolve(compression, self._rank)
+            if strategy is not None:
+                strategy.check(op, self._rank)
             return self._fused_checks(items, prepared, receives, averaging)
 
         params = {"op": op, "division": division}
@@ -353,11 +374,6 @@ class Communicator:
         deadline = self._deadline()
 
         def step(transport, buf, i, prepared):
-            if strategy is not None and strategy.applies_to(buf.dtype):
-                arrays_i = prepared.arrays(items, i, buf)
-                strategy.reduce(transport, arrays_i, reduce_op, scale,
-                                prepared.workspace(i, buf), deadline)
-                return
             if i is not None and root is None:
                 transport.all_reduce_staged(
                     buf, reduce_op, scale, lambda: prepared.pack(items, i),
@@ -375,7 +391,8 @@ class Communicator:
             elif receives and scale is not None:
                 buf *= scale
 
-        self._fused(items, kind, key, prepared, receives, step)
+        self._fused(items, kind, key, prepared, receives, step,
+                    (strategy, reduce_op, scale, deadline) if strategy else None)
         return arrays
 
     def all_gather(self, array):

@@ -9,6 +9,7 @@ from mpi4py import MPI
 
 import commlib
 from commlib import errors
+from commlib.compression import Threshold, TopK
 
 WORLD = MPI.COMM_WORLD
 SHAPES = [(3,), (0,), (17, 5), (1,), (257,), (300_001,), (64, 64), (2,)]   # one > the bucket
@@ -61,6 +62,65 @@ def check_fp16(comm, xp, to_host, op, division, seed, views=False):
     assert all(b == mine for b in WORLD.allgather(mine)), "ranks differ"
 
 
+SPARSE_SHAPES = [(3,), (0,), (17, 5), (1,), (257,), (64, 64), (2,), (20_000,)]
+SPARSE_BUCKET = 64 << 10        # all but the last array form one bucket; the last is its own
+
+
+def units(arrays):
+    """The reduction units of SPARSE_SHAPES under SPARSE_BUCKET: the small
+    arrays back to back, then the large one."""
+    return [np.concatenate([a.reshape(-1) for a in arrays[:-1]]), arrays[-1].reshape(-1)]
+
+
+def select_topk(acc, ratio):
+    """Indices of the k largest |acc| (k = max(1, ceil(ratio * n))), lowest
+    index first among equals, NaN never; ascending."""
+    k = min(acc.size, max(1, int(np.ceil(ratio * acc.size))))
+    mag = np.abs(acc.astype(np.float64))
+    mag[np.isnan(mag)] = -1.0
+    order = np.lexsort((np.arange(acc.size), -mag))[:k]
+    return np.sort(order[mag[order] >= 0])
+
+
+def select_threshold(acc, t):
+    return np.flatnonzero(np.abs(acc) > np.float32(t))
+
+
+def check_sparse(comm, xp, to_host, strategy, select, op, steps=3):
+    """``steps`` calls with fresh gradients; residuals tracked independently."""
+    rank, n = comm.rank, comm.size
+    arrays = [xp.zeros(s, dtype=np.float32) for s in SPARSE_SHAPES]
+    residual = [[np.zeros(u.size, np.float32) for u in units([np.zeros(s, np.float32)
+                                                              for s in SPARSE_SHAPES])]
+                for _ in range(n)]
+    for step in range(steps):
+        rng = np.random.default_rng(1000 * step + 17)          # every rank's inputs, everywhere
+        inputs = [[(rng.standard_normal(s) * (r + 1)).astype(np.float32) for s in SPARSE_SHAPES]
+                  for r in range(n)]
+        inputs[0][-1][5] = np.nan                               # never sent
+        inputs[n - 1][-1][7] = np.inf if step == 1 else inputs[n - 1][-1][7]
+        for a, h in zip(arrays, inputs[rank]):
+            a[...] = xp.asarray(h)
+        comm.all_reduce(arrays, op=op, compression=strategy)
+        expected = [np.zeros(u.size, np.float32) for u in units(inputs[0])]
+        for r in range(n):
+            for u, (grad, res, out) in enumerate(zip(units(inputs[r]), residual[r], expected)):
+                acc = res + grad if strategy.error_feedback else grad.copy()
+                chosen = select(acc)
+                with np.errstate(invalid="ignore"):
+                    out[chosen] += acc[chosen]
+                acc[chosen] = 0
+                residual[r][u] = acc if strategy.error_feedback else res
+        if op == "avg":
+            for out in expected:
+                out *= np.float32(1.0 / n)
+        got = units([to_host(a) for a in arrays])
+        for g, e in zip(got, expected):
+            assert g.tobytes() == e.tobytes(), (strategy, step, np.flatnonzero(g != e)[:5])
+        mine = b"".join(g.tobytes() for g in got)
+        assert all(b == mine for b in WORLD.allgather(mine)), "ranks differ"
+
+
 def check_range(comm, xp, to_host):
     """Averaging divides before the cast: no overflow; a sum beyond float16 is inf."""
     n = comm.size
@@ -93,6 +153,26 @@ def check_errors(comm, xp):
         checked.close()
 
 
+def check_sparse_errors(comm, xp):
+    for bad in (lambda: TopK(0), lambda: TopK(1.5), lambda: TopK(True), lambda: Threshold(-1),
+                lambda: Threshold(float("inf"))):
+        try:
+            bad()
+        except errors.ArgumentError:
+            pass
+        else:
+            raise AssertionError("bad compression settings accepted")
+    x = xp.ones(8, dtype=np.float32)
+    for strategy in (TopK(0.5), Threshold(0.5)):
+        try:
+            comm.all_reduce(x, op="max", compression=strategy)
+        except errors.ArgumentError as exc:
+            assert "rank %d" % comm.rank in str(exc) and "op='max'" in str(exc), exc
+        else:
+            raise AssertionError("op='max' accepted with %s" % strategy)
+        assert (to_host_any(x) == 1).all()
+
+
 def to_host_any(a):
     return a if isinstance(a, np.ndarray) else a.get()
 
@@ -114,6 +194,16 @@ def main(which):
     check_range(comm, xp, to_host)
     check_errors(comm, xp)
     comm.close()
+    sparse = commlib.Communicator.from_mpi(backend=None if which == "cupy" else "mpi",
+                                           bucket_bytes=SPARSE_BUCKET)
+    for ef in (True, False):
+        for op in ("avg", "sum"):
+            check_sparse(sparse, xp, to_host, TopK(0.05, error_feedback=ef),
+                         lambda acc: select_topk(acc, 0.05), op)
+            check_sparse(sparse, xp, to_host, Threshold(1.2, error_feedback=ef),
+                         lambda acc: select_threshold(acc, 1.2), op)
+    check_sparse_errors(sparse, xp)
+    sparse.close()
     print("compression rank %d ok" % WORLD.rank)
 
 

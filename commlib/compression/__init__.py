@@ -4,11 +4,14 @@
 :class:`Compression` instance) hands every bucket of arrays the strategy
 applies to (:meth:`Compression.applies_to`) to :meth:`Compression.reduce`
 instead of the plain all-reduce; the other arrays of the call are reduced as
-usual. One small module per strategy: :mod:`.fp16`.
+usual. One small module per strategy: :mod:`.fp16` (half-precision),
+:mod:`.topk` and :mod:`.threshold` (sparsification with error feedback).
 """
 from ..errors import ArgumentError
 from .base import Compression
 from .fp16 import FP16
+from .threshold import Threshold
+from .topk import TopK
 
 #: strategies by the names ``compression=`` accepts
 BY_NAME = {"fp16": FP16()}
@@ -27,4 +30,4 @@ def resolve(compression, rank):
     return found
 
 
-__all__ = ["Compression", "FP16", "BY_NAME", "resolve"]
+__all__ = ["Compression", "FP16", "TopK", "Threshold", "BY_NAME", "resolve"]

@@ -33,7 +33,7 @@ class FP16(Compression):
     def applies_to(self, dtype):
         return dtype == np.float32
 
-    def reduce(self, transport, arrays, op, scale, workspace, deadline=None):
+    def reduce(self, transport, arrays, op, scale, deadline, workspace):
         # a scale comes only with "sum" (averaging): dividing before the cast
         # keeps the float16 sum from overflowing
         xp = array_module(arrays[0])
