@@ -9,7 +9,7 @@ from mpi4py import MPI
 
 import commlib
 from commlib import errors
-from commlib.compression import Threshold, TopK
+from commlib.compression import Partial, Threshold, TopK
 
 WORLD = MPI.COMM_WORLD
 SHAPES = [(3,), (0,), (17, 5), (1,), (257,), (300_001,), (64, 64), (2,)]   # one > the bucket
@@ -121,6 +121,31 @@ def check_sparse(comm, xp, to_host, strategy, select, op, steps=3):
         assert all(b == mine for b in WORLD.allgather(mine)), "ranks differ"
 
 
+def check_partial(comm, xp, to_host, fraction, op, calls=7):
+    """Each call reduces the next window of each unit; the rest stays local.
+    Integer-valued inputs keep every sum exact in any order."""
+    rank, n = comm.rank, comm.size
+    strategy = Partial(fraction)
+    arrays = [xp.zeros(s, dtype=np.float32) for s in SPARSE_SHAPES]
+    for call in range(calls):
+        rng = np.random.default_rng(call)
+        inputs = [[rng.integers(-50, 50, s).astype(np.float32) for s in SPARSE_SHAPES]
+                  for _ in range(n)]
+        for a, h in zip(arrays, inputs[rank]):
+            a[...] = xp.asarray(h)
+        comm.all_reduce(arrays, op=op, compression=strategy)
+        got = units([to_host(a) for a in arrays])
+        for u, g in enumerate(got):
+            width = max(1, int(np.ceil(fraction * g.size)))
+            start = (call % int(np.ceil(g.size / width))) * width
+            stop = min(g.size, start + width)
+            want = units(inputs[rank])[u].copy()
+            pieces = [units(inputs[r])[u][start:stop] for r in range(n)]
+            total = np.maximum.reduce(pieces) if op == "max" else sum(pieces)
+            want[start:stop] = total * np.float32(1.0 / n) if op == "avg" else total
+            assert g.tobytes() == want.tobytes(), (fraction, op, call, u)
+
+
 def check_range(comm, xp, to_host):
     """Averaging divides before the cast: no overflow; a sum beyond float16 is inf."""
     n = comm.size
@@ -155,7 +180,7 @@ def check_errors(comm, xp):
 
 def check_sparse_errors(comm, xp):
     for bad in (lambda: TopK(0), lambda: TopK(1.5), lambda: TopK(True), lambda: Threshold(-1),
-                lambda: Threshold(float("inf"))):
+                lambda: Threshold(float("inf")), lambda: Partial(0), lambda: Partial("a")):
         try:
             bad()
         except errors.ArgumentError:
@@ -203,6 +228,9 @@ def main(which):
             check_sparse(sparse, xp, to_host, Threshold(1.2, error_feedback=ef),
                          lambda acc: select_threshold(acc, 1.2), op)
     check_sparse_errors(sparse, xp)
+    for fraction in (0.3, 1.0, 1e-9):
+        for op in ("avg", "sum", "max"):
+            check_partial(sparse, xp, to_host, fraction, op)
     sparse.close()
     print("compression rank %d ok" % WORLD.rank)
 

@@ -5,11 +5,13 @@
 applies to (:meth:`Compression.applies_to`) to :meth:`Compression.reduce`
 instead of the plain all-reduce; the other arrays of the call are reduced as
 usual. One small module per strategy: :mod:`.fp16` (half-precision),
-:mod:`.topk` and :mod:`.threshold` (sparsification with error feedback).
+:mod:`.topk` and :mod:`.threshold` (sparsification with error feedback),
+:mod:`.partial` (partial synchronisation).
 """
 from ..errors import ArgumentError
 from .base import Compression
 from .fp16 import FP16
+from .partial import Partial
 from .threshold import Threshold
 from .topk import TopK
 
@@ -30,4 +32,4 @@ def resolve(compression, rank):
     return found
 
 
-__all__ = ["Compression", "FP16", "TopK", "Threshold", "BY_NAME", "resolve"]
+__all__ = ["Compression", "FP16", "TopK", "Threshold", "Partial", "BY_NAME", "resolve"]

@@ -1,12 +1,11 @@
 """What the sparsifying strategies (top-K, threshold) share: their base
-class, the bucket as one float32 vector, the exchange of (index, value) sets
-and their sum."""
+class and the exchange of (index, value) sets and their sum."""
 import numpy as np
 
 from ..errors import ArgumentError
-from ..ops import hostcopy
 from ..ops._arrays import array_module
 from ..ops.sparse import scatter_add
+from ._flat import buffer, gather, scatter
 from .base import Compression
 
 
@@ -45,40 +44,6 @@ class Sparsifier(Compression):
         indices, values = self.select(flat, residual)
         exchange_and_sum(transport, indices, values, flat, scale, deadline, self.same_count)
         scatter(flat, arrays)
-
-
-def buffer(workspace, name, xp, size, dtype, zero=False):
-    """``workspace[name]``: a 1-D array of ``size`` ``dtype`` elements
-    (zero-filled when first made, if ``zero``), kept between calls."""
-    found = workspace.get(name)
-    if found is None or found.size != size or array_module(found) is not xp:
-        found = workspace[name] = (xp.zeros if zero else xp.empty)(size, dtype=dtype)
-    return found
-
-
-def gather(arrays, workspace):
-    """The bucket as one float32 vector: the single array's flat view, or
-    its arrays copied back to back into ``workspace["flat"]``."""
-    if len(arrays) == 1:
-        return arrays[0].reshape(-1)
-    xp = array_module(arrays[0])
-    flat = buffer(workspace, "flat", xp, sum(a.size for a in arrays), np.float32)
-    if xp is not np or not (hostcopy.available() and hostcopy.gather(arrays, flat)):
-        xp.concatenate([a.reshape(-1) for a in arrays], out=flat)
-    return flat
-
-
-def scatter(flat, arrays):
-    """Copy ``flat`` back into the arrays (nothing to do for a single array,
-    whose flat view it is)."""
-    if len(arrays) == 1:
-        return
-    if array_module(flat) is np and hostcopy.available() and hostcopy.scatter(flat, arrays):
-        return
-    offset = 0
-    for a in arrays:
-        a[...] = flat[offset:offset + a.size].reshape(a.shape)
-        offset += a.size
 
 
 def exchange_and_sum(transport, indices, values, out, scale, deadline, same_count):

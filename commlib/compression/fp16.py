@@ -12,17 +12,10 @@ itself runs in float16 (as NCCL's does), so results carry float16 rounding
 """
 import numpy as np
 
-from ..ops import hostcopy
 from ..ops import pack as _pack
 from ..ops._arrays import array_module
+from . import _flat
 from .base import Compression
-
-
-def _buffer(workspace, name, xp, size, dtype):
-    found = workspace.get(name)
-    if found is None or found.size != size:
-        found = workspace[name] = xp.empty(size, dtype=dtype)
-    return found
 
 
 class FP16(Compression):
@@ -38,27 +31,18 @@ class FP16(Compression):
         # keeps the float16 sum from overflowing
         xp = array_module(arrays[0])
         size = sum(a.size for a in arrays)
-        wire = _buffer(workspace, "wire", xp, size, np.float16)
+        wire = _flat.buffer(workspace, "wire", xp, size, np.float16)
         if xp is not np:             # one pack / unpack launch, casting on the way
             _pack.pack(arrays, wire, scale=scale)
             transport.all_reduce(wire, op, deadline)
             _pack.unpack(wire, arrays)
             return
         # numpy: gather into float32, scale and cast with whole-buffer numpy calls
-        if len(arrays) == 1:
-            flat = arrays[0].reshape(-1)
-        else:
-            flat = _buffer(workspace, "flat", np, size, np.float32)
-            if not (hostcopy.available() and hostcopy.gather(arrays, flat)):
-                np.concatenate(arrays, axis=None, out=flat)
+        flat = _flat.gather(arrays, workspace)
         if scale is not None:
             np.multiply(flat, np.float32(scale), out=wire)
         else:
             wire[...] = flat
         transport.all_reduce(wire, op, deadline)
         flat[...] = wire
-        if len(arrays) > 1 and not (hostcopy.available() and hostcopy.scatter(flat, arrays)):
-            offset = 0
-            for a in arrays:
-                a[...] = flat[offset:offset + a.size].reshape(a.shape)
-                offset += a.size
+        _flat.scatter(flat, arrays)
