@@ -24,6 +24,14 @@ Unless ``OMP_NUM_THREADS`` is set, each worker uses one BLAS thread.
 With ``--batch-size B`` on N workers every step sees the same N*B images
 as one worker with ``--batch-size`` N*B, so both train (up to rounding)
 the same model.
+
+Communication savings (``--compression``, see ``commlib.compression``):
+``fp16`` averages the gradients in half precision; ``topk`` sends the
+``--ratio`` largest gradients of each bucket and ``threshold`` those above
+``--threshold``, both with error feedback; ``partial`` (SINGA's partial
+update) applies each rank's own gradients locally and then averages only a
+rotating ``--ratio`` of the parameters per step (all of them once more at
+the end, so the ranks finish with one model).
 """
 import argparse
 import hashlib
@@ -239,11 +247,14 @@ def train_epoch(comm, layers, velocity, train, epoch, args):
         logits = forward(layers, x[idx])
         loss, correct, dlogits = softmax_cross_entropy(logits, y[idx])
         backward(layers, dlogits)
-        comm.all_reduce(grads, division=True)
+        if args.compression != "partial":
+            comm.all_reduce(grads, division=True, compression=args.strategy)
         for p, g, v in zip(params, grads, velocity):
             v *= args.momentum
             v -= lr * g
             p += v
+        if args.compression == "partial":
+            comm.all_reduce(params, op="avg", compression=args.strategy)
         totals[0] += loss * len(idx)  # device-side sums: no host sync per step
         totals[1] += correct
         totals[2] += len(idx)
@@ -288,6 +299,14 @@ def parse_args(argv=None):
                         help="gpu: cupy arrays on the communicator's GPU; auto: gpu when "
                              "the communicator has one")
     parser.add_argument("--data", default=DATA, help="npz file with images and labels")
+    parser.add_argument("--compression", choices=("none", "fp16", "topk", "threshold", "partial"),
+                        default="none", help="communication savings (see the module doc)")
+    parser.add_argument("--ratio", type=float, default=0.01,
+                        help="topk: fraction of each bucket sent; partial: fraction of the "
+                             "parameters averaged per step (default: %(default)s)")
+    parser.add_argument("--threshold", type=float, default=0.01,
+                        help="threshold: magnitude above which a gradient is sent "
+                             "(default: %(default)s)")
     args = parser.parse_args(argv)
     if args.lr is None:
         args.lr = DEFAULT_LR[args.model]
@@ -298,6 +317,14 @@ def parse_args(argv=None):
         parser.error("--lr must be > 0 and --momentum in [0, 1)")
     if not os.path.isfile(args.data):
         parser.error("data file %s not found" % args.data)
+    try:
+        args.strategy = {"none": lambda: None, "fp16": lambda: "fp16",
+                         "topk": lambda: commlib.compression.TopK(args.ratio),
+                         "threshold": lambda: commlib.compression.Threshold(args.threshold),
+                         "partial": lambda: commlib.compression.Partial(args.ratio),
+                         }[args.compression]()
+    except commlib.ArgumentError as exc:
+        parser.error(str(exc))
     return args
 
 
@@ -327,8 +354,9 @@ def main(argv=None):
     comm.broadcast(params, root=0)
     velocity = [xp.zeros_like(p) for p in params]
     say("MNIST: %d workers (%s, %s), model %s, %d train / %d test images, batch %d per worker, "
-        "lr %g, seed %d" % (comm.size, comm.backend, xp.__name__, args.model, len(train[1]),
-                            len(test[1]), args.batch_size, args.lr, args.seed), flush=True)
+        "lr %g, seed %d, compression %s"
+        % (comm.size, comm.backend, xp.__name__, args.model, len(train[1]), len(test[1]),
+           args.batch_size, args.lr, args.seed, args.strategy), flush=True)
     start = time.perf_counter()
     for epoch in range(args.epochs):
         t0 = time.perf_counter()
@@ -338,6 +366,8 @@ def main(argv=None):
         test_acc = evaluate(comm, layers, test)
         say("Evaluation accuracy = %.4f, epoch time = %.2f s"
             % (test_acc, time.perf_counter() - t0), flush=True)
+    if args.compression == "partial":
+        comm.all_reduce(params, op="avg")          # one model on every rank
     same, digest = params_agree(comm, params)
     say("Total time = %.2f s" % (time.perf_counter() - start))
     say("Parameters %s on all %d ranks (sha256 %s)"
