@@ -41,3 +41,22 @@ def test_allreduce_benchmark_smoke(tmp_path):
     assert results["config"]["ranks"] == 2
     assert [r["case"] for r in results["results"]] == [r["case"] for r in rows]
     assert all(len(r["samples_ms"]["commlib"]) == 2 for r in results["results"])
+
+
+def test_compression_benchmark_smoke(tmp_path):
+    """benchmarks/compression.py at 2 ranks on the MNIST CNN's gradients: every
+    strategy reported, payloads as the strategies define them."""
+    out = tmp_path / "compression.json"
+    script = ROOT / "benchmarks" / "compression.py"
+    code = "import runpy; runpy.run_path(%r, run_name='__main__')" % str(script)
+    proc = run_mpi(2, code, timeout=120, args=["--cases", "mnist_cnn", "--repeats", "1",
+                                                "--json", str(out)])
+    rows = {r["strategy"]: r for r in parse_table(proc.stdout)}
+    assert set(rows) == {"none", "fp16", "topk-1%", "topk-0.1%", "threshold-2.5", "partial-10%"}
+    dense = 431080 * 4
+    assert int(rows["none"]["wire bytes per rank"]) == dense
+    assert int(rows["fp16"]["wire bytes per rank"]) == dense // 2
+    assert float(rows["none"]["error"]) == 0 and float(rows["fp16"]["error"]) < 1e-3
+    for name in ("topk-1%", "topk-0.1%", "partial-10%"):
+        assert float(rows[name]["of dense"]) < 0.15, rows[name]
+    assert len(json.loads(out.read_text())) == len(rows)

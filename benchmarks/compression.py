@@ -1,0 +1,134 @@
+"""Compressed all-reduce benchmark: time and bytes on the wire of each
+``commlib.compression`` strategy against the uncompressed all-reduce,
+measured in the same run.
+
+    mpiexec -n 2 python benchmarks/compression.py                 # mnist_cnn, resnet50
+    mpiexec -n 2 python benchmarks/compression.py --cases bert_base --repeats 3
+    mpiexec -n 2 python benchmarks/compression.py --device gpu    # cupy arrays (NCCL)
+
+Every repeat gives each rank fresh random gradients (not timed), then times
+one ``all_reduce(grads, op="avg", compression=...)`` (the slowest rank's
+time); strategies take turns within a repeat. "wire bytes" is what one rank
+hands to the transport's collectives per call (its own payload: the float16
+buckets, the index/value pairs, the partial windows), summed over buckets;
+"of dense" compares it with the uncompressed payload. "error" is the
+largest absolute difference from the exact average in the last repeat,
+relative to the largest magnitude of the average (error feedback makes a
+single step of top-K or threshold far from exact by design; it is the
+accumulated updates that match).
+"""
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+from mpi4py import MPI
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE.parent))  # prefer the checkout's commlib
+import commlib  # noqa: E402
+from commlib.compression import FP16, Partial, Threshold, TopK  # noqa: E402
+
+WORKLOADS = HERE / "workloads"
+STRATEGIES = {"none": None, "fp16": FP16(), "topk-1%": TopK(0.01), "topk-0.1%": TopK(0.001),
+              "threshold-2.5": Threshold(2.5), "partial-10%": Partial(0.1)}
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--cases", default="mnist_cnn,resnet50",
+                   help="comma list of %s" % ", ".join(sorted(x.stem for x in WORKLOADS.glob("*.json"))))
+    p.add_argument("--strategies", default=",".join(STRATEGIES),
+                   help="comma list of %s (default: all)" % ", ".join(STRATEGIES))
+    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--device", choices=("cpu", "gpu"), default="cpu")
+    p.add_argument("--json", default=None, help="also write the results here")
+    args = p.parse_args(argv)
+    args.cases = [c for c in args.cases.split(",") if c]
+    args.strategies = [s for s in args.strategies.split(",") if s]
+    unknown = set(args.strategies) - set(STRATEGIES)
+    if unknown or args.repeats < 1:
+        p.error("unknown strategies %s or --repeats < 1" % sorted(unknown))
+    return args
+
+
+class WireCounter:
+    """Counts the bytes of the buffers this rank hands to its transport."""
+
+    def __init__(self, transport):
+        self.bytes = 0
+        for name in ("all_reduce", "all_gather", "all_gatherv", "all_reduce_staged"):
+            method = getattr(transport, name)
+            setattr(transport, name, self._wrap(method))
+
+    def _wrap(self, method):
+        def counted(buf, *args, **kwargs):
+            self.bytes += buf.nbytes
+            return method(buf, *args, **kwargs)
+        return counted
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    world = MPI.COMM_WORLD
+    comm = commlib.Communicator.from_mpi(backend="mpi" if args.device == "cpu" else None)
+    xp = np
+    if args.device == "gpu":
+        import cupy as xp
+        xp.cuda.Device(comm.device).use()
+    transport = comm._transport("cupy" if xp is not np else "numpy")
+    counter = WireCounter(transport)
+    say = print if comm.rank == 0 else (lambda *a, **k: None)
+    say("# compressed all-reduce, %d ranks, backend %s, %s, op=avg, median of %d; time = "
+        "slowest rank" % (comm.size, comm.backend, args.device, args.repeats))
+    rows = []
+    for case in args.cases:
+        shapes = [tuple(s) for s in json.loads((WORKLOADS / (case + ".json")).read_text())["shapes"]]
+        grads = {name: [xp.zeros(s, np.float32) for s in shapes] for name in args.strategies}
+        times = {name: [] for name in args.strategies}
+        wire = {}
+        for rep in range(args.repeats + 1):            # the first is a warm-up
+            rng = np.random.default_rng([rep, comm.rank])
+            fresh = [rng.standard_normal(s).astype(np.float32) for s in shapes]
+            exact = [sum(world.allgather(f)) / comm.size for f in fresh]
+            for name in args.strategies:
+                for g, f in zip(grads[name], fresh):
+                    g[...] = xp.asarray(f)
+                world.Barrier()
+                counter.bytes = 0
+                start = time.perf_counter()
+                comm.all_reduce(grads[name], op="avg", compression=STRATEGIES[name])
+                if xp is not np:
+                    xp.cuda.Device().synchronize()
+                elapsed = world.allreduce(time.perf_counter() - start, op=MPI.MAX)
+                if rep:
+                    times[name].append(elapsed)
+                wire[name] = counter.bytes
+        scale = max(float(np.abs(e).max()) for e in exact)
+        for name in args.strategies:
+            host = [g if xp is np else g.get() for g in grads[name]]
+            error = max(float(np.abs(h - e).max()) for h, e in zip(host, exact)) / scale
+            rows.append({"case": case, "strategy": name,
+                         "ms": statistics.median(times[name]) * 1e3,
+                         "wire_bytes": wire[name], "of_dense": wire[name] / wire["none"]
+                         if wire.get("none") else None, "error": error})
+    base = {r["case"]: r["ms"] for r in rows if r["strategy"] == "none"}
+    say("| case | strategy | ms | vs none | wire bytes per rank | of dense | error |")
+    say("| --- | --- | --- | --- | --- | --- | --- |")
+    for r in rows:
+        vs = r["ms"] / base[r["case"]] if r["case"] in base else None
+        say("| %s | %s | %.3g | %s | %d | %s | %.2g |"
+            % (r["case"], r["strategy"], r["ms"], "-" if vs is None else "%.2f" % vs,
+               r["wire_bytes"], "-" if r["of_dense"] is None else "%.3f" % r["of_dense"],
+               r["error"]))
+    if comm.rank == 0 and args.json:
+        Path(args.json).write_text(json.dumps(rows, indent=1))
+    comm.close()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
