@@ -96,6 +96,15 @@ def check_larger_than_bucket(comm, rng):
     for a, ins in zip(arrays, inputs):
         assert_equal(a, expected_reduce(ins, "avg", small.size), "bucket 4 KiB n=%d" % a.size)
     small.close()
+    # buckets and arrays larger than the shared-memory window (2 MiB): reduced piece by piece
+    large = commlib.Communicator.from_mpi(bucket_bytes=8 << 20)
+    arrays = [make(rng, "float32", (60_001,)) for _ in range(12)]        # one 2.9 MB bucket
+    arrays.append(make(rng, "float64", (1_200_007,)))                   # 9.6 MB, in place
+    inputs = [gathered(a) for a in arrays]
+    large.all_reduce(arrays, op="avg")
+    for a, ins in zip(arrays, inputs):
+        assert_equal(a, expected_reduce(ins, "avg", large.size), "bucket 8 MiB n=%d" % a.size)
+    large.close()
 
 
 def check_flat_views(comm, rng):
