@@ -1,12 +1,15 @@
 """Bad input raises a specific error (never a hang or garbage), on 1-4 ranks."""
+import os
 import pickle
+import sys
+from pathlib import Path
 
 import pytest
 
 import commlib
 from commlib import errors
 from commlib.bootstrap import NcclId, launcher_env
-from mpirun import run_mpi
+from mpirun import ROOT, mpiexec, run_bounded, run_mpi
 
 CODE = "import sys, error_checks\nerror_checks.main(sys.argv[1])\n"
 
@@ -56,6 +59,27 @@ def test_uncaught_exception_on_one_rank_ends_the_job():
     """
     proc = run_mpi(3, code, timeout=30, expect_fail=True)
     assert "rank one failed" in proc.stderr
+
+
+def test_sys_exit_on_one_rank_under_python_m_mpi4py_ends_the_job():
+    """What the README recommends for bare mpiexec: a nonzero sys.exit on one
+    rank aborts the job instead of leaving its peer blocked in a collective."""
+    code = """
+import sys
+import numpy as np
+import commlib
+comm = commlib.Communicator.from_mpi(backend="mpi")
+if comm.rank == 1:
+    sys.exit(3)
+comm.all_reduce(np.ones(4))
+print("not reached")
+"""
+    script = Path(os.environ.get("PYTEST_TMPDIR", "/tmp")) / ("commlib_exit_%d.py" % os.getpid())
+    script.write_text(code)
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
+    proc = run_bounded([mpiexec(), "-n", "2", sys.executable, "-m", "mpi4py", script], 30, env=env)
+    script.unlink()
+    assert proc.returncode != 0 and "not reached" not in proc.stdout
 
 
 def test_nccl_id_bytes_hex_and_pickle_round_trip():
