@@ -103,7 +103,11 @@ assert hostreduce.supports(np.dtype(np.float32), "sum") == (os.environ.get("COMM
 UFUNCS = {"sum": np.add, "max": np.maximum, "min": np.minimum, "prod": np.multiply}
 DTYPES = ["float16", "float32", "float64", "int32", "int64", "uint8"]
 red = SharedMemoryReducer(comm, capacity_bytes=1 << 16, stores=stores)
-red.stores.min_bytes, red.stores.explore_every = 1024, 3     # measure and switch a lot
+if n > 1 and stores == "auto" and mode == "all":
+    # the start-up probe of plain against streaming stores agrees on every rank
+    answers = comm.allgather((red.stores.mode, red.probe_stores()))
+    assert all(a == answers[0] for a in answers) and isinstance(answers[0][1], bool), answers
+red.stores.min_bytes, red.stores.explore_every, red.stores.warmup = 1024, 3, 2   # switch a lot
 rng = np.random.default_rng(99)              # same layouts on every rank
 for trial in range(40):
     dtype = np.dtype(DTYPES[trial % len(DTYPES)])

@@ -22,23 +22,29 @@ def test_fixed_modes_never_change():
         assert feed(chooser, lambda m: 1.0 if m == fixed else 0.1, 100) == [fixed] * 100
 
 
-def test_tries_both_then_keeps_the_cheaper_and_explores_now_and_then():
-    chooser = StoreModeChooser(explore_every=10)
+def test_measures_both_then_keeps_the_cheaper_and_explores_now_and_then():
+    chooser = StoreModeChooser(explore_every=10, samples=3, warmup=2)
     used = feed(chooser, lambda m: 0.5 if m else 0.1, 100)     # plain is cheaper
-    assert used[:4] == [False, False, False, True]     # 2 warm-up calls, plain, streaming
-    assert 9 <= used.count(True) <= 11                          # one call in 10 explores
-    assert not any(a and b for a, b in zip(used[2:], used[3:]))  # one call at a time
-    chooser = StoreModeChooser(explore_every=10)
+    assert used[:2] == [False, False]                           # warm-up
+    assert used[2:8].count(True) == 3                           # turns until 3 samples each
+    assert 9 <= used.count(True) <= 14                          # then one call in 10 explores
+    assert not any(a and b for a, b in zip(used[8:], used[9:]))  # one call at a time
+    chooser = StoreModeChooser(explore_every=10, warmup=2)
     used = feed(chooser, lambda m: 0.1 if m else 0.5, 100)     # streaming is cheaper
-    assert used.count(False) <= 3 + 100 // 10 and used[-1] is True    # warm-up + explorations
+    assert used.count(False) <= 2 + 3 + 10 and used[-1] is True
+
+
+def test_plain_stores_throughout_the_warm_up():
+    chooser = StoreModeChooser()
+    assert feed(chooser, lambda m: 0.1 if m else 0.5, 32) == [False] * 32
 
 
 def test_follows_a_change_of_costs():
-    chooser = StoreModeChooser(explore_every=8)
+    chooser = StoreModeChooser(explore_every=8, warmup=2)
     feed(chooser, lambda m: 0.5 if m else 0.1, 50)
-    assert chooser.mode is False or chooser.measured % 8 == 0
-    used = feed(chooser, lambda m: 0.1 if m else 0.9, 40)      # plain became expensive
-    assert used[-20:].count(True) >= 17
+    assert chooser.best is False
+    used = feed(chooser, lambda m: 0.1 if m else 0.9, 60)      # plain became expensive
+    assert chooser.best is True and used[-20:].count(True) >= 17
 
 
 def test_small_calls_are_not_measured():
@@ -49,17 +55,24 @@ def test_small_calls_are_not_measured():
     assert chooser.cost == [None, None] and chooser.measured == 0
 
 
-def test_warm_up_call_and_stale_explorations_do_not_decide():
-    chooser = StoreModeChooser(explore_every=4, warmup=1)
+def test_warm_up_and_single_outliers_do_not_decide():
+    chooser = StoreModeChooser(explore_every=4, warmup=1, samples=3)
     chooser.observe(False, MIB, 100.0 * MIB)    # first call: page faults, not counted
     assert chooser.cost == [None, None]
-    used = feed(chooser, lambda m: 0.2 if m else 0.1, 3)
-    assert used == [False, True, False] and chooser.cost == [0.1, 0.2]
-    # one outlier-cheap exploration switches; the next ones switch back
-    chooser.observe(True, MIB, 0.01 * MIB)
-    assert chooser.best is True
+    feed(chooser, lambda m: 0.2 if m else 0.1, 12)
+    assert chooser.best is False and chooser.cost == [0.1, 0.2]
+    chooser.observe(True, MIB, 0.01 * MIB)      # one cheap outlier of the other mode
+    assert chooser.best is False                # the median of its samples is still 0.2
     used = feed(chooser, lambda m: 0.2 if m else 0.1, 12)
-    assert chooser.best is False and used[-4:].count(False) >= 3
+    assert chooser.best is False and used.count(True) <= 4
+
+
+def test_close_costs_do_not_flip_the_mode():
+    chooser = StoreModeChooser(explore_every=4, warmup=2)
+    used = feed(chooser, lambda m: 0.09 if m else 0.1, 40)     # streaming only 10 % cheaper
+    assert chooser.best is False and used[-8:].count(True) <= 2
+    used = feed(chooser, lambda m: 0.05 if m else 0.1, 40)     # half the cost: switch
+    assert chooser.best is True and used[-8:].count(True) >= 6
 
 
 def test_same_reports_same_choices():

@@ -39,6 +39,7 @@ dog), as MPI's path does.
 """
 import os
 import platform
+import statistics
 import time
 
 import numpy as np
@@ -109,7 +110,7 @@ class SharedMemoryReducer:
         self._last = None         # (mode, bytes, busy ns) of the last call with the C loops
         if not self.usable or self.size == 1:
             return
-        _native.available()     # compile the host loops now, not inside a timed collective
+        native = _native.available()  # compile the host loops now, not inside a timed collective
         control = _round_up(self.size * _LINE, _ALIGN)
         total = control + (self.size + 1) * self.capacity_bytes
         self._win = MPI.Win.Allocate_shared(total if self.rank == 0 else 0, 1,
@@ -123,6 +124,38 @@ class SharedMemoryReducer:
         if self.rank == 0:
             self._mem[:control] = 0
         self._node.Barrier()
+        # the probe is collective: only when every rank has the compiled loops
+        if self.stores.fixed is None and self._node.allreduce(native, op=MPI.LAND):
+            self.stores = StoreModeChooser(initial=self.probe_stores())
+
+    def probe_stores(self, nbytes=256 << 10, rounds=3):
+        """Whether streaming stores beat plain ones here and now (collective;
+        the same answer on every rank; about a millisecond).
+
+        Each round every rank writes ``nbytes`` into its slot, which the next
+        rank read in the round before (the reducer's own pattern), then reads
+        the next rank's slot; plain and streaming rounds alternate after one
+        untimed round. Streaming wins when its median write-plus-read time,
+        slowest rank, is below 0.7 of plain's.
+        """
+        count = min(nbytes, self.capacity_bytes) // 4
+        slots, _ = self._views_for(np.dtype(np.float32))
+        mine, seen = np.ones(count, np.float32), np.empty(count, np.float32)
+        slot, other = slots[self.rank][:count], slots[(self.rank + 1) % self.size][:count]
+        clock, times = time.perf_counter_ns, ([], [])
+        for streaming in [False] + [False, True] * rounds:
+            self._node.Barrier()
+            start = clock()
+            hostcopy.gather((mine,), slot, None, streaming)
+            written = clock() - start
+            self._node.Barrier()
+            start = clock()
+            hostcopy.gather((other,), seen)
+            times[streaming].append(written + clock() - start)
+        from .mpi import mpi
+        cost = np.array([statistics.median(t[-rounds:]) for t in times], dtype=np.float64)
+        self._node.Allreduce(mpi().IN_PLACE, cost, op=mpi().MAX)
+        return bool(cost[1] < 0.7 * cost[0])
 
     # -- synchronisation ---------------------------------------------------------
     def _wait_all(self, seq, deadline, publish=None):

@@ -10,34 +10,47 @@ to memory without fetching them, are up to 3x faster. Which case holds can
 change while a job runs, so :class:`StoreModeChooser` measures both.
 
 Each call of the reducer reports the mode it used, its size and the busy
-time (copies and reduction, not waiting) of its slowest rank. The mode in
-use keeps a moving average of nanoseconds per byte; every
-``explore_every``-th call tries the other mode, whose cost is that one
-latest sample (an old outlier never lingers), and the cheaper mode is used
-from then on. The first ``warmup`` calls (page faults, cold caches) are not
-counted. Given the same reports, every rank makes the same choices.
+time (copies and reduction, not waiting) of its slowest rank. The first
+``warmup`` calls use the ``initial`` mode (the reducer measures one at
+start-up) and are not counted (page faults, cold caches; and a short job, or
+one that reduces seldom, never pays for trying the other mode). Then the modes take turns until each has ``samples``
+measurements; a mode's cost is the
+median of its last ``samples`` measurements in nanoseconds per byte, so one
+outlier never decides. The chooser then uses the cheaper mode, switching only
+when the other costs less than ``switch_below`` times the one in use (noise
+between close modes does not flip it), and gives the other mode one call
+every ``explore_every`` calls to keep its cost current. Given the same
+reports, every rank makes the same choices.
 """
+import collections
+import statistics
 
 
 class StoreModeChooser:
     """``mode`` (False: plain stores, True: streaming) for the next call.
 
-    ``fixed``: None to measure, or a mode to always use. Calls smaller than
-    ``min_bytes`` are not measured (fixed costs dominate them).
+    ``fixed``: None to measure, or a mode to always use. ``initial``: the
+    mode of the warm-up calls (see :meth:`SharedMemoryReducer.probe_stores
+    <commlib.transport.shm.SharedMemoryReducer.probe_stores>`). Calls
+    smaller than ``min_bytes`` are not measured (fixed costs dominate them).
     """
 
-    def __init__(self, fixed=None, explore_every=32, alpha=0.25, min_bytes=256 << 10,
-                 warmup=2):
+    def __init__(self, fixed=None, explore_every=16, samples=3, min_bytes=256 << 10,
+                 warmup=32, switch_below=0.7, initial=False):
         self.fixed = fixed
-        self.warmup = warmup
         self.explore_every = explore_every
-        self.alpha = alpha
         self.min_bytes = min_bytes
-        #: ns per byte with plain and with streaming stores (None: not measured yet)
-        self.cost = [None, None]
+        self.warmup = warmup
+        self.switch_below = switch_below
+        #: recent ns per byte with plain and with streaming stores
+        self.samples = (collections.deque(maxlen=samples), collections.deque(maxlen=samples))
         self.measured = 0         # calls measured, the warm-up calls included
-        self.best = bool(fixed)   # the mode used between explorations
-        self.mode = bool(fixed)
+        self.best = self.mode = bool(initial if fixed is None else fixed)
+
+    @property
+    def cost(self):
+        """[plain, streaming]: median recent ns per byte, None while unmeasured."""
+        return [statistics.median(s) if s else None for s in self.samples]
 
     def observe(self, mode, nbytes, busy_ns):
         """Record a call that used ``mode`` on ``nbytes`` bytes and kept its
@@ -46,18 +59,16 @@ class StoreModeChooser:
         if self.fixed is not None:
             return
         if nbytes >= self.min_bytes and busy_ns > 0:
-            x, old = busy_ns / nbytes, self.cost[mode]
-            if self.measured < self.warmup:
-                pass
-            elif mode == self.best and old is not None:
-                self.cost[mode] = old + self.alpha * (x - old)
-            else:
-                self.cost[mode] = x
+            if self.measured >= self.warmup:
+                self.samples[mode].append(busy_ns / nbytes)
             self.measured += 1
-        plain, streaming = self.cost
-        if plain is None or streaming is None:
-            self.mode = plain is not None      # measure plain first, then streaming
+        plain, streaming = self.samples
+        full = plain.maxlen
+        if len(plain) < full or len(streaming) < full:      # take turns until both are measured
+            self.mode = len(streaming) < len(plain)
             return
-        self.best = streaming < plain
+        cost = self.cost
+        if cost[not self.best] < self.switch_below * cost[self.best]:
+            self.best = not self.best
         explore = self.measured % self.explore_every == 0
         self.mode = self.best != explore
