@@ -299,9 +299,12 @@ def run_forked(script, n, timeout=30, env=None):
 
 def test_forked_workers_get_their_rank_environment(tmp_path):
     script = write(tmp_path / "job.py", """
+        import os
         from commlib.bootstrap import launcher_env
         nid, rank, size, local_rank, local_size = launcher_env()
-        print("worker", str(nid)[:8], rank, size, local_rank, local_size, flush=True)
+        # one write per line: the three workers share the pipe
+        os.write(1, ("worker %s %d %d %d %d\\n" % (str(nid)[:8], rank, size, local_rank,
+                                                   local_size)).encode())
     """)
     res = run_forked(script, 3)
     assert res.returncode == 0, res.stderr
