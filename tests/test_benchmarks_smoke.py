@@ -60,3 +60,13 @@ def test_compression_benchmark_smoke(tmp_path):
     for name in ("topk-1%", "topk-0.1%", "partial-10%"):
         assert float(rows[name]["of dense"]) < 0.15, rows[name]
     assert len(json.loads(out.read_text())) == len(rows)
+
+
+def test_shared_memory_probe_smoke():
+    script = ROOT / "benchmarks" / "shm_probe.py"
+    code = "import runpy; runpy.run_path(%r, run_name='__main__')" % str(script)
+    proc = run_mpi(2, code, timeout=60, args=["--bytes", "65536", "--rounds", "3"])
+    rows = {r["stores"]: r for r in parse_table(proc.stdout)}
+    assert set(rows) == {"plain", "streaming"}
+    assert all(float(v) > 0 for r in rows.values() for k, v in r.items() if k != "stores")
+    assert "reference: a write nobody else reads" in proc.stdout
