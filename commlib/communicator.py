@@ -280,8 +280,14 @@ class Communicator:
         if prepared is None:
             plan = bucketing.plan_for(items, self._bucket_bytes_for(transport))
             prepared = self._fusion.prepare(key, items, plan, kind, writeable)
+        if strategy is None:          # the common case, without the generator below
+            for i, buf in prepared.buckets():
+                step(transport, buf, i, prepared)
+            for flat in prepared.direct(items):
+                step(transport, flat, None, prepared)
+            return
         for where, i, buf in prepared.units(items):
-            if strategy is not None and strategy.applies_to(buf.dtype):
+            if strategy.applies_to(buf.dtype):
                 strategy.reduce(transport, prepared.arrays(items, i, buf), *compressed[1:],
                                 workspace=self._workspace(prepared, strategy, where))
             else:
