@@ -30,10 +30,11 @@ from mpi4py import MPI
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))  # prefer the checkout's commlib
 import commlib  # noqa: E402
-from commlib.compression import FP16, Partial, Threshold, TopK  # noqa: E402
+from commlib.compression import BF16, FP16, Partial, Threshold, TopK  # noqa: E402
 
 WORKLOADS = HERE / "workloads"
-STRATEGIES = {"none": None, "fp16": FP16(), "topk-1%": TopK(0.01), "topk-0.1%": TopK(0.001),
+STRATEGIES = {"none": None, "fp16": FP16(), "bf16": BF16(), "topk-1%": TopK(0.01),
+              "topk-0.1%": TopK(0.001),
               "threshold-2.5": Threshold(2.5), "partial-10%": Partial(0.1)}
 
 

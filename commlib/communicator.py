@@ -312,8 +312,8 @@ class Communicator:
 
         ``op``: ``"sum"``, ``"avg"``, ``"max"``, ``"min"`` or ``"prod"``;
         ``division=True`` divides the sum by ``size`` (same as ``"avg"``).
-        ``compression``: None, ``"fp16"`` (float32 arrays travel as float16,
-        see :mod:`commlib.compression.fp16`) or a
+        ``compression``: None, ``"fp16"`` or ``"bf16"`` (float32 arrays
+        travel as float16 / bfloat16, see :mod:`commlib.compression.half`) or a
         :class:`~commlib.compression.Compression`. Returns ``arrays``.
         """
         return self._reduce("all_reduce", arrays, None, op, division, compression)

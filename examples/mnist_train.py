@@ -26,7 +26,7 @@ as one worker with ``--batch-size`` N*B, so both train (up to rounding)
 the same model.
 
 Communication savings (``--compression``, see ``commlib.compression``):
-``fp16`` averages the gradients in half precision; ``topk`` sends the
+``fp16`` and ``bf16`` average the gradients in half precision; ``topk`` sends the
 ``--ratio`` largest gradients of each bucket and ``threshold`` those above
 ``--threshold``, both with error feedback; ``partial`` (SINGA's partial
 update) applies each rank's own gradients locally and then averages only a
@@ -299,7 +299,8 @@ def parse_args(argv=None):
                         help="gpu: cupy arrays on the communicator's GPU; auto: gpu when "
                              "the communicator has one")
     parser.add_argument("--data", default=DATA, help="npz file with images and labels")
-    parser.add_argument("--compression", choices=("none", "fp16", "topk", "threshold", "partial"),
+    parser.add_argument("--compression",
+                        choices=("none", "fp16", "bf16", "topk", "threshold", "partial"),
                         default="none", help="communication savings (see the module doc)")
     parser.add_argument("--ratio", type=float, default=0.01,
                         help="topk: fraction of each bucket sent; partial: fraction of the "
@@ -318,7 +319,7 @@ def parse_args(argv=None):
     if not os.path.isfile(args.data):
         parser.error("data file %s not found" % args.data)
     try:
-        args.strategy = {"none": lambda: None, "fp16": lambda: "fp16",
+        args.strategy = {"none": lambda: None, "fp16": lambda: "fp16", "bf16": lambda: "bf16",
                          "topk": lambda: commlib.compression.TopK(args.ratio),
                          "threshold": lambda: commlib.compression.Threshold(args.threshold),
                          "partial": lambda: commlib.compression.Partial(args.ratio),

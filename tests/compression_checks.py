@@ -15,12 +15,16 @@ WORLD = MPI.COMM_WORLD
 SHAPES = [(3,), (0,), (17, 5), (1,), (257,), (300_001,), (64, 64), (2,)]   # one > the bucket
 
 
-def halves(x):
-    """float32 values that float16 represents exactly."""
-    return x.astype(np.float16).astype(np.float32)
+def halves(x, fmt="fp16"):
+    """``x`` rounded to float16 or bfloat16 (to nearest even), as float32;
+    bfloat16 through ml_dtypes, independently of commlib's casts."""
+    if fmt == "fp16":
+        return x.astype(np.float16).astype(np.float32)
+    import ml_dtypes
+    return x.astype(ml_dtypes.bfloat16).astype(np.float32)
 
 
-def check_fp16(comm, xp, to_host, op, division, seed, views=False):
+def check_half(comm, xp, to_host, op, division, seed, views=False, fmt="fp16"):
     """``views``: the float32 arrays are commlib.flat_arrays (zero-copy buckets)."""
     rank, n = comm.rank, comm.size
     rng = np.random.default_rng(seed * 100 + rank)
@@ -36,7 +40,7 @@ def check_fp16(comm, xp, to_host, op, division, seed, views=False):
         host.append(rng.integers(-9, 9, 6).astype(np.int32))              # int32: as is
     arrays += [xp.asarray(h) for h in host[len(arrays):]]
     everyone = WORLD.allgather(host)
-    comm.all_reduce(arrays, op=op, division=division, compression="fp16")
+    comm.all_reduce(arrays, op=op, division=division, compression=fmt)
     got = [to_host(a) for a in arrays]
     reduce = {"sum": np.add, "avg": np.add, "max": np.maximum, "min": np.minimum}[op]
     for k, g in enumerate(got):
@@ -49,15 +53,16 @@ def check_fp16(comm, xp, to_host, op, division, seed, views=False):
                 want = want / n
             assert np.allclose(g, want, rtol=1e-12, atol=0), (k, op)
             continue
-        # travelled as float16: divided by n first when averaging, then cast
-        terms = [halves(x / np.float32(n) if averaging else x).astype(np.float64)
+        # travelled in half precision: divided by n first when averaging, then cast
+        terms = [halves(x / np.float32(n) if averaging else x, fmt).astype(np.float64)
                  for x in inputs]
         want = terms[0]
         for t in terms[1:]:
             want = reduce(want, t)
-        bound = sum(np.abs(t) for t in terms) * (n * 2.0 ** -10) + 2.0 ** -24
-        assert (halves(g) == g).all(), "result did not come through float16"
-        assert (np.abs(g - want) <= bound).all(), (k, op, np.abs(g - want).max())
+        eps = 2.0 ** -10 if fmt == "fp16" else 2.0 ** -7
+        bound = sum(np.abs(t) for t in terms) * (n * eps) + 2.0 ** -24
+        assert (halves(g, fmt) == g).all(), "result did not come through " + fmt
+        assert (np.abs(g - want) <= bound).all(), (k, op, fmt, np.abs(g - want).max())
     mine = b"".join(g.tobytes() for g in got)
     assert all(b == mine for b in WORLD.allgather(mine)), "ranks differ"
 
@@ -147,7 +152,8 @@ def check_partial(comm, xp, to_host, fraction, op, calls=7):
 
 
 def check_range(comm, xp, to_host):
-    """Averaging divides before the cast: no overflow; a sum beyond float16 is inf."""
+    """Averaging divides before the cast: no overflow; a sum beyond float16 is
+    inf; bfloat16 has float32's range."""
     n = comm.size
     x = xp.full(1000, 40000.0, dtype=np.float32)
     comm.all_reduce(x, op="avg", compression="fp16")
@@ -156,6 +162,10 @@ def check_range(comm, xp, to_host):
     comm.all_reduce(x, op="sum", compression="fp16")
     want = np.inf if n > 1 else 40000.0
     assert (to_host(x) == want).all(), to_host(x)[:3]
+    x = xp.full(1000, 3.0e38, dtype=np.float32)
+    comm.all_reduce(x, op="avg", compression="bf16")
+    got = to_host(x).astype(np.float64)
+    assert np.isfinite(got).all() and (np.abs(got - 3.0e38) <= 3.0e38 * n * 2.0 ** -7).all(), got[:3]
 
 
 def check_errors(comm, xp):
@@ -213,9 +223,10 @@ def main(which):
     seed = 0
     for op, division in [("avg", False), ("sum", True), ("sum", False), ("max", False),
                          ("min", False)]:
-        for views in (False, False, True):          # the second call reuses the buffers
+        for views, fmt in ((False, "fp16"), (False, "fp16"), (True, "fp16"),
+                           (False, "bf16"), (True, "bf16")):   # repeated: buffers reused
             seed += 1
-            check_fp16(comm, xp, to_host, op, division, seed, views)
+            check_half(comm, xp, to_host, op, division, seed, views, fmt)
     check_range(comm, xp, to_host)
     check_errors(comm, xp)
     comm.close()

@@ -52,10 +52,12 @@ def test_compression_benchmark_smoke(tmp_path):
     proc = run_mpi(2, code, timeout=120, args=["--cases", "mnist_cnn", "--repeats", "1",
                                                 "--json", str(out)])
     rows = {r["strategy"]: r for r in parse_table(proc.stdout)}
-    assert set(rows) == {"none", "fp16", "topk-1%", "topk-0.1%", "threshold-2.5", "partial-10%"}
+    assert set(rows) == {"none", "fp16", "bf16", "topk-1%", "topk-0.1%", "threshold-2.5",
+                         "partial-10%"}
     dense = 431080 * 4
     assert int(rows["none"]["wire bytes per rank"]) == dense
     assert int(rows["fp16"]["wire bytes per rank"]) == dense // 2
+    assert int(rows["bf16"]["wire bytes per rank"]) == dense // 2
     assert float(rows["none"]["error"]) == 0 and float(rows["fp16"]["error"]) < 1e-3
     for name in ("topk-1%", "topk-0.1%", "partial-10%"):
         assert float(rows[name]["of dense"]) < 0.15, rows[name]

@@ -4,19 +4,19 @@
 :class:`Compression` instance) hands every bucket of arrays the strategy
 applies to (:meth:`Compression.applies_to`) to :meth:`Compression.reduce`
 instead of the plain all-reduce; the other arrays of the call are reduced as
-usual. One small module per strategy: :mod:`.fp16` (half-precision),
+usual. One small module per strategy: :mod:`.half` (float16 / bfloat16),
 :mod:`.topk` and :mod:`.threshold` (sparsification with error feedback),
 :mod:`.partial` (partial synchronisation).
 """
 from ..errors import ArgumentError
 from .base import Compression
-from .fp16 import FP16
+from .half import BF16, FP16, HalfPrecision
 from .partial import Partial
 from .threshold import Threshold
 from .topk import TopK
 
 #: strategies by the names ``compression=`` accepts
-BY_NAME = {"fp16": FP16()}
+BY_NAME = {"fp16": FP16(), "bf16": BF16()}
 
 
 def resolve(compression, rank):
@@ -32,4 +32,5 @@ def resolve(compression, rank):
     return found
 
 
-__all__ = ["Compression", "FP16", "TopK", "Threshold", "Partial", "BY_NAME", "resolve"]
+__all__ = ["Compression", "HalfPrecision", "FP16", "BF16", "TopK", "Threshold", "Partial",
+           "BY_NAME", "resolve"]

@@ -23,7 +23,9 @@ class Transport:
         self._broken = None
 
     # -- collectives (in place unless a recv buffer is given) ---------------
-    def all_reduce(self, buf, op, deadline=None):
+    def all_reduce(self, buf, op, deadline=None, fmt=None):
+        """Reduce ``buf`` in place over all ranks. ``fmt="bfloat16"``: ``buf``
+        is uint16 holding bfloat16 bit patterns (cupy has no bfloat16 dtype)."""
         raise NotImplementedError
 
     def all_reduce_staged(self, buf, op, scale, pack, unpack, deadline=None, parts=None):

@@ -18,6 +18,7 @@ import numpy as np
 
 from ..errors import BackendUnavailableError, CollectiveTimeoutError
 from ..ops._arrays import is_cupy
+from ..ops.cast import numpy_cast_into
 from .base import Transport
 
 _MPI = None
@@ -59,14 +60,24 @@ _types = {}     # numpy dtype -> MPI datatype
 _ops = {}       # (numpy dtype, op name) -> MPI.Op
 
 
-def _user_op(dtype, op):
-    """An MPI.Op reducing 16-bit floats with the numpy ufunc for ``op``."""
+def _user_op(dtype, op, fmt=None):
+    """An MPI.Op reducing 16-bit floats with the numpy ufunc for ``op``;
+    ``fmt="bfloat16"``: uint16 bit patterns, widened to float32 and rounded
+    back to nearest even (the cast kernels' numpy twin)."""
     ufunc = _UFUNCS[op]
 
     def reduce(inbuf, inoutbuf, datatype):
         a = np.frombuffer(inbuf, dtype=dtype)
         b = np.frombuffer(inoutbuf, dtype=dtype)
-        ufunc(b, a, out=b)
+        if fmt is None:
+            ufunc(b, a, out=b)
+            return
+        wide_a, wide_b = np.empty(a.size, np.float32), np.empty(b.size, np.float32)
+        numpy_cast_into(a, wide_a)
+        numpy_cast_into(b, wide_b)
+        with np.errstate(all="ignore"):
+            ufunc(wide_b, wide_a, out=wide_b)
+        numpy_cast_into(wide_b, b)
 
     return mpi().Op.Create(reduce, commute=True)
 
@@ -80,13 +91,15 @@ def _mpi_type(dtype):
     return found
 
 
-def _mpi_op(dtype, op):
-    """MPI reduction operator for ``op`` on ``dtype`` (user-defined for 16-bit floats)."""
-    key = (dtype, op)
+def _mpi_op(dtype, op, fmt=None):
+    """MPI reduction operator for ``op`` on ``dtype`` (user-defined for 16-bit
+    floats, and for bfloat16 held as uint16, ``fmt="bfloat16"``)."""
+    key = (dtype, op, fmt)
     found = _ops.get(key)
     if found is None:
-        native = dtype.name in _NATIVE
-        found = _ops[key] = getattr(mpi(), _NATIVE_OPS[op]) if native else _user_op(dtype, op)
+        native = fmt is None and dtype.name in _NATIVE
+        found = _ops[key] = (getattr(mpi(), _NATIVE_OPS[op]) if native
+                             else _user_op(dtype, op, fmt))
     return found
 
 
@@ -156,13 +169,13 @@ class MpiTransport(Transport):
             self.poll_until(request.Test, deadline, _NAMES[name], spin=True)
 
     # -- collectives ---------------------------------------------------------
-    def all_reduce(self, buf, op, deadline=None):
+    def all_reduce(self, buf, op, deadline=None, fmt=None):
         h = self._host(buf)
-        if (self._shm is not None and h.nbytes >= SHM_MIN_BYTES
+        if (self._shm is not None and fmt is None and h.nbytes >= SHM_MIN_BYTES
                 and self._shared(self._shm.all_reduce, h, op, deadline=deadline)):
             self._write_back(buf, h)
             return
-        mop, mtype = _mpi_op(h.dtype, op), _mpi_type(h.dtype)
+        mop, mtype = _mpi_op(h.dtype, op, fmt), _mpi_type(h.dtype)
         step = max(1, self.chunk_bytes // h.itemsize)
         if h.size <= step and deadline is None:      # the common small case, without detours
             self.check_usable()

@@ -77,11 +77,12 @@ class NcclTransport(Transport):
         return True
 
     # -- collectives ---------------------------------------------------------
-    def all_reduce(self, buf, op, deadline=None):
+    def all_reduce(self, buf, op, deadline=None, fmt=None):
         self.check_usable()
         with self._device(buf, True) as d:
-            self.comm.allReduce(d.data.ptr, d.data.ptr, d.size, _code(d.dtype),
-                                _OPS[op], self._stream().ptr)
+            dtype = _code(d.dtype) if fmt is None else _DTYPES[fmt]
+            self.comm.allReduce(d.data.ptr, d.data.ptr, d.size, dtype, _OPS[op],
+                                self._stream().ptr)
             self._finish(deadline, "all_reduce")
 
     def broadcast(self, buf, root, deadline=None):
