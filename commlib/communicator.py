@@ -64,6 +64,7 @@ def _default_device(local_rank):
 
 
 _abort_hook_installed = False
+_ABORT_DRAIN_S = 0.25   # seconds between printing the traceback and MPI_Abort
 
 
 def _install_abort_hook():
@@ -77,6 +78,7 @@ def _install_abort_hook():
     def hook(kind, value, tb):
         previous(kind, value, tb)
         sys.stderr.flush()
+        time.sleep(_ABORT_DRAIN_S)   # mpiexec drops output still in its pipes at an abort
         mpi().COMM_WORLD.Abort(1)
 
     sys.excepthook = hook
