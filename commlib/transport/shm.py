@@ -27,15 +27,17 @@ only once it has copied out the result of call k.
 
 Synchronisation (``sync``): ``"flags"`` spins on one monotonically increasing
 sequence number per rank in the window (x86-64 only, where stores become
-visible in program order); ``"barrier"`` is ``MPI_Barrier`` on the node
-communicator. ``"auto"`` picks flags on x86-64.
+visible in program order; in C without the GIL when the host loops are
+compiled); ``"barrier"`` is ``MPI_Barrier`` on the node communicator.
+``"auto"`` picks flags on x86-64. With a ``deadline`` the waits give up with
+:class:`~commlib.errors.CollectiveTimeoutError` (the watch dog), as MPI's
+path does.
 
 Stores (``stores``): with flags, the copies into the window and the result
-use plain or streaming (non-temporal) stores; ``"auto"`` measures both and
-picks the faster, the same on every rank (:mod:`.store_mode`; each rank
-publishes its busy time next to its sequence number). With a ``deadline`` the
-waits give up with :class:`~commlib.errors.CollectiveTimeoutError` (the watch
-dog), as MPI's path does.
+use plain or streaming (non-temporal) stores. ``"auto"`` probes both when
+the reducer is made (:meth:`SharedMemoryReducer.probe_stores`) and then
+measures them on real calls (:mod:`.store_mode`; each rank publishes its
+busy time next to its sequence number), the same choice on every rank.
 """
 import os
 import platform
