@@ -2,6 +2,8 @@
 ``kernels/select_common.cuh``): argument checks for 1-D float vectors, the
 tiling of ``kernels/{topk,threshold,sparse}.cu`` and magnitude keys.
 """
+import operator
+
 import numpy as np
 
 from ..errors import ArgumentError, ArrayTypeError, DeviceMismatchError
@@ -41,6 +43,17 @@ def check_same_kind(**arrays):
         devices = {n: a.device.id for n, a in items}
         if len(set(devices.values())) > 1:
             raise DeviceMismatchError("arrays live on different GPUs: %s" % devices)
+
+
+def check_count(value, name):
+    """``value`` as an int; raise unless it is an integer >= 0."""
+    try:
+        value = operator.index(value)
+    except TypeError:
+        raise ArgumentError("%s: expected an integer, got %r" % (name, value)) from None
+    if value < 0:
+        raise ArgumentError("%s: expected >= 0, got %d" % (name, value))
+    return value
 
 
 def check_length(n, name):

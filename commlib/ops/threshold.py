@@ -5,13 +5,12 @@ in ascending index order. With cupy input it is one pass of
 ``kernels/threshold.cu`` (ordered compaction with decoupled look-back) and
 never synchronizes with the host; numpy input runs the numpy twin.
 """
-import operator
 
 import numpy as np
 
 from ..errors import ArgumentError
 from ._arrays import is_cupy
-from ._select import (BLOCK, INF_KEY, check_length, check_vector, grid_for,
+from ._select import (BLOCK, INF_KEY, check_count, check_length, check_vector, grid_for,
                       magnitude_keys, misalignment, tiles_of)
 
 def _threshold_key(t):
@@ -46,15 +45,7 @@ def threshold(x, t, *, capacity=None):
     n = x.size
     check_length(n, "x")
     tkey = _threshold_key(t)
-    if capacity is None:
-        capacity = n
-    else:
-        try:
-            capacity = operator.index(capacity)
-        except TypeError:
-            raise ArgumentError("capacity: expected an integer, got %r" % (capacity,)) from None
-        if capacity < 0:
-            raise ArgumentError("capacity: expected >= 0, got %d" % capacity)
+    capacity = n if capacity is None else check_count(capacity, "capacity")
     if is_cupy(x):
         return _threshold_cuda(x, tkey, capacity)
     return _threshold_numpy(x, tkey, capacity)

@@ -12,14 +12,13 @@ bound lets the first pass gather the candidates). numpy input runs the numpy
 twin, an exact partition on the same keys.
 """
 import math
-import operator
 
 import numpy as np
 
 from ..errors import ArgumentError
 from ._arrays import is_cupy
-from ._select import (BLOCK, INF_KEY, TILE, check_length, check_same_kind, check_vector,
-                      grid_for, magnitude_keys, misalignment, tiles_of)
+from ._select import (BLOCK, INF_KEY, TILE, check_count, check_length, check_same_kind,
+                      check_vector, grid_for, magnitude_keys, misalignment, tiles_of)
 
 # u32 words of the workspace before the look-back status words (kernels/topk.cu)
 _WS_STATUS = 16 + 2048 + 2048 + 512
@@ -41,12 +40,7 @@ def topk(x, k, *, residual=None):
     order, then padding (-1, 0.0) when fewer non-NaN elements exist.
     """
     check_vector(x, "x", np.float32)
-    try:
-        k = operator.index(k)
-    except TypeError:
-        raise ArgumentError("k: expected an integer, got %r" % (k,)) from None
-    if k < 0:
-        raise ArgumentError("k: expected >= 0, got %d" % k)
+    k = check_count(k, "k")
     if residual is not None:
         check_vector(residual, "residual", np.float32)
         check_same_kind(x=x, residual=residual)
