@@ -194,35 +194,19 @@ class PreparedList:
         for dst, view in zip(picked, self._views[i]):
             dst[...] = view
 
-    def parts(self, items, i):
-        """numpy: the arrays whose concatenation bucket ``i`` is (its own
-        buffer when they already lie back to back there), for a transport
-        that reduces them where they lie; cupy: None."""
-        if self.kind != "numpy":
-            return None
-        return (self._buffers[i],) if self._zero_copy[i] else self._pick[i](items)
-
     def arrays(self, items, i, buf):
-        """The arrays of bucket ``i`` of ``items`` (the bucket's own buffer
-        when they lie back to back in it), or ``(buf,)`` for an array reduced
-        in place (``i`` None, ``buf`` its flat view)."""
-        if i is None:
+        """The arrays of bucket ``i`` of ``items`` (a list slice or tuple; the
+        bucket's own buffer alone when they lie back to back in it), or
+        ``(buf,)`` for an array reduced in place (``i`` None, ``buf`` its
+        flat view): what a transport or compression strategy may reduce
+        where it lies."""
+        if i is None or self._zero_copy[i]:
             return (buf,)
-        return (buf,) if self._zero_copy[i] else tuple(self._pick[i](items))
+        return self._pick[i](items)
 
     def direct(self, items):
         """Flat views of the arrays reduced in place."""
         return [a.reshape(-1) for a in self._pick_direct(items)]
-
-    def units(self, items):
-        """``(where, i, buffer)`` for every bucket (``i`` its index, ``buffer``
-        its flat buffer) and then every array reduced in place (``i`` None,
-        ``buffer`` its flat view). ``where`` names the unit within the plan:
-        the bucket index, or ``("direct", position in the list)``."""
-        for i, buf in enumerate(self._buffers):
-            yield i, i, buf
-        for position, flat in zip(self.plan.direct, self.direct(items)):
-            yield ("direct", position), None, flat
 
 
 def _same_items(a, b):

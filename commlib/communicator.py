@@ -277,23 +277,26 @@ class Communicator:
         for every bucket and every in-place array of the list. With
         ``compressed = (strategy, op, scale, deadline)``, a bucket or array
         the compression strategy applies to goes to the strategy instead."""
-        strategy = compressed[0] if compressed else None
         transport = self._transport(kind)
         if prepared is None:
             plan = bucketing.plan_for(items, self._bucket_bytes_for(transport))
             prepared = self._fusion.prepare(key, items, plan, kind, writeable)
-        if strategy is None:          # the common case, without the generator below
-            for i, buf in prepared.buckets():
-                step(transport, buf, i, prepared)
-            for flat in prepared.direct(items):
-                step(transport, flat, None, prepared)
-            return
-        for where, i, buf in prepared.units(items):
-            if strategy.applies_to(buf.dtype):
-                strategy.reduce(transport, prepared.arrays(items, i, buf), *compressed[1:],
-                                workspace=self._workspace(prepared, strategy, where))
-            else:
-                step(transport, buf, i, prepared)
+        for i, buf in prepared.buckets():
+            self._unit(transport, items, prepared, i, i, buf, step, compressed)
+        for position, flat in zip(prepared.plan.direct, prepared.direct(items)):
+            self._unit(transport, items, prepared, ("direct", position), None, flat, step,
+                       compressed)
+
+    def _unit(self, transport, items, prepared, where, i, buf, step, compressed):
+        """One bucket (``i``) or in-place array (``i`` None) of a fused
+        collective; ``where`` names it within the plan for the compression
+        state."""
+        strategy = compressed[0] if compressed else None
+        if strategy is not None and strategy.applies_to(buf.dtype):
+            strategy.reduce(transport, prepared.arrays(items, i, buf), *compressed[1:],
+                            workspace=self._workspace(prepared, strategy, where))
+        else:
+            step(transport, buf, i, prepared)
 
     def _workspace(self, prepared, strategy, where):
         """The dict a compression strategy keeps for one bucket (``where``)
@@ -386,7 +389,7 @@ class Communicator:
                 transport.all_reduce_staged(
                     buf, reduce_op, scale, lambda: prepared.pack(items, i),
                     lambda scale: prepared.unpack(items, i, scale), deadline,
-                    prepared.parts(items, i))
+                    prepared.arrays(items, i, buf) if prepared.kind == "numpy" else None)
                 return
             if i is not None:
                 prepared.pack(items, i)

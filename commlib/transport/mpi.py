@@ -177,13 +177,9 @@ class MpiTransport(Transport):
             return
         mop, mtype = _mpi_op(h.dtype, op, fmt), _mpi_type(h.dtype)
         step = max(1, self.chunk_bytes // h.itemsize)
-        if h.size <= step and deadline is None:      # the common small case, without detours
-            self.check_usable()
-            self.comm.Allreduce(mpi().IN_PLACE, [h, mtype], mop)
-        else:
-            for start in range(0, h.size, step):
-                piece = h[start:start + step]
-                self._call("Allreduce", deadline, mpi().IN_PLACE, [piece, mtype], mop)
+        for start in range(0, h.size, step):
+            piece = h[start:start + step] if h.size > step else h
+            self._call("Allreduce", deadline, mpi().IN_PLACE, [piece, mtype], mop)
         self._write_back(buf, h)
 
     def _shared(self, method, *args, deadline=None):
