@@ -50,6 +50,22 @@ def test_skip_window_is_left_untouched(skip):
     assert got.tobytes() == want.tobytes()
 
 
+def test_gather_any_and_scatter_any_fall_back_to_numpy():
+    class Sub(np.ndarray):          # not an exact ndarray: the C loop declines
+        pass
+
+    rng = np.random.default_rng(3)
+    plain = [rng.standard_normal(s).astype(np.float32) for s in [(3,), (4, 5), (0,), (7,)]]
+    for arrays in (plain, [a.view(Sub) for a in plain]):
+        out = np.full(40, -1.0, np.float32)
+        hostcopy.gather_any(arrays, out)
+        assert (out[:30] == np.concatenate([np.asarray(a).reshape(-1) for a in arrays])).all()
+        assert (out[30:] == -1).all()
+        src = rng.standard_normal(30).astype(np.float32)
+        hostcopy.scatter_any(src, arrays)
+        assert (np.concatenate([np.asarray(a).reshape(-1) for a in arrays]) == src).all()
+
+
 def test_misaligned_arrays_and_buffer():
     raw = np.zeros(4 * 600 + 3, np.uint8)
     arrays = [raw[1:1 + 4 * 300].view(np.uint8), raw[1 + 4 * 300:1 + 4 * 300 + 7]]

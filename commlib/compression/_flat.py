@@ -22,19 +22,12 @@ def gather(arrays, workspace):
         return arrays[0].reshape(-1)
     xp = array_module(arrays[0])
     flat = buffer(workspace, "flat", xp, sum(a.size for a in arrays), np.float32)
-    if xp is not np or not (hostcopy.available() and hostcopy.gather(arrays, flat)):
-        xp.concatenate([a.reshape(-1) for a in arrays], out=flat)
+    hostcopy.gather_any(arrays, flat)
     return flat
 
 
 def scatter(flat, arrays):
     """Copy ``flat`` back into the arrays (nothing to do for a single array,
     whose flat view it is)."""
-    if len(arrays) == 1:
-        return
-    if array_module(flat) is np and hostcopy.available() and hostcopy.scatter(flat, arrays):
-        return
-    offset = 0
-    for a in arrays:
-        a[...] = flat[offset:offset + a.size].reshape(a.shape)
-        offset += a.size
+    if len(arrays) > 1:
+        hostcopy.scatter_any(flat, arrays)

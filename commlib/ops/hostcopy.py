@@ -8,11 +8,14 @@ dtype, C-contiguous, writeable when written, total size within the flat
 buffer) before copying anything; any mismatch copies nothing and returns
 False, and the caller takes its numpy path. Without the compiled library
 (see :mod:`commlib.ops._native`) :func:`available` is False.
+:func:`gather_any` and :func:`scatter_any` take that path themselves (numpy
+or cupy arrays).
 """
 import numpy as np
 
 from ..errors import BackendUnavailableError
 from . import _native
+from ._arrays import array_module
 
 available = _native.available
 unavailable_reason = _native.unavailable_reason
@@ -47,3 +50,24 @@ def scatter(src, arrays, skip=None):
     the (writeable) arrays, except elements [begin, end) of ``skip``.
     Returns True, or False with nothing copied."""
     return _copy(arrays, src, 1, skip)
+
+
+def gather_any(arrays, out):
+    """The arrays back to back into ``out`` whatever they are: :func:`gather`
+    where the compiled loop takes them, else one concatenate of numpy or
+    cupy (``out``'s kind)."""
+    xp = array_module(out)
+    if xp is np and available() and gather(arrays, out):
+        return
+    xp.concatenate([a.reshape(-1) for a in arrays], out=out[:sum(a.size for a in arrays)])
+
+
+def scatter_any(src, arrays):
+    """The reverse of :func:`gather_any`: :func:`scatter` where the compiled
+    loop takes the arrays, else one copy per array (numpy or cupy)."""
+    if type(src) is np.ndarray and available() and scatter(src, arrays):
+        return
+    offset = 0
+    for a in arrays:
+        a[...] = src[offset:offset + a.size].reshape(a.shape)
+        offset += a.size

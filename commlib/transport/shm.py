@@ -273,7 +273,7 @@ class SharedMemoryReducer:
         own = (lo, hi) if hostreduce.supports(dtype, op) else None
         if not (native and hostcopy.gather(parts, slot, own, streaming)):
             own = None
-            np.concatenate(parts, axis=None, out=slot)
+            hostcopy.gather_any(parts, slot)
         busy = clock() - start
         self._seq += 2
         slowest = self._wait_all(self._seq - 1, deadline,
@@ -295,10 +295,7 @@ class SharedMemoryReducer:
         self._wait_all(self._seq, deadline)
         start = clock()
         if not (native and hostcopy.scatter(result, parts, own)):
-            offset = 0
-            for part in parts:
-                part[...] = result[offset:offset + part.size].reshape(part.shape)
-                offset += part.size
+            hostcopy.scatter_any(result, parts)
         busy += clock() - start
         # only calls with the C loops are measured (0: not measured)
         self._last = (streaming, count * dtype.itemsize, max(1, busy) if own is not None else 0)
