@@ -67,8 +67,11 @@ class WireCounter:
 
     def _wrap(self, method):
         def counted(buf, *args, **kwargs):
-            self.bytes += buf.nbytes
-            return method(buf, *args, **kwargs)
+            before = self.bytes
+            result = method(buf, *args, **kwargs)
+            if self.bytes == before:     # not already counted by a nested collective
+                self.bytes += buf.nbytes
+            return result
         return counted
 
 
