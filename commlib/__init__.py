@@ -12,7 +12,8 @@ from .bucketing import flat_arrays
 from .communicator import Communicator
 from .errors import (ArgumentError, ArrayTypeError, BackendUnavailableError, ClosedError,
                      CollectiveTimeoutError, CommlibError, ConsistencyError,
-                     DeviceMismatchError)
+                     DeviceMismatchError, NonFiniteError, PayloadError, PeerError,
+                     TransportError)
 
 __version__ = "0.1.0"
 
@@ -38,4 +39,5 @@ def init(**options):
 
 __all__ = ["Communicator", "NcclId", "init", "flat_arrays", "compression", "errors", "ArgumentError", "ArrayTypeError",
            "BackendUnavailableError", "ClosedError", "CollectiveTimeoutError",
-           "CommlibError", "ConsistencyError", "DeviceMismatchError"]
+           "CommlibError", "ConsistencyError", "DeviceMismatchError", "NonFiniteError",
+           "PayloadError", "PeerError", "TransportError"]

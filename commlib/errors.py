@@ -3,11 +3,23 @@
 Every error commlib raises derives from :class:`CommlibError`. Argument
 errors also derive from the matching built-in (``TypeError``/``ValueError``)
 so existing ``except ValueError`` code keeps working.
+
+Errors that involve other ranks carry ``culprits``: the ranks the error
+blames (a peer that never arrived, left, died or sent a bad payload), as a
+tuple of ints, empty when no rank is to blame or it is not known. The
+launcher reports them.
 """
 
 
 class CommlibError(Exception):
-    """Base class of every commlib error."""
+    """Base class of every commlib error.
+
+    ``culprits``: tuple of the ranks this error blames (may be empty).
+    """
+
+    def __init__(self, *args, culprits=()):
+        super().__init__(*args)
+        self.culprits = tuple(int(r) for r in culprits)
 
 
 class ArgumentError(CommlibError, ValueError):
@@ -27,16 +39,39 @@ class BackendUnavailableError(CommlibError, RuntimeError):
 
 
 class ClosedError(CommlibError, RuntimeError):
-    """The communicator was used after :meth:`Communicator.close`."""
+    """The communicator was used after :meth:`Communicator.close`, or after a
+    failure left it unusable."""
 
 
 class ConsistencyError(CommlibError, RuntimeError):
-    """Ranks called different collectives (op, dtype, shape or sequence differ)."""
+    """Ranks called different collectives (op, dtype, shape, settings or
+    sequence differ), or another rank rejected its arguments."""
 
 
 class CollectiveTimeoutError(CommlibError, TimeoutError):
-    """A collective did not complete before its deadline (a peer died or hangs)."""
+    """A collective did not complete before its deadline (a peer hangs, died,
+    or never called it); ``culprits`` are the ranks that had not arrived."""
 
 
-class KernelError(CommlibError, RuntimeError):
-    """A CUDA kernel reported a problem (bad index, overflow to inf)."""
+class PeerError(CommlibError, RuntimeError):
+    """A peer left while this rank waits for it: it closed the communicator
+    (uneven number of steps), exited, died, or gave up on this collective
+    after an error of its own."""
+
+
+class TransportError(CommlibError, RuntimeError):
+    """The MPI or NCCL library reported an error during a collective."""
+
+
+class NonFiniteError(CommlibError, FloatingPointError):
+    """A compressed all-reduce met NaN or infinite values (``counts``: per
+    rank, how many)."""
+
+    def __init__(self, *args, counts=(), culprits=()):
+        super().__init__(*args, culprits=culprits)
+        self.counts = tuple(int(c) for c in counts)
+
+
+class PayloadError(CommlibError, RuntimeError):
+    """A rank's compressed payload (counts, indices) is malformed; no array
+    was written."""
