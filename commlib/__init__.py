@@ -24,16 +24,27 @@ def init(**options):
     Under ``commlib.launch``'s forked workers (``COMMLIB_NCCL_ID`` set) it
     uses :meth:`Communicator.from_nccl_id`; otherwise
     :meth:`Communicator.from_mpi` (under mpiexec, or as an MPI singleton of
-    size 1). ``options`` go to the constructor (``bucket_bytes``, ``check``,
+    size 1); without mpi4py, :meth:`Communicator.single` (one process).
+    ``options`` go to the constructor (``bucket_bytes``, ``check``,
     ``timeout``, ``device``, ``backend`` for MPI).
     """
-    from .bootstrap import launcher_env
+    from .bootstrap import launcher_env, mpi_launched
     found = launcher_env()
     if found is not None:
         nid, rank, size, local_rank, local_size = found
         options.pop("backend", None)
         return Communicator.from_nccl_id(nid, rank, size, local_rank=local_rank,
                                          local_size=local_size, **options)
+    try:
+        import mpi4py  # noqa: F401
+    except ImportError:
+        if mpi_launched():
+            raise BackendUnavailableError(
+                "commlib: this process was started by an MPI launcher but mpi4py is not "
+                "installed; install it, e.g. from the commlib source tree: "
+                "pip install '.[mpi]'") from None
+        options.pop("backend", None)
+        return Communicator.single(**options)
     return Communicator.from_mpi(**options)
 
 

@@ -1,13 +1,17 @@
-"""Creating and passing the NCCL unique ID, and reading the launch environment.
+"""What a communicator needs before its first collective: the NCCL unique
+ID, the launch environment, the ranks' agreement on settings, and memory
+shared by the ranks of one node.
 
 An :class:`NcclId` is NCCL's 128-byte rendezvous ticket: rank 0 (or a parent
 process) creates it, every rank passes the same ID to
 ``Communicator.from_nccl_id``. It pickles (for ``multiprocessing`` fork and
 spawn) and round-trips through hex text (for environment variables).
 """
+import hashlib
 import os
 
-from .errors import ArgumentError, BackendUnavailableError
+from . import consistency, shared_segment
+from .errors import ArgumentError, BackendUnavailableError, CommlibError, ConsistencyError
 
 NCCL_ID_BYTES = 128
 
@@ -101,6 +105,17 @@ def _int_env(name, env):
         raise ArgumentError("environment variable %s=%r is not an integer" % (name, value)) from None
 
 
+def mpi_launched(env=None):
+    """Whether an MPI launcher (mpiexec, srun) started this process with
+    several ranks."""
+    env = os.environ if env is None else env
+    for names in MPI_LAUNCHER_ENV:
+        size = env.get(names[1])
+        if size is not None:
+            return size.strip() not in ("", "1")
+    return False
+
+
 def launcher_env(env=None):
     """(NcclId, rank, size, local_rank, local_size) from the launcher's
     variables, or None when ``COMMLIB_NCCL_ID`` is not set."""
@@ -115,3 +130,65 @@ def launcher_env(env=None):
     return (NcclId.from_hex(env[ENV_NCCL_ID]), rank, size,
             rank if local_rank is None else local_rank,
             size if local_size is None else local_size)
+
+
+# -- agreement at construction (over MPI) ----------------------------------------------
+
+def agree(comm, rank, settings, error):
+    """All-gather every rank's ``settings`` (a dict of plain values) and its
+    set-up ``error`` (an exception or None) over ``comm`` (mpi4py); raise the
+    same way on every rank when a rank failed or the settings differ: this
+    rank's own error, or a ConsistencyError naming the ranks. Returns the
+    list of every rank's settings."""
+    text = None if error is None else "%s: %s" % (type(error).__name__, error)
+    records = comm.allgather((settings, text))
+    failed = [(r, t) for r, (_, t) in enumerate(records) if t is not None]
+    if error is not None:
+        raise error
+    if failed:
+        raise ConsistencyError("rank %d: the communicator was not made:\n  %s" % (
+            rank, "\n  ".join("rank %d failed: %s" % (r, t) for r, t in failed)),
+            culprits=[r for r, _ in failed])
+    consistency.compare_settings(rank, [s for s, _ in records])
+    return [s for s, _ in records]
+
+
+def node_segment(comm, nbytes):
+    """A :class:`~commlib.shared_segment.SharedSegment` of ``nbytes`` shared
+    by every rank of ``comm`` (mpi4py; all on one node), or None when one
+    cannot be made on some rank. Collective; the name is gone from
+    ``/dev/shm`` when it returns."""
+    segment = None
+    if comm.Get_rank() == 0 and shared_segment.available():
+        try:
+            segment = shared_segment.SharedSegment(shared_segment.new_name(), nbytes, create=True)
+        except CommlibError:
+            segment = None
+    name = comm.bcast(None if segment is None else segment.name, root=0)
+    if name is not None and segment is None:
+        try:
+            segment = shared_segment.SharedSegment(name, nbytes)
+        except CommlibError:
+            segment = None
+    from .transport.mpi import mpi
+    everyone = comm.allreduce(segment is not None, op=mpi().LAND)
+    if segment is not None and comm.Get_rank() == 0:
+        segment.unlink()
+    if not everyone and segment is not None:
+        segment.close()
+        segment = None
+    return segment
+
+
+def nccl_segment(nccl_id, size, nbytes):
+    """The segment of ``nbytes`` that every process using ``nccl_id`` on this
+    node opens (its name derives from the ID), or None when shared memory
+    is not available here."""
+    if not shared_segment.available():
+        return None
+    digest = hashlib.sha256(nccl_id.data).hexdigest()[:24]
+    name = "%snccl-%s-%d" % (shared_segment.PREFIX, digest, size)
+    try:
+        return shared_segment.SharedSegment(name, nbytes, exist_ok=True)
+    except CommlibError:
+        return None

@@ -148,6 +148,8 @@ class PreparedList:
         self._views = []          # numpy: per bucket, a view of the buffer per array
         #: the communicator's compression state for this plan's layout
         self.workspaces = None
+        #: the consistency check's digest of the arrays' dtypes and shapes
+        self.digest = None
         # numpy: one C call per bucket copies every array (see ops/hostcopy.py)
         self._hostcopy = kind == "numpy" and hostcopy.available()
         if kind == "numpy":
@@ -161,6 +163,10 @@ class PreparedList:
     def buckets(self):
         """Indices 0..n-1 of the buckets, with their flat buffers."""
         return enumerate(self._buffers)
+
+    def zero_copy(self, i):
+        """Whether bucket ``i``'s buffer is the arrays' own memory."""
+        return self._zero_copy[i]
 
     def pack(self, items, i):
         """Copy bucket ``i``'s arrays of ``items`` into the bucket's buffer;

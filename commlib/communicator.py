@@ -1,57 +1,49 @@
 """The :class:`Communicator`: the one object a training loop talks to.
 
-It owns the transports (MPI, NCCL or both), checks arguments before any
-communication, fuses lists of arrays into buckets, applies averaging, and
-optionally runs the consistency check and the watch dog (a deadline on every
-collective).
+It owns the transports (MPI, NCCL or none for a single process) and the
+status board, checks arguments before any communication, fuses lists of
+arrays into buckets, applies averaging, and keeps every collective safe:
+
+* **Consistency check** (on by default): before each collective the ranks
+  compare fingerprints of their calls on the status board
+  (:mod:`commlib.board`); a mismatch, or arguments one rank rejected, raise
+  on every rank before any data moves, and the communicator stays usable.
+* **Watch dog** (on by default, :data:`commlib.settings.DEFAULT_TIMEOUT`):
+  every collective has a deadline; a rank that waits past it raises
+  :class:`~commlib.errors.CollectiveTimeoutError` naming the ranks that had
+  not arrived. A rank that left (closed, exited, failed) or died ends its
+  peers' waits at once with :class:`~commlib.errors.PeerError`.
+* **No write after an error**: a collective that fails leaves the
+  communicator unusable and never writes into the caller's arrays after
+  raising (see the README's "Failures" section for what they hold).
 
 Integer rule: ``op="avg"`` and ``division=True`` need floating dtypes and
 raise :class:`~commlib.errors.ArrayTypeError` on integer arrays (no silent
 truncation); use ``op="sum"`` and divide yourself.
 """
-import os
+import atexit
 import sys
 import time
+import weakref
 
 import numpy as np
 
-from . import bucketing, consistency, validation
+from . import board as _board
+from . import bootstrap, bucketing, consistency, settings, validation
 from . import compression as _compression
 from ._cuda import available as _gpu_available, nccl_unavailable_reason
+from .board_exchange import ExchangeBoard
 from .bootstrap import NcclId
 from .errors import (ArgumentError, BackendUnavailableError, ClosedError, CommlibError,
-                     ConsistencyError)
+                     ConsistencyError, NonFiniteError, PayloadError)
 from .ops._arrays import array_module
-from .transport.mpi import MpiTransport, mpi
+from .waiting import Wait
 
-ENV_CHECK = "COMMLIB_CHECK"
-ENV_WATCHDOG_ENABLE = "COMMLIB_WATCHDOG_ENABLE"
-ENV_WATCHDOG_TIMEOUT = "COMMLIB_WATCHDOG_TIMEOUT"
-ENV_ABORT_ON_ERROR = "COMMLIB_ABORT_ON_ERROR"
-DEFAULT_WATCHDOG_TIMEOUT = 60.0
-
-
-def _env_flag(name):
-    return os.environ.get(name, "0").strip().lower() not in ("", "0", "false", "no", "off")
-
-
-def _default_timeout():
-    if not _env_flag(ENV_WATCHDOG_ENABLE):
-        return None
-    value = os.environ.get(ENV_WATCHDOG_TIMEOUT, str(DEFAULT_WATCHDOG_TIMEOUT))
-    try:
-        return float(value)
-    except ValueError:
-        raise ArgumentError("%s=%r is not a number of seconds" % (ENV_WATCHDOG_TIMEOUT, value)) from None
-
-
-def _check_timeout(timeout, what="timeout"):
-    if timeout is None:
-        return None
-    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0:
-        raise ArgumentError("%s must be a positive number of seconds or None, got %r"
-                            % (what, timeout))
-    return float(timeout)
+_ABORT_DRAIN_S = 0.25   # seconds between printing the traceback and MPI_Abort
+#: errors a collective raises alike on every rank, after which it stays usable
+_AGREED = (NonFiniteError, PayloadError)
+_live = weakref.WeakSet()   # communicators not closed yet, for the exit hooks
+_hooks_installed = False
 
 
 def _gpu_count():
@@ -63,106 +55,173 @@ def _default_device(local_rank):
     return local_rank % _gpu_count()
 
 
-_abort_hook_installed = False
-_ABORT_DRAIN_S = 0.25   # seconds between printing the traceback and MPI_Abort
-
-
-def _install_abort_hook():
-    """Make an uncaught exception on one rank end the whole MPI job
-    (``MPI_Abort``) instead of leaving its peers blocked forever."""
-    global _abort_hook_installed
-    if _abort_hook_installed or not _env_flag_default_on(ENV_ABORT_ON_ERROR):
+def _install_hooks():
+    """On an uncaught exception, tell every peer (the status board) and end
+    an MPI job (``MPI_Abort``, unless ``COMMLIB_ABORT_ON_ERROR=0``), so no
+    rank stays blocked; at exit, close what is still open."""
+    global _hooks_installed
+    if _hooks_installed:
         return
+    _hooks_installed = True
     previous = sys.excepthook
 
     def hook(kind, value, tb):
+        for comm in list(_live):
+            comm._abandon(_board.CLOSED_ON_EXCEPTION, "%s: %s" % (kind.__name__, value))
         previous(kind, value, tb)
         sys.stderr.flush()
-        time.sleep(_ABORT_DRAIN_S)   # mpiexec drops output still in its pipes at an abort
-        mpi().COMM_WORLD.Abort(1)
+        MPI = sys.modules.get("mpi4py.MPI")
+        if (MPI is not None and settings.flag(settings.ABORT_ON_ERROR, True)
+                and MPI.Is_initialized() and not MPI.Is_finalized()
+                and MPI.COMM_WORLD.Get_size() > 1):
+            time.sleep(_ABORT_DRAIN_S)   # mpiexec drops output still in its pipes at an abort
+            MPI.COMM_WORLD.Abort(1)
 
     sys.excepthook = hook
-    _abort_hook_installed = True
+    atexit.register(_close_at_exit)
 
 
-def _env_flag_default_on(name):
-    return os.environ.get(name, "1").strip().lower() not in ("0", "false", "no", "off")
+def _close_at_exit():
+    """Close the communicators still open when the interpreter exits; a
+    peer still inside a collective is told this rank exited."""
+    for comm in list(_live):
+        try:
+            comm._close(_board.EXITED)
+        except CommlibError as exc:
+            print("commlib: at exit: %s" % exc, file=sys.stderr, flush=True)
+
+
+def _options(bucket_bytes=None, check=None, timeout=None):
+    """The constructor options, checked and resolved against the environment."""
+    if bucket_bytes is not None and (isinstance(bucket_bytes, bool)
+                                     or not isinstance(bucket_bytes, (int, np.integer))
+                                     or bucket_bytes < 1):
+        raise ArgumentError("bucket_bytes must be a positive int (bytes), got %r"
+                            % (bucket_bytes,))
+    return {"bucket_bytes": None if bucket_bytes is None else int(bucket_bytes),
+            "check": settings.flag(settings.CHECK, True) if check is None else bool(check),
+            "timeout": settings.timeout(timeout)}
 
 
 class Communicator:
     """Data-parallel collectives over NCCL (cupy arrays) and/or MPI.
 
-    Build one with :meth:`from_mpi`, :meth:`from_nccl_id` or
-    :func:`commlib.init`. ``bucket_bytes`` caps a fused bucket (default per
-    transport, see :mod:`commlib.bucketing`); ``check`` turns on the
-    consistency check (default: ``COMMLIB_CHECK``); ``timeout`` (seconds) is
-    the watch dog's deadline for every collective (default: off, or
-    ``COMMLIB_WATCHDOG_TIMEOUT`` when ``COMMLIB_WATCHDOG_ENABLE`` is set).
+    Build one with :func:`commlib.init`, :meth:`from_mpi`,
+    :meth:`from_nccl_id` or :meth:`single`. Options (every rank must pass
+    the same; checked when the communicator is made): ``bucket_bytes`` caps
+    a fused bucket (default per transport, see :mod:`commlib.bucketing`);
+    ``check`` (default True, or ``COMMLIB_CHECK``) compares every call across
+    ranks before it runs; ``timeout`` (seconds; default 600, or
+    ``COMMLIB_WATCHDOG_TIMEOUT``; ``math.inf`` or
+    ``COMMLIB_WATCHDOG_ENABLE=0`` for none) is the watch dog's deadline per
+    collective.
     """
 
     def __init__(self, *, rank, size, local_rank, local_size, device=None,
-                 mpi_transport=None, nccl_transport=None, bucket_bytes=None,
-                 check=None, timeout=None):
-        if mpi_transport is None and nccl_transport is None:
-            raise ArgumentError("Communicator needs at least one transport")
-        if bucket_bytes is not None and (isinstance(bucket_bytes, bool) or
-                                         not isinstance(bucket_bytes, int) or bucket_bytes < 1):
-            raise ArgumentError("bucket_bytes must be a positive int (bytes), got %r"
-                                % (bucket_bytes,))
+                 mpi_transport=None, nccl_transport=None, board=None, segment=None,
+                 bucket_bytes=None, check=None, timeout=None):
+        options = _options(bucket_bytes, check, timeout)
+        if mpi_transport is None and nccl_transport is None and size != 1:
+            raise ArgumentError("Communicator needs a transport for size %d" % size)
         self._rank, self._size = rank, size
         self._local_rank, self._local_size = local_rank, local_size
         self._device = device
         self._mpi, self._nccl = mpi_transport, nccl_transport
-        self._bucket_bytes = bucket_bytes
-        self._check = _env_flag(ENV_CHECK) if check is None else bool(check)
-        self._timeout = _default_timeout() if timeout is None else _check_timeout(timeout)
+        self._bucket_bytes = options["bucket_bytes"]
+        self._check = options["check"]
+        self._timeout = options["timeout"]
+        self._board, self._segment = board, segment
+        self._wait = Wait(board=board, rank=rank)
         self._fusion = bucketing.FusionCache()
         self._workspaces = {}     # compression state, see _workspace()
-        self._seq = 0
+        self._seq = 0             # collectives entered
+        self._failure = None      # the error that left the communicator unusable
         self._closed = False
+        if board is not None:
+            board.warn_after = settings.stall_warning()
+        if size > 1:
+            _live.add(self)
+            _install_hooks()
 
     # -- construction ----------------------------------------------------------
     @classmethod
     def from_mpi(cls, mpi_comm=None, device=None, *, backend=None, **options):
         """Bootstrap over MPI: every rank of ``mpi_comm`` (default
-        ``MPI.COMM_WORLD``) calls this.
+        ``MPI.COMM_WORLD``) calls this (collective).
 
         ``backend=None`` uses NCCL for cupy arrays when cupy, NCCL and a GPU
-        are usable (rank 0 makes the NCCL ID and broadcasts it over MPI), and
-        MPI otherwise; ``"mpi"`` or ``"nccl"`` forces one. ``device`` is the
-        GPU ordinal (default: local rank modulo the GPU count).
+        are usable on every rank (rank 0 makes the NCCL ID and broadcasts it
+        over MPI), and MPI otherwise; ``"mpi"`` or ``"nccl"`` forces one.
+        ``device`` is the GPU ordinal (default: local rank modulo the GPU
+        count). A rank that cannot make its communicator, or settings that
+        differ between ranks, raise on every rank.
         """
+        from .transport.mpi import MpiTransport, mpi
         MPI = mpi()
-        if backend not in (None, "mpi", "nccl"):
-            raise ArgumentError("backend must be None, 'mpi' or 'nccl', got %r" % (backend,))
         base = MPI.COMM_WORLD if mpi_comm is None else mpi_comm
+        if base.Get_size() > 1:
+            _install_hooks()      # an error below must end the job, not hang it
         comm = base.Dup()
+        rank, size = comm.Get_rank(), comm.Get_size()
         local = comm.Split_type(MPI.COMM_TYPE_SHARED)
         local_rank, local_size = local.Get_rank(), local.Get_size()
         local.Free()
-        rank, size = comm.Get_rank(), comm.Get_size()
-        reason = nccl_unavailable_reason()
-        if reason is None and device is None and _gpu_count() < local_size:
-            reason = ("%d ranks share this node but it has %d GPU(s); NCCL needs one GPU "
-                      "per rank" % (local_size, _gpu_count()))
-        if backend == "nccl" and reason is not None:
-            raise BackendUnavailableError("rank %d: backend='nccl' but %s" % (rank, reason))
-        # NCCL set-up is collective: use it only if every rank can
-        use_nccl = backend == "nccl" or (
-            backend is None and comm.allreduce(reason is None, op=MPI.LAND))
-        if device is None and _gpu_available():
-            device = _default_device(local_rank)
-        nccl = None
-        if use_nccl:
-            from .transport.nccl import NcclTransport
-            nid = NcclId() if rank == 0 else None
-            nid = NcclId(comm.bcast(nid.data if nid is not None else None, root=0))
-            nccl = NcclTransport(nid, rank, size, device)
-        if size > 1:
-            _install_abort_hook()
+        error, mine, reason = None, {}, None
+        try:
+            if backend not in (None, "mpi", "nccl"):
+                raise ArgumentError("rank %d: backend must be None, 'mpi' or 'nccl', got %r"
+                                    % (rank, backend))
+            mine = dict(_options(**options), backend=backend,
+                        shm=settings.flag(settings.SHM, True), stores=settings.shm_stores())
+            if backend != "mpi":
+                reason = nccl_unavailable_reason()
+                if reason is None and device is None and _gpu_count() < local_size:
+                    reason = ("%d ranks share this node but it has %d GPU(s); NCCL needs one "
+                              "GPU per rank" % (local_size, _gpu_count()))
+                if backend == "nccl" and reason is not None:
+                    raise BackendUnavailableError("rank %d: backend='nccl' but %s"
+                                                  % (rank, reason))
+            if device is None and backend != "mpi" and _gpu_available():
+                device = _default_device(local_rank)
+        except CommlibError as exc:
+            error = exc
+        except TypeError as exc:      # an unknown option name
+            error = ArgumentError("rank %d: %s" % (rank, exc))
+        mine["nccl_usable"] = reason is None and backend != "mpi"
+        try:
+            everyone = bootstrap.agree(comm, rank, {k: v for k, v in mine.items()
+                                                    if k != "nccl_usable"}, error)
+            usable = comm.allreduce(mine["nccl_usable"], op=MPI.LAND)
+            del everyone
+            use_nccl = backend == "nccl" or (backend is None and usable)
+            one_node = comm.allreduce(local_size == size, op=MPI.LAND)
+            segment = board = None
+            board_bytes = size * _board.LINE_BYTES
+            shm = mine["shm"] and one_node and size > 1
+            if one_node and size > 1:
+                segment = bootstrap.node_segment(
+                    comm, board_bytes + (MpiTransport.shared_bytes(size) if shm else 0))
+            if segment is not None:
+                board = _board.StatusBoard(segment.array[:board_bytes], rank, size)
+                board.join()
+            transport = MpiTransport(comm, shared=segment.array[board_bytes:]
+                                     if segment is not None and shm else None,
+                                     stores=mine["stores"])
+            if board is None and size > 1:
+                board = ExchangeBoard(transport, rank, size)
+            nccl = None
+            if use_nccl:
+                from .transport.nccl import NcclTransport
+                nid = NcclId() if rank == 0 else None
+                nid = NcclId(comm.bcast(nid.data if nid is not None else None, root=0))
+                nccl = NcclTransport(nid, rank, size, device)
+            comm.Barrier()        # every rank joined the board
+        except BaseException:
+            comm.Free()
+            raise
         return cls(rank=rank, size=size, local_rank=local_rank, local_size=local_size,
-                   device=device, mpi_transport=MpiTransport(comm), nccl_transport=nccl,
-                   **options)
+                   device=device, mpi_transport=transport, nccl_transport=nccl, board=board,
+                   segment=segment, **options)
 
     @classmethod
     def from_nccl_id(cls, nccl_id, rank, size, device=None, *, local_rank=None,
@@ -171,7 +230,8 @@ class Communicator:
 
         Every one of the ``size`` processes calls this with the same
         ``nccl_id`` and its own ``rank``. ``device`` defaults to
-        ``local_rank`` (default ``rank``) modulo the GPU count.
+        ``local_rank`` (default ``rank``) modulo the GPU count. Processes on
+        one node share a status board in memory named after the ID.
         """
         if not isinstance(nccl_id, NcclId):
             raise ArgumentError("nccl_id must be a commlib.NcclId, got %s"
@@ -182,6 +242,7 @@ class Communicator:
         if size < 1 or not 0 <= rank < size:
             raise ArgumentError("rank=%d, size=%d: expected size >= 1 and 0 <= rank < size"
                                 % (rank, size))
+        _options(**options)
         reason = nccl_unavailable_reason()
         if reason is not None:
             raise BackendUnavailableError("rank %d: from_nccl_id needs NCCL: %s" % (rank, reason))
@@ -190,9 +251,30 @@ class Communicator:
         local_size = size if local_size is None else local_size
         if device is None:
             device = _default_device(local_rank)
+        segment = board = None
+        if size > 1:
+            segment = bootstrap.nccl_segment(nccl_id, size, size * _board.LINE_BYTES)
+        if segment is not None:
+            board = _board.StatusBoard(segment.array, rank, size)
+            board.join()
+        nccl = NcclTransport(nccl_id, rank, size, device)   # collective: every rank joined
+        if segment is not None:
+            segment.unlink()
+            if not board.everyone_joined():                  # ranks on other nodes
+                board, segment = None, segment.close()
+        if board is None and size > 1:
+            board = ExchangeBoard(nccl, rank, size)
         return cls(rank=rank, size=size, local_rank=local_rank, local_size=local_size,
-                   device=device, nccl_transport=NcclTransport(nccl_id, rank, size, device),
+                   device=device, nccl_transport=nccl, board=board, segment=segment,
                    **options)
+
+    @classmethod
+    def single(cls, device=None, **options):
+        """A communicator of one process that needs no MPI: every collective
+        is local (what :func:`commlib.init` gives without mpi4py)."""
+        if device is None and _gpu_available():
+            device = 0
+        return cls(rank=0, size=1, local_rank=0, local_size=1, device=device, **options)
 
     # -- properties --------------------------------------------------------------
     rank = property(lambda self: self._rank, doc="this process's rank, 0 <= rank < size")
@@ -203,8 +285,11 @@ class Communicator:
 
     @property
     def backend(self):
-        """``"nccl"`` when cupy arrays go over NCCL, else ``"mpi"``."""
-        return "nccl" if self._nccl is not None else "mpi"
+        """``"nccl"`` when cupy arrays go over NCCL, ``"mpi"`` over MPI,
+        ``"local"`` for a single process without MPI."""
+        if self._nccl is not None:
+            return "nccl"
+        return "mpi" if self._mpi is not None else "local"
 
     @property
     def check(self):
@@ -222,38 +307,76 @@ class Communicator:
             return self._nccl or self._mpi
         return self._mpi or self._nccl
 
-    def _deadline(self, timeout=None):
-        timeout = self._timeout if timeout is None else timeout
-        return None if timeout is None else time.monotonic() + timeout
-
     def _bucket_bytes_for(self, transport):
         return self._bucket_bytes or bucketing.DEFAULT_BUCKET_BYTES[transport.name]
 
-    def _begin(self, name, arrays, params, checks):
-        """Run ``checks()`` (returns the array kind) and, if on, the
-        consistency check; raise on any rank if any rank failed."""
+    def _usable(self, name):
         if self._closed:
             raise ClosedError("rank %d: %s called after close()" % (self._rank, name))
-        if not self._check:
-            kind = checks()
-            self._seq += 1
-            return kind
+        if self._failure is not None:
+            raise ClosedError("rank %d: %s called on a communicator left unusable by an "
+                              "earlier failure: %s" % (self._rank, name, self._failure),
+                              culprits=getattr(self._failure, "culprits", ()))
+
+    def _begin(self, name, params, checks, layout=lambda: ([], None), timeout=None):
+        """Start collective ``name``: run ``checks()`` (returns the array
+        kind; raises CommlibError for bad arguments), then, when the check is
+        on, compare the call with every rank: ``params`` (tuple of the call's
+        parameters) and ``layout()`` (the list of arrays whose dtypes and
+        shapes must match, and its PreparedList or None). ``timeout``
+        replaces the watch dog's deadline. Returns (kind, wait) or raises,
+        on every rank alike when the check is on."""
+        self._usable(name)
         error = kind = None
         try:
             kind = checks()
         except CommlibError as exc:
             error = exc
-        rec = consistency.record(self._seq, name, arrays if error is None else [], params, error)
-        gathered = np.empty(self._size * consistency.RECORD_BYTES, dtype=np.uint8)
-        self._transport("numpy").all_gather(rec, gathered, self._deadline())
-        self._seq += 1
+        seq = self._seq = self._seq + 1
+        timeout = self._timeout if timeout is None else timeout
+        wait = self._wait
+        wait.seq, wait.what = seq, consistency.CODES[name]
+        wait.deadline = None if timeout is None else time.monotonic() + timeout
+        board = self._board
+        if board is not None and self._check:
+            digest = arrays = None
+            if error is None:
+                arrays, prepared = layout()
+                digest = (prepared.digest if prepared is not None else
+                          consistency.layout_digest(arrays), consistency.params_digest(params))
+            try:
+                board.enter(seq, wait.what, digest, wait.deadline, error,
+                            lambda: consistency.describe(params, arrays))
+            except (CommlibError, KeyboardInterrupt) as exc:
+                if exc is not error and not isinstance(exc, ConsistencyError):
+                    self._fail(exc)
+                raise
+        if error is not None:
+            raise error
+        return kind, wait
+
+    def _fail(self, exc):
+        """A collective failed: the communicator is unusable from now on and
+        its peers learn that this rank gave up."""
+        if self._failure is None:
+            self._failure = exc
+            if self._board is not None:
+                self._board.leave(self._seq - 1, _board.GAVE_UP,
+                                  "%s: %s" % (type(exc).__name__, exc))
+            for transport in (self._mpi, self._nccl):
+                if transport is not None:
+                    transport.fail("%s: %s" % (type(exc).__name__, exc))
+
+    def _run(self, step, *args):
+        """The data phase of a collective: any failure but an agreed one
+        leaves the communicator unusable."""
         try:
-            consistency.compare(gathered.reshape(self._size, -1), self._rank)
-        except ConsistencyError:
-            if error is not None:
-                raise error from None
+            return step(*args)
+        except _AGREED:
             raise
-        return kind
+        except BaseException as exc:
+            self._fail(exc)
+            raise
 
     def _array_checks(self, arrays, writeable=True, floating=False):
         return validation.check_arrays(arrays, rank=self._rank, device=self._device,
@@ -263,6 +386,7 @@ class Communicator:
         if isinstance(array, (list, tuple)):
             raise ArgumentError("rank %d: %s takes one array, got a %s"
                                 % (self._rank, name, type(array).__name__))
+        return validation.as_list(array, name)[0]
 
     def _fused_checks(self, items, prepared, writeable, floating):
         """Array checks for a fused collective; a list already prepared with
@@ -275,12 +399,13 @@ class Communicator:
     def _fused(self, items, kind, key, prepared, writeable, step, compressed=None):
         """Run ``step(transport, flat_buffer, bucket_index_or_None, prepared)``
         for every bucket and every in-place array of the list. With
-        ``compressed = (strategy, op, scale, deadline)``, a bucket or array
+        ``compressed = (strategy, op, scale, wait)``, a bucket or array
         the compression strategy applies to goes to the strategy instead."""
         transport = self._transport(kind)
         if prepared is None:
             plan = bucketing.plan_for(items, self._bucket_bytes_for(transport))
             prepared = self._fusion.prepare(key, items, plan, kind, writeable)
+            prepared.digest = consistency.layout_digest(items)
         for i, buf in prepared.buckets():
             self._unit(transport, items, prepared, i, i, buf, step, compressed)
         for position, flat in zip(prepared.plan.direct, prepared.direct(items)):
@@ -302,13 +427,17 @@ class Communicator:
         """The dict a compression strategy keeps for one bucket (``where``)
         of one list layout (``prepared.plan.key``): it lasts as long as the
         communicator, so error-feedback residuals carry over between calls
-        with arrays of the same shapes. The layout's table is looked up once
-        per prepared list (hashing a layout of many arrays is not free)."""
+        with arrays of the same shapes. It is keyed by the strategy's
+        settings (its ``name``), not the object: a new object with the same
+        settings continues where the last one stopped, on every rank alike.
+        The layout's table is looked up once per prepared list (hashing a
+        layout of many arrays is not free)."""
         if prepared.workspaces is None:
             prepared.workspaces = self._workspaces.setdefault(prepared.plan.key, {})
-        found = prepared.workspaces.get((strategy, where))
+        key = (strategy.name, where)
+        found = prepared.workspaces.get(key)
         if found is None:
-            found = prepared.workspaces[(strategy, where)] = {}
+            found = prepared.workspaces[key] = {}
         return found
 
     # -- collectives -----------------------------------------------------------------
@@ -326,27 +455,29 @@ class Communicator:
     def broadcast(self, arrays, root=0):
         """Copy ``arrays`` of rank ``root`` into every rank's ``arrays``, in place.
         Returns ``arrays``."""
-        items, _ = validation.as_list(arrays)
-        key, prepared = self._fusion.lookup(items)
         is_root = self._rank == root
+        items, key, prepared = [], None, None
 
         def checks():
+            nonlocal items, key, prepared
+            items = validation.as_list(arrays)[0]
+            key, prepared = self._fusion.lookup(items)
             validation.check_root(root, self._size, self._rank)
             return self._fused_checks(items, prepared, not is_root, False)
 
-        kind = self._begin("broadcast", items, {"root": root}, checks)
+        kind, wait = self._begin("broadcast", ("broadcast", root), checks,
+                                 lambda: (items, prepared))
         if kind is None:
             return arrays
-        deadline = self._deadline()
 
         def step(transport, buf, i, prepared):
             if i is not None and is_root:
                 prepared.pack(items, i)
-            transport.broadcast(buf, root, deadline)
+            transport.broadcast(buf, root, wait, owned=i is not None)
             if i is not None and not is_root:
                 prepared.unpack(items, i)
 
-        self._fused(items, kind, key, prepared, not is_root, step)
+        self._run(self._fused, items, kind, key, prepared, not is_root, step)
         return arrays
 
     def reduce(self, arrays, root=0, op="sum", division=False):
@@ -356,54 +487,51 @@ class Communicator:
 
     def _reduce(self, name, arrays, root, op, division, compression=None):
         """all_reduce (``root=None``: every rank receives) or reduce to ``root``."""
-        items, _ = validation.as_list(arrays)
         averaging = op == "avg" or (division is True and op == "sum")
         receives = root is None or self._rank == root
-        key, prepared = self._fusion.lookup(items)
-        strategy = None
+        items, key, prepared, strategy = [], None, None, None
 
         def checks():
-            nonlocal strategy
+            nonlocal items, key, prepared, strategy
+            items = validation.as_list(arrays)[0]
+            key, prepared = self._fusion.lookup(items)
             if root is not None:
                 validation.check_root(root, self._size, self._rank)
             validation.check_op(op, division, self._rank)
             strategy = _compression.resolve(compression, self._rank)
             if strategy is not None:
-                strategy.check(op, self._rank)
+                strategy.check("sum" if op == "avg" else op, self._rank)
             return self._fused_checks(items, prepared, receives, averaging)
 
-        params = {"op": op, "division": division}
-        if root is not None:
-            params["root"] = root
-        if compression is not None:
-            params["compression"] = getattr(compression, "name", compression)
-        kind = self._begin(name, items, params, checks)
+        reduce_op = "sum" if op == "avg" else op
+        params = (name, reduce_op, averaging, root,
+                  None if compression is None else getattr(compression, "name", compression))
+        kind, wait = self._begin(name, params, checks, lambda: (items, prepared))
         if kind is None:
             return arrays
-        reduce_op = "sum" if op == "avg" else op
         scale = 1.0 / self._size if averaging else None
-        deadline = self._deadline()
 
         def step(transport, buf, i, prepared):
             if i is not None and root is None:
                 transport.all_reduce_staged(
                     buf, reduce_op, scale, lambda: prepared.pack(items, i),
-                    lambda scale: prepared.unpack(items, i, scale), deadline,
+                    lambda scale: prepared.unpack(items, i, scale), wait,
                     prepared.arrays(items, i, buf) if prepared.kind == "numpy" else None)
                 return
             if i is not None:
                 prepared.pack(items, i)
+            owned = i is not None and not prepared.zero_copy(i)
             if root is None:
-                transport.all_reduce(buf, reduce_op, deadline)
+                transport.all_reduce(buf, reduce_op, wait, owned=owned)
             else:
-                transport.reduce(buf, root, reduce_op, deadline)
+                transport.reduce(buf, root, reduce_op, wait, owned=owned)
             if receives and i is not None:
                 prepared.unpack(items, i, scale)
             elif receives and scale is not None:
                 buf *= scale
 
-        self._fused(items, kind, key, prepared, receives, step,
-                    (strategy, reduce_op, scale, deadline) if strategy else None)
+        self._run(self._fused, items, kind, key, prepared, receives, step,
+                  (strategy, reduce_op, scale, wait) if strategy else None)
         return arrays
 
     def all_gather(self, array):
@@ -413,12 +541,14 @@ class Communicator:
             self._one_array("all_gather", array)
             return self._array_checks([array], writeable=False)
 
-        kind = self._begin("all_gather", [array], {}, checks)
+        kind, wait = self._begin("all_gather", ("all_gather",), checks, lambda: ([array], None))
         xp = array_module(array)
         out = xp.empty((self._size,) + tuple(array.shape), dtype=array.dtype)
-        if array.size:
+        if self._size == 1:
+            out[0] = array
+        elif array.size:
             send = xp.ascontiguousarray(array).reshape(-1)
-            self._transport(kind).all_gather(send, out.reshape(-1), self._deadline())
+            self._run(self._transport(kind).all_gather, send, out.reshape(-1), wait)
         return out
 
     def reduce_scatter(self, array, op="sum"):
@@ -438,15 +568,18 @@ class Communicator:
                                                   tuple(array.shape)))
             return kind
 
-        kind = self._begin("reduce_scatter", [array], {"op": op}, checks)
+        kind, wait = self._begin("reduce_scatter", ("reduce_scatter", op), checks,
+                                 lambda: ([array], None))
         xp = array_module(array)
         out = xp.empty(array.size // self._size, dtype=array.dtype)
-        if out.size:
+        if self._size == 1:
+            out[...] = array.reshape(-1)
+        elif out.size:
             send = xp.ascontiguousarray(array).reshape(-1)
-            self._transport(kind).reduce_scatter(send, out, "sum" if averaging else op,
-                                                 self._deadline())
-            if averaging:
-                out *= 1.0 / self._size
+            self._run(self._transport(kind).reduce_scatter, send, out,
+                      "sum" if averaging else op, wait)
+        if averaging:
+            out *= 1.0 / self._size
         return out
 
     def all_gatherv(self, array):
@@ -454,51 +587,107 @@ class Communicator:
         rank order. Returns ``(values, counts)``: a new 1-D array and the
         int64 numpy array of per-rank lengths."""
         def checks():
+            self._one_array("all_gatherv", array)
             kind = self._array_checks([array], writeable=False)
             if array.ndim != 1:
                 raise ArgumentError("rank %d: all_gatherv takes a 1-D array, got shape %s"
                                     % (self._rank, tuple(array.shape)))
             return kind
 
-        kind = self._begin("all_gatherv", [array[:0]], {"dtype": str(array.dtype)}, checks)
+        dtype = getattr(array, "dtype", None)
+        kind, wait = self._begin("all_gatherv", ("all_gatherv", str(dtype)), checks)
+        xp = array_module(array)
+        if self._size == 1:
+            return xp.array(array, copy=True), np.array([array.size], dtype=np.int64)
         counts = np.empty(self._size, dtype=np.int64)
         host = self._transport("numpy")
-        host.all_gather(np.array([array.size], dtype=np.int64), counts, self._deadline())
-        xp = array_module(array)
+        self._run(host.all_gather, np.array([array.size], dtype=np.int64), counts, wait)
         out = xp.empty(int(counts.sum()), dtype=array.dtype)
         if out.size:
-            self._transport(kind).all_gatherv(xp.ascontiguousarray(array), out, counts,
-                                              self._deadline())
+            self._run(self._transport(kind).all_gatherv, xp.ascontiguousarray(array), out,
+                      counts, wait)
         return out, counts
 
     def barrier(self, timeout=None):
         """Block until every rank has called barrier. ``timeout`` (seconds)
-        overrides the watch dog's deadline for this call."""
-        timeout = _check_timeout(timeout)
-        self._begin("barrier", [], {}, lambda: None)
-        self._transport("numpy").barrier(self._deadline(timeout))
+        replaces the watch dog's deadline for this call; every rank must
+        pass the same."""
+        own = None
+        if timeout is not None:
+            try:
+                own = settings.seconds(timeout, "timeout")
+            except ArgumentError as exc:
+                own = exc
+
+        def checks():
+            if isinstance(own, ArgumentError):
+                raise ArgumentError("rank %d: barrier: %s" % (self._rank, own))
+
+        _, wait = self._begin("barrier", ("barrier", timeout), checks,
+                              timeout=own if isinstance(own, float) else None)
+        if self._size > 1:
+            self._run(self._transport("numpy").barrier, wait)
 
     # -- lifetime -----------------------------------------------------------------------
     def close(self):
-        """Release the transports; later calls raise ClosedError. Idempotent."""
+        """Release the communicator; later calls raise ClosedError. Idempotent.
+
+        Every rank must close after the same number of collectives: ``close``
+        waits (up to the watch dog's deadline) until every rank has closed,
+        and raises PeerError when a rank is still calling collectives
+        (uneven number of steps; that rank raises too) or left otherwise.
+        It never calls a blocking MPI function, and releases this rank's
+        resources whatever happens.
+        """
+        self._close(_board.CLOSED)
+
+    def _close(self, reason):
         if self._closed:
             return
+        board, failed = self._board, self._failure is not None
+        try:
+            if board is not None and not failed:
+                board.leave(self._seq, reason)
+                deadline = None if self._timeout is None else time.monotonic() + self._timeout
+                board.wait_left(self._seq, deadline)
+        finally:
+            self._release()
+
+    def _abandon(self, reason, text):
+        """Leave without waiting for anyone (an exception is on its way up)."""
+        if self._closed:
+            return
+        if self._board is not None:
+            self._board.leave(self._seq, reason, text)
+        self._release()
+
+    def _release(self):
+        """Free this rank's resources; never waits for the other ranks."""
         self._closed = True
+        _live.discard(self)
         self._fusion.clear()
-        if self._nccl is not None:
-            self._nccl.close()
-        if self._mpi is not None:
-            self._mpi.close()
-            try:
-                self._mpi.comm.Free()
-            except Exception:
-                pass
+        for transport in (self._nccl, self._mpi):
+            if transport is not None:
+                transport.close()
+        if self._segment is not None:
+            self._board = None
+            self._segment.close()
+            self._segment = None
 
     def __enter__(self):
         return self
 
-    def __exit__(self, *exc):
-        self.close()
+    def __exit__(self, kind, value, tb):
+        if value is None:
+            self.close()
+        else:
+            self._abandon(_board.CLOSED_ON_EXCEPTION, "%s: %s" % (kind.__name__, value))
+
+    def __del__(self):
+        try:
+            self._abandon(_board.DROPPED, "")
+        except Exception:
+            pass
 
     def __repr__(self):
         return ("<commlib.Communicator rank=%d size=%d backend=%s device=%s%s>"

@@ -23,7 +23,7 @@ def test_argument_errors_name_argument_rank_and_expectation(n):
 @pytest.mark.parametrize("n", [2, 4])
 def test_consistency_check_raises_on_every_rank(n):
     proc = run_mpi(n, CODE, args=["consistency"], timeout=60)
-    assert proc.stdout.count("disagree on this collective") == n
+    assert proc.stdout.count("ranks disagree on all_reduce #1") == n
     assert proc.stdout.count("errors consistency ok") == n
 
 

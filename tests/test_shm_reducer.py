@@ -10,7 +10,7 @@ REDUCE_CODE = """
 import sys
 import numpy as np
 from mpi4py import MPI
-from commlib.transport.shm import SharedMemoryReducer
+from reducer_setup import make_reducer
 
 comm = MPI.COMM_WORLD
 rank, n = comm.Get_rank(), comm.Get_size()
@@ -23,8 +23,8 @@ except ImportError:
     pass
 UFUNCS = {"sum": np.add, "max": np.maximum, "min": np.minimum, "prod": np.multiply}
 CAPACITY = 8192
-red = SharedMemoryReducer(comm, capacity_bytes=CAPACITY, sync=sync)
-assert red.usable and red.capacity_bytes == CAPACITY
+red = make_reducer(comm, capacity_bytes=CAPACITY, sync=sync)
+assert red.capacity_bytes == CAPACITY
 
 def make(dtype, length, seed):
     rng = np.random.default_rng(seed)
@@ -97,12 +97,12 @@ if mode == "none" or (mode == "even" and rank % 2):
     os.environ["COMMLIB_NATIVE"] = "0"
 import numpy as np
 from commlib.ops import hostreduce
-from commlib.transport.shm import SharedMemoryReducer
+from reducer_setup import make_reducer
 
 assert hostreduce.supports(np.dtype(np.float32), "sum") == (os.environ.get("COMMLIB_NATIVE") != "0")
 UFUNCS = {"sum": np.add, "max": np.maximum, "min": np.minimum, "prod": np.multiply}
 DTYPES = ["float16", "float32", "float64", "int32", "int64", "uint8"]
-red = SharedMemoryReducer(comm, capacity_bytes=1 << 16, stores=stores)
+red = make_reducer(comm, capacity_bytes=1 << 16, stores=stores)
 if n > 1 and stores == "auto" and mode == "all":
     # the start-up probe of plain against streaming stores agrees on every rank
     answers = comm.allgather((red.stores.mode, red.probe_stores()))
@@ -150,11 +150,11 @@ import threading, time
 import numpy as np
 from mpi4py import MPI
 from commlib.ops import hostcopy
-from commlib.transport.shm import SharedMemoryReducer
+from reducer_setup import make_reducer
 
 comm = MPI.COMM_WORLD
 rank = comm.Get_rank()
-red = SharedMemoryReducer(comm, capacity_bytes=1 << 16)
+red = make_reducer(comm, capacity_bytes=1 << 16)
 x = np.full(1 << 12, rank + 1.0, np.float32)
 ticks, stop = [0], threading.Event()
 
@@ -186,17 +186,17 @@ ERROR_CODE = """
 import numpy as np
 from mpi4py import MPI
 from commlib.errors import ArgumentError, ArrayTypeError
-from commlib.transport.shm import SharedMemoryReducer
+from reducer_setup import make_reducer
 
 comm = MPI.COMM_WORLD
 for bad in (dict(capacity_bytes=0), dict(sync="spin")):
     try:
-        SharedMemoryReducer(comm, **bad)
+        make_reducer(comm, **bad)
     except ArgumentError:
         pass
     else:
         raise AssertionError(bad)
-red = SharedMemoryReducer(comm)
+red = make_reducer(comm)
 try:
     red.all_reduce(np.ones(4, np.float32), "avg")
 except ArgumentError:

@@ -1,11 +1,13 @@
 /* The extension module `commlib_native`: argument checks in front of the
  * host loops (hostcopy.c, hostreduce.c, flag_wait.c), called from
- * commlib/ops/hostcopy.py, commlib/ops/hostreduce.py, commlib/bucketing.py
- * and commlib/transport/shm.py. Built on first use by commlib/ops/_native.py.
+ * commlib/ops/hostcopy.py, commlib/ops/hostreduce.py, commlib/bucketing.py,
+ * commlib/transport/shm.py and commlib/board.py. Built on first use by commlib/ops/_native.py.
  *
  * Every check runs before any memory is touched; a check that fails
  * returns -1 (the caller takes its numpy path or raises) and nothing is
  * written. */
+#include <time.h>
+
 #include "native.h"
 
 static PyObject *ndarray_type;       /* numpy.ndarray, from init() */
@@ -156,38 +158,121 @@ static PyObject *py_same_items(PyObject *self, PyObject *const *args, Py_ssize_t
     Py_RETURN_TRUE;
 }
 
-/* wait_flags(flags, rank, nranks, stride, seq, publish, deadline) -> the
- * largest value every rank published (0 if one published none), or -1 when
- * `deadline` (time.monotonic() seconds, or None) passed first. `flags`: a
- * writeable C-contiguous int64 numpy array of at least nranks * stride
- * elements; `publish`: int or None. The GIL is released while waiting. See
- * flag_wait.c. */
+/* The memory of a 1-D array of at least `words` 8-byte elements that waits
+ * may spin on (an int64 array: exact ndarray, C-contiguous, writeable,
+ * 8-byte aligned); else NULL. */
+static volatile int64_t *word_array(PyObject *o, Py_ssize_t words)
+{
+    array_head *a = (array_head *)o;
+    if ((PyObject *)Py_TYPE(o) != ndarray_type || !(a->flags & COMMLIB_C_CONTIGUOUS)
+            || !(a->flags & COMMLIB_WRITEABLE) || ((uintptr_t)a->data & 7) || a->nd != 1
+            || a->strides[0] != (Py_ssize_t)sizeof(int64_t) || a->dimensions[0] < words)
+        return NULL;
+    return (volatile int64_t *)a->data;
+}
+
+/* CLOCK_MONOTONIC seconds at which a wait returns to Python: `slice`
+ * seconds from now, or `deadline` (a float, or None) if sooner. */
+static double wait_until(PyObject *deadline, double slice)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    double until = (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9 + slice;
+    if (deadline != Py_None) {
+        double d = PyFloat_AsDouble(deadline);
+        until = d < until ? d : until;
+    }
+    return until;
+}
+
+/* Python's view of a wait's status: -1 once the time slice (or the
+ * deadline) passed, -2 - r when rank r left, `done` when every rank arrived. */
+static PyObject *wait_status(int status, long long done)
+{
+    if (status == COMMLIB_WAIT_DONE)
+        return PyLong_FromLongLong(done);
+    if (status == COMMLIB_WAIT_LATER)
+        return PyLong_FromLong(-1);
+    return PyLong_FromLong(-2 - status);
+}
+
+/* wait_flags(flags, rank, nranks, stride, seq, publish, deadline, slice,
+ * gone, gone_stride, board_seq, first) -> the largest value every rank
+ * published (0 if one published none) once every rank reached `seq`; -1
+ * when `slice` seconds (or the deadline, time.monotonic() seconds or None)
+ * passed first; -2 - r when rank r left (0 < gone[r * gone_stride] <=
+ * board_seq; `gone` an int64 array or None). `flags`: int64 array of
+ * nranks * stride elements; on the `first` slice of a wait this rank's
+ * `seq` is published, after `publish` (an int, or None for none). The GIL
+ * is released while waiting. See flag_wait.c. */
 static PyObject *py_wait_flags(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
 {
-    if (check_nargs("wait_flags", nargs, 7))
+    if (check_nargs("wait_flags", nargs, 12))
         return NULL;
-    PyObject *flags = args[0];
     long rank = PyLong_AsLong(args[1]), nranks = PyLong_AsLong(args[2]);
-    Py_ssize_t stride = PyLong_AsSsize_t(args[3]);
-    long long seq = PyLong_AsLongLong(args[4]);
+    Py_ssize_t stride = PyLong_AsSsize_t(args[3]), gone_stride = PyLong_AsSsize_t(args[9]);
+    long long seq = PyLong_AsLongLong(args[4]), board_seq = PyLong_AsLongLong(args[10]);
     int publishing = args[5] != Py_None;
     long long publish = publishing ? PyLong_AsLongLong(args[5]) : 0;
-    double deadline = args[6] == Py_None ? -1.0 : PyFloat_AsDouble(args[6]);
+    double until = wait_until(args[6], PyFloat_AsDouble(args[7]));
+    int first = PyObject_IsTrue(args[11]);
     if (PyErr_Occurred())
         return NULL;
-    array_head *f = (array_head *)flags;
-    if ((PyObject *)Py_TYPE(flags) != ndarray_type || !(f->flags & COMMLIB_C_CONTIGUOUS)
-            || !(f->flags & COMMLIB_WRITEABLE) || stride < 2 || nranks < 1 || rank < 0
-            || rank >= nranks || array_bytes(f, 1) < (Py_ssize_t)(nranks * stride * 8)
-            || ((uintptr_t)f->data & 7))
+    if (stride < 2 || nranks < 1 || rank < 0 || rank >= nranks || gone_stride < 1)
+        return PyErr_Format(PyExc_ValueError, "commlib: wait_flags got bad ranks or strides");
+    volatile int64_t *flags = word_array(args[0], (nranks - 1) * stride + 2);
+    volatile int64_t *gone = args[8] == Py_None ? NULL
+                             : word_array(args[8], (nranks - 1) * gone_stride + 1);
+    if (flags == NULL || (args[8] != Py_None && gone == NULL))
         return PyErr_Format(PyExc_ValueError, "commlib: wait_flags got an unusable flag array");
     int64_t most = 0;
     int status;
     Py_BEGIN_ALLOW_THREADS
-    status = commlib_wait_flags((volatile int64_t *)f->data, (int)rank, (int)nranks, stride,
-                                seq, publish, publishing, deadline, &most);
+    status = commlib_wait_flags(flags, (int)rank, (int)nranks, stride, seq, first, publish,
+                                publishing, until, gone, gone_stride, board_seq, &most);
     Py_END_ALLOW_THREADS
-    return PyLong_FromLongLong(status < 0 ? -1 : most);
+    return wait_status(status, most);
+}
+
+/* board_enter(words, stride, nranks, rank, entered_at, gone_at, slot_at, seq,
+ * d0, d1, what, when, publishing, deadline, slice) -> 0 once every rank
+ * entered collective `seq` with the fingerprint (d0, d1), 1 when a
+ * fingerprint differs, -1 when `slice` seconds (or the deadline) passed
+ * first, -2 - r when rank r left. `words`: the board, an int64 array of
+ * nranks * stride elements; *_at: word offsets in a rank's line (see
+ * commlib/board.py); the slot is (d0, d1, what, when). The GIL is released
+ * while waiting. */
+static PyObject *py_board_enter(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (check_nargs("board_enter", nargs, 15))
+        return NULL;
+    Py_ssize_t stride = PyLong_AsSsize_t(args[1]);
+    long nranks = PyLong_AsLong(args[2]), rank = PyLong_AsLong(args[3]);
+    Py_ssize_t at[COMMLIB_BOARD_AT_COUNT];
+    for (int i = 0; i < COMMLIB_BOARD_AT_COUNT; ++i)
+        at[i] = PyLong_AsSsize_t(args[4 + i]);
+    long long seq = PyLong_AsLongLong(args[7]);
+    int64_t slot[COMMLIB_BOARD_SLOT_WORDS];
+    for (int i = 0; i < COMMLIB_BOARD_SLOT_WORDS; ++i)
+        slot[i] = PyLong_AsLongLong(args[8 + i]);
+    int publishing = PyObject_IsTrue(args[12]);
+    double until = wait_until(args[13], PyFloat_AsDouble(args[14]));
+    if (PyErr_Occurred())
+        return NULL;
+    int ok = stride > 0 && nranks >= 1 && rank >= 0 && rank < nranks;
+    for (int i = 0; i < COMMLIB_BOARD_AT_COUNT; ++i)
+        ok &= at[i] >= 0 && at[i] + (i == COMMLIB_BOARD_SLOT ? 2 * COMMLIB_BOARD_SLOT_WORDS : 1)
+                            <= stride;
+    volatile int64_t *words = ok ? word_array(args[0], nranks * stride) : NULL;
+    if (words == NULL)
+        return PyErr_Format(PyExc_ValueError, "commlib: board_enter got an unusable board");
+    int status;
+    Py_BEGIN_ALLOW_THREADS
+    status = commlib_board_enter(words, stride, (int)nranks, (int)rank, at, seq, slot, publishing,
+                                 until);
+    Py_END_ALLOW_THREADS
+    return wait_status(status == COMMLIB_BOARD_DIFFER ? COMMLIB_WAIT_DONE : status,
+                       status == COMMLIB_BOARD_DIFFER);
 }
 
 static PyMethodDef methods[] = {
@@ -196,6 +281,7 @@ static PyMethodDef methods[] = {
     {"reduce_share", (PyCFunction)(void (*)(void))py_reduce_share, METH_FASTCALL, NULL},
     {"same_items", (PyCFunction)(void (*)(void))py_same_items, METH_FASTCALL, NULL},
     {"wait_flags", (PyCFunction)(void (*)(void))py_wait_flags, METH_FASTCALL, NULL},
+    {"board_enter", (PyCFunction)(void (*)(void))py_board_enter, METH_FASTCALL, NULL},
     {NULL, NULL, 0, NULL},
 };
 

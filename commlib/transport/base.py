@@ -2,18 +2,26 @@
 
 All buffers are 1-D, C-contiguous arrays of one supported dtype. ``op`` is
 one of ``"sum"``, ``"max"``, ``"min"``, ``"prod"`` (averaging is done above,
-by scaling). ``deadline`` is an absolute ``time.monotonic()`` value or None
-(wait forever); a collective that misses it raises
-:class:`~commlib.errors.CollectiveTimeoutError` and leaves the transport
-unusable.
-"""
-import time
+by scaling). ``wait`` is a :class:`commlib.waiting.Wait` (the collective's
+deadline and the peers to watch; :data:`commlib.waiting.FOREVER` by
+default). A collective that fails (deadline, a peer left, the library
+reported an error, an interrupt) raises and leaves the transport unusable;
+it never writes into a caller's buffer after raising.
 
-from ..errors import ClosedError, CollectiveTimeoutError
+Buffers a collective writes into are the caller's arrays (``all_reduce``,
+``broadcast``, ``reduce``) unless ``owned=True`` says they are commlib's
+own memory that nobody reads after a failure; a transport whose
+collectives can outlive a failure (MPI's non-blocking calls) reduces the
+caller's arrays in its own staging memory and copies the result out only on
+success. Receive buffers of ``all_gather``, ``all_gatherv`` and
+``reduce_scatter`` are always commlib's own.
+"""
+from ..errors import ClosedError
+from ..waiting import FOREVER
 
 
 class Transport:
-    """Base class: rank/size bookkeeping, deadline polling, closing."""
+    """Base class: rank/size bookkeeping, the unusable state, closing."""
 
     name = "?"
 
@@ -23,15 +31,15 @@ class Transport:
         self._broken = None
 
     # -- collectives (in place unless a recv buffer is given) ---------------
-    def all_reduce(self, buf, op, deadline=None, fmt=None):
+    def all_reduce(self, buf, op, wait=FOREVER, fmt=None, owned=False):
         """Reduce ``buf`` in place over all ranks. ``fmt="bfloat16"``: ``buf``
         is uint16 holding bfloat16 bit patterns (cupy has no bfloat16 dtype)."""
         raise NotImplementedError
 
-    def all_reduce_staged(self, buf, op, scale, pack, unpack, deadline=None, parts=None):
+    def all_reduce_staged(self, buf, op, scale, pack, unpack, wait=FOREVER, parts=None):
         """All-reduce a fused bucket: ``pack()`` fills ``buf`` (the bucket's
-        1-D buffer) from the arrays, ``unpack(scale)`` copies ``buf`` back
-        into them times ``scale`` (float or None).
+        own 1-D buffer) from the arrays, ``unpack(scale)`` copies ``buf``
+        back into them times ``scale`` (float or None).
 
         ``parts``, when given, is the tuple of numpy arrays whose
         concatenation the bucket is. This default packs, all-reduces ``buf``
@@ -40,60 +48,42 @@ class Transport:
         the parts there and back, never touching ``buf``.
         """
         pack()
-        self.all_reduce(buf, op, deadline)
+        self.all_reduce(buf, op, wait, owned=True)
         unpack(scale)
 
-    def broadcast(self, buf, root, deadline=None):
+    def broadcast(self, buf, root, wait=FOREVER, owned=False):
         raise NotImplementedError
 
-    def reduce(self, buf, root, op, deadline=None):
+    def reduce(self, buf, root, op, wait=FOREVER, owned=False):
         """Reduce into ``buf`` on ``root``; other ranks' ``buf`` is unchanged."""
         raise NotImplementedError
 
-    def all_gather(self, sendbuf, recvbuf, deadline=None):
+    def all_gather(self, sendbuf, recvbuf, wait=FOREVER):
         """``recvbuf`` (size * len(sendbuf)) receives every rank's sendbuf in rank order."""
         raise NotImplementedError
 
-    def all_gatherv(self, sendbuf, recvbuf, counts, deadline=None):
+    def all_gatherv(self, sendbuf, recvbuf, counts, wait=FOREVER):
         """Like all_gather with ``counts[r]`` elements from rank r."""
         raise NotImplementedError
 
-    def reduce_scatter(self, sendbuf, recvbuf, op, deadline=None):
+    def reduce_scatter(self, sendbuf, recvbuf, op, wait=FOREVER):
         """``recvbuf`` gets this rank's len(sendbuf)/size block of the reduction."""
         raise NotImplementedError
 
-    def barrier(self, deadline=None):
+    def barrier(self, wait=FOREVER):
         raise NotImplementedError
 
     def close(self):
-        self._broken = "closed"
+        """Release this rank's resources without waiting for the others."""
+        self._broken = self._broken or "closed"
 
     # -- helpers -------------------------------------------------------------
     def check_usable(self):
         if self._broken is not None:
-            raise ClosedError("%s transport of rank %d is unusable: %s"
-                              % (self.name, self.rank, self._broken))
+            raise ClosedError("rank %d: the %s transport is unusable: %s"
+                              % (self.rank, self.name, self._broken))
 
-    def poll_until(self, done, deadline, what, on_timeout=None, spin=False):
-        """Call ``done()`` until it returns True or ``deadline`` passes.
-
-        ``spin=True`` polls back to back (for transports that only make
-        progress inside the poll, like MPI's shared-memory path); otherwise
-        sleeps with a backoff capped at 1 ms between polls. On timeout marks
-        the transport broken, calls ``on_timeout()`` and raises.
-        """
-        pause = 0.0
-        while not done():
-            if time.monotonic() >= deadline:
-                self._broken = "%s timed out" % what
-                if on_timeout is not None:
-                    on_timeout()
-                raise CollectiveTimeoutError(
-                    "rank %d: %s did not complete before its deadline; a peer may have "
-                    "died, hung, or not called it (the communicator is now unusable)"
-                    % (self.rank, what))
-            if spin:
-                continue
-            if pause:
-                time.sleep(pause)
-            pause = min(1e-3, pause * 2 or 1e-6)
+    def fail(self, reason):
+        """Mark the transport unusable (a collective failed: ``reason``)."""
+        if self._broken is None:
+            self._broken = reason

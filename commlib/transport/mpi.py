@@ -1,23 +1,32 @@
 """MPI transport (mpi4py): numpy buffers, and cupy buffers staged through host
 memory unless the MPI library is CUDA-aware.
 
-Without a deadline every collective is the plain blocking MPI call; with one
-(the watch dog) it is the non-blocking form, polled with ``Test`` until done
-or the deadline passes. Reductions of float16 and
+Every collective is issued in its non-blocking form and polled
+(:func:`commlib.waiting.poll`) until done, so every rank uses the same form,
+a deadline can end the wait, a peer that leaves is noticed, and Ctrl-C
+interrupts it. A request given up on (deadline, a peer left, an interrupt)
+stays alive inside MPI: its buffers are kept referenced for the life of the
+process (:data:`ABANDONED`) and the transport becomes unusable. For that
+reason the caller's arrays are never handed to MPI to write into: in-place
+collectives run on the transport's own staging buffer, ``chunk_bytes`` at a
+time, and copy each piece back only once it completed (``owned=True``
+skips the staging for commlib's own buffers). Reductions of float16 and
 bfloat16, which MPI lacks, use user-defined operators computed with numpy.
-Large all-reduces are split into ``chunk_bytes`` pieces, which keeps each
-piece cache-resident. When every rank is on one node, all-reduces of
-numpy buffers of at least ``SHM_MIN_BYTES`` go through
-:class:`~commlib.transport.shm.SharedMemoryReducer` (one shared window, two
+Errors MPI reports become :class:`~commlib.errors.TransportError`.
+
+When every rank is on one node and the communicator gives the transport
+shared memory, all-reduces of numpy buffers of at least ``SHM_MIN_BYTES``
+go through :class:`~commlib.transport.shm.SharedMemoryReducer` (two
 synchronisations per ``SHM_WINDOW_BYTES`` piece) instead of MPI's message
 path, and fused buckets are reduced there straight from their arrays.
 """
-import os
+import atexit
 
 import numpy as np
 
-from ..errors import BackendUnavailableError, CollectiveTimeoutError
-from ..ops._arrays import is_cupy
+from .. import waiting
+from ..errors import BackendUnavailableError, TransportError
+from ..ops._arrays import array_module, is_cupy
 from ..ops.cast import numpy_cast_into
 from .base import Transport
 
@@ -32,16 +41,14 @@ def mpi():
             from mpi4py import MPI
         except ImportError as exc:
             raise BackendUnavailableError(
-                "commlib: mpi4py is not installed; install commlib with the 'mpi' extra "
-                "(pip install 'commlib[mpi]')") from exc
+                "commlib: mpi4py is not installed, so only single-process communicators "
+                "(size 1) are available; for several processes install mpi4py and an MPI, "
+                "e.g. from the commlib source tree: pip install '.[mpi]'") from exc
         _MPI = MPI
+        atexit.register(_free_ops)
     return _MPI
 
 
-#: set to 0 to keep single-node all-reduces on MPI's own path
-ENV_SHM = "COMMLIB_SHM"
-#: stores into the shared-memory window: auto (measured), plain or streaming
-ENV_SHM_STORES = "COMMLIB_SHM_STORES"
 #: smallest all-reduce (bytes) sent through the shared-memory reducer; below
 #: it MPI's latency is lower (benchmarks/allreduce.py)
 SHM_MIN_BYTES = 64 << 10
@@ -53,11 +60,25 @@ _NATIVE = {"float32": "FLOAT", "float64": "DOUBLE", "int32": "INT32_T",
            "int64": "INT64_T", "uint8": "UINT8_T"}
 _NATIVE_OPS = {"sum": "SUM", "max": "MAX", "min": "MIN", "prod": "PROD"}
 _UFUNCS = {"sum": np.add, "max": np.maximum, "min": np.minimum, "prod": np.multiply}
-_NAMES = {"Allreduce": "all_reduce", "Bcast": "broadcast", "Reduce": "reduce",
-          "Allgather": "all_gather", "Allgatherv": "all_gatherv",
-          "Reduce_scatter_block": "reduce_scatter", "Barrier": "barrier"}
+_NAMES = {"Iallreduce": "all_reduce", "Ibcast": "broadcast", "Ireduce": "reduce",
+          "Iallgather": "all_gather", "Iallgatherv": "all_gatherv",
+          "Ireduce_scatter_block": "reduce_scatter", "Ibarrier": "barrier"}
 _types = {}     # numpy dtype -> MPI datatype
 _ops = {}       # (numpy dtype, op name) -> MPI.Op
+#: (request, buffers) of collectives given up on: MPI may still complete
+#: them, so their memory must never be freed or reused
+ABANDONED = []
+
+
+def _free_ops():
+    """Free the user-defined MPI operators (at exit, before MPI_Finalize)."""
+    MPI = _MPI
+    if MPI is None or not MPI.Is_initialized() or MPI.Is_finalized():
+        return
+    for op in _ops.values():
+        if not op.is_predefined:
+            op.Free()
+    _ops.clear()
 
 
 def _user_op(dtype, op, fmt=None):
@@ -115,26 +136,35 @@ def _cuda_aware():
 class MpiTransport(Transport):
     """Collectives over an ``mpi4py`` communicator.
 
-    ``mpi_comm`` is used as given (not duplicated here); ``chunk_bytes`` caps
-    one all-reduce message.
+    ``mpi_comm`` is used as given (the communicator duplicates it) and freed
+    by :meth:`close`; ``chunk_bytes`` caps one message and the staging
+    buffer. ``shared``: a zero-filled uint8 numpy array of shared memory of
+    at least :meth:`SharedMemoryReducer.bytes_needed
+    <commlib.transport.shm.SharedMemoryReducer.bytes_needed>` bytes when
+    every rank is on one node (the constructor is then collective), else
+    None. ``stores``: the reducer's stores (``auto``, ``plain``,
+    ``streaming``).
     """
 
     name = "mpi"
 
-    def __init__(self, mpi_comm, chunk_bytes=4 << 20):
+    def __init__(self, mpi_comm, chunk_bytes=4 << 20, shared=None, stores="auto"):
         super().__init__(mpi_comm.Get_rank(), mpi_comm.Get_size())
         self.comm = mpi_comm
         self.chunk_bytes = int(chunk_bytes)
         self.cuda_aware = _cuda_aware()
+        self._staging = {}        # array module -> uint8 buffer of chunk_bytes
         self._shm = None
-        if self.size > 1 and os.environ.get(ENV_SHM, "1") != "0":
+        if shared is not None and self.size > 1:
             from .shm import SharedMemoryReducer
-            reducer = SharedMemoryReducer(mpi_comm, capacity_bytes=SHM_WINDOW_BYTES,
-                                          stores=os.environ.get(ENV_SHM_STORES, "auto"))
-            if reducer.usable:
-                self._shm = reducer
-            else:
-                reducer.close()
+            self._shm = SharedMemoryReducer(mpi_comm, shared, capacity_bytes=SHM_WINDOW_BYTES,
+                                            stores=stores)
+
+    @staticmethod
+    def shared_bytes(size):
+        """Bytes of shared memory the reducer needs for ``size`` ranks."""
+        from .shm import SharedMemoryReducer
+        return SharedMemoryReducer.bytes_needed(size, SHM_WINDOW_BYTES)
 
     # -- staging -------------------------------------------------------------
     def _host(self, buf):
@@ -154,97 +184,149 @@ class MpiTransport(Transport):
         if host is not buf:
             buf.set(host)
 
+    def _stage(self, piece):
+        """This transport's staging buffer as an array like ``piece``."""
+        xp = array_module(piece)
+        found = self._staging.get(xp)
+        if found is None or found.nbytes < piece.nbytes:
+            found = self._staging[xp] = xp.empty(max(self.chunk_bytes, piece.nbytes), np.uint8)
+        return found[:piece.nbytes].view(piece.dtype)
+
+    def _in_place(self, buf, owned, run, writes=True):
+        """Call ``run(piece)`` for consecutive pieces of ``buf`` of at most
+        ``chunk_bytes``; unless ``owned`` (or ``writes`` is False), each
+        piece is a staged copy, copied back after ``run`` returned."""
+        step = max(1, self.chunk_bytes // max(1, buf.itemsize))
+        for start in range(0, buf.size, step):
+            piece = buf[start:start + step] if buf.size > step else buf
+            if owned or not writes:
+                run(piece)
+                continue
+            stage = self._stage(piece)
+            stage[...] = piece
+            run(stage)
+            piece[...] = stage
+
     def _spec(self, buf):
         return [buf, buf.size, _mpi_type(buf.dtype)]
 
-    def _call(self, name, deadline, *args, **kwargs):
-        """Run the MPI collective ``name`` (e.g. ``"Allreduce"``): blocking
-        without a deadline; with one, its non-blocking form (``Iallreduce``)
-        polled until the deadline (the watch dog)."""
+    def _call(self, name, wait, *args, **kwargs):
+        """Start the non-blocking MPI collective ``name`` (e.g.
+        ``"Iallreduce"``) and poll it until done; on any failure keep the
+        request and its buffers alive forever and make the transport
+        unusable."""
         self.check_usable()
-        if deadline is None:
-            getattr(self.comm, name)(*args, **kwargs)
-        else:
-            request = getattr(self.comm, "I" + name.lower())(*args, **kwargs)
-            self.poll_until(request.Test, deadline, _NAMES[name], spin=True)
+        MPI = mpi()
+        try:
+            request = getattr(self.comm, name)(*args, **kwargs)
+        except MPI.Exception as exc:
+            self.fail("MPI error in %s" % _NAMES[name])
+            raise self._error(name, exc) from None
+        try:
+            waiting.poll(request.Test, wait)
+        except BaseException as exc:
+            ABANDONED.append((request, args))
+            self.fail("%s was given up on (%s)" % (_NAMES[name], type(exc).__name__))
+            if isinstance(exc, MPI.Exception):
+                raise self._error(name, exc) from None
+            raise
+
+    def _error(self, name, exc):
+        text = exc.Get_error_string() if hasattr(exc, "Get_error_string") else str(exc)
+        hint = ""
+        if exc.Get_error_class() in (mpi().ERR_TRUNCATE, mpi().ERR_COUNT, mpi().ERR_TYPE):
+            hint = ("; the ranks probably passed different sizes or dtypes (the consistency "
+                    "check, on by default, catches this before any data moves)")
+        return TransportError("rank %d: MPI reported an error in %s: %s%s"
+                              % (self.rank, _NAMES[name], text.strip(), hint))
 
     # -- collectives ---------------------------------------------------------
-    def all_reduce(self, buf, op, deadline=None, fmt=None):
+    def all_reduce(self, buf, op, wait=waiting.FOREVER, fmt=None, owned=False):
         h = self._host(buf)
         if (self._shm is not None and fmt is None and h.nbytes >= SHM_MIN_BYTES
-                and self._shared(self._shm.all_reduce, h, op, deadline=deadline)):
+                and self._shared(self._shm.all_reduce, h, op, wait)):
             self._write_back(buf, h)
             return
         mop, mtype = _mpi_op(h.dtype, op, fmt), _mpi_type(h.dtype)
-        step = max(1, self.chunk_bytes // h.itemsize)
-        for start in range(0, h.size, step):
-            piece = h[start:start + step] if h.size > step else h
-            self._call("Allreduce", deadline, mpi().IN_PLACE, [piece, mtype], mop)
+        IN_PLACE = mpi().IN_PLACE
+        self._in_place(h, owned or h is not buf, lambda piece: self._call(
+            "Iallreduce", wait, IN_PLACE, [piece, mtype], mop))
         self._write_back(buf, h)
 
-    def _shared(self, method, *args, deadline=None):
-        """Run a shared-memory reducer ``method``; a timeout there leaves the
-        transport unusable, as on MPI's path."""
+    def _shared(self, method, *args):
+        """Run a shared-memory reducer ``method``; any failure there leaves
+        the transport unusable, as on MPI's path."""
         self.check_usable()
         try:
-            return method(*args, deadline=deadline)
-        except CollectiveTimeoutError:
-            self._broken = "all_reduce timed out"
+            return method(*args)
+        except BaseException as exc:
+            self.fail("all_reduce failed (%s)" % type(exc).__name__)
             raise
 
-    def all_reduce_staged(self, buf, op, scale, pack, unpack, deadline=None, parts=None):
-        """Reduces the parts in the shared-memory window (no pack into
-        ``buf``, no unpack from it) when the bucket fits; else the default."""
+    def all_reduce_staged(self, buf, op, scale, pack, unpack, wait=waiting.FOREVER, parts=None):
+        """Reduces the parts in the shared memory (no pack into ``buf``, no
+        unpack from it) when the bucket fits; else the default."""
         if (self._shm is not None and parts is not None and buf.nbytes >= SHM_MIN_BYTES
                 and type(buf) is np.ndarray and self._shared(
-                    self._shm.all_reduce_parts, parts, buf.size, buf.dtype, op, scale,
-                    deadline=deadline)):
+                    self._shm.all_reduce_parts, parts, buf.size, buf.dtype, op, scale, wait)):
             return
-        super().all_reduce_staged(buf, op, scale, pack, unpack, deadline)
+        super().all_reduce_staged(buf, op, scale, pack, unpack, wait)
 
-    def broadcast(self, buf, root, deadline=None):
+    def broadcast(self, buf, root, wait=waiting.FOREVER, owned=False):
         h = self._host(buf)
-        self._call("Bcast", deadline, self._spec(h), root=root)
+        self._in_place(h, owned or h is not buf, lambda piece: self._call(
+            "Ibcast", wait, self._spec(piece), root=root), writes=self.rank != root)
         if self.rank != root:
             self._write_back(buf, h)
 
-    def reduce(self, buf, root, op, deadline=None):
+    def reduce(self, buf, root, op, wait=waiting.FOREVER, owned=False):
         MPI = mpi()
         h = self._host(buf)
-        spec, mop = self._spec(h), _mpi_op(h.dtype, op)
-        if self.rank == root:
-            self._call("Reduce", deadline, MPI.IN_PLACE, spec, mop, root=root)
-        else:
-            self._call("Reduce", deadline, spec, None, mop, root=root)
+        mop = _mpi_op(h.dtype, op)
+
+        def run(piece):
+            if self.rank == root:
+                self._call("Ireduce", wait, MPI.IN_PLACE, self._spec(piece), mop, root=root)
+            else:
+                self._call("Ireduce", wait, self._spec(piece), None, mop, root=root)
+
+        self._in_place(h, owned or h is not buf, run, writes=self.rank == root)
         if self.rank == root:
             self._write_back(buf, h)
 
-    def all_gather(self, sendbuf, recvbuf, deadline=None):
+    def all_gather(self, sendbuf, recvbuf, wait=waiting.FOREVER):
         s, r = self._host(sendbuf), self._host(recvbuf)
-        self._call("Allgather", deadline, self._spec(s), [r, s.size, _mpi_type(r.dtype)])
+        self._call("Iallgather", wait, self._spec(s), [r, s.size, _mpi_type(r.dtype)])
         self._write_back(recvbuf, r)
 
-    def all_gatherv(self, sendbuf, recvbuf, counts, deadline=None):
+    def all_gatherv(self, sendbuf, recvbuf, counts, wait=waiting.FOREVER):
         counts = [int(c) for c in counts]
         displs = np.concatenate(([0], np.cumsum(counts)[:-1])).astype(int).tolist()
         s, r = self._host(sendbuf), self._host(recvbuf)
-        self._call("Allgatherv", deadline, self._spec(s),
+        self._call("Iallgatherv", wait, self._spec(s),
                    [r, counts, displs, _mpi_type(r.dtype)])
         self._write_back(recvbuf, r)
 
-    def reduce_scatter(self, sendbuf, recvbuf, op, deadline=None):
+    def reduce_scatter(self, sendbuf, recvbuf, op, wait=waiting.FOREVER):
         s, r = self._host(sendbuf), self._host(recvbuf)
-        self._call("Reduce_scatter_block", deadline, [s, r.size, _mpi_type(s.dtype)],
+        self._call("Ireduce_scatter_block", wait, [s, r.size, _mpi_type(s.dtype)],
                    self._spec(r), _mpi_op(s.dtype, op))
         self._write_back(recvbuf, r)
 
-    def barrier(self, deadline=None):
-        self._call("Barrier", deadline)
+    def barrier(self, wait=waiting.FOREVER):
+        self._call("Ibarrier", wait)
 
     def close(self):
-        """Free the shared-memory window (collective), unless a collective
-        timed out, when peers may never join."""
-        if self._shm is not None and self._broken is None:
+        """Drop the shared memory and free the MPI communicator; both are
+        local (MPICH frees a communicator without waiting for the others,
+        and after pending requests complete)."""
+        if self._shm is not None:
             self._shm.close()
-        self._shm = None
+            self._shm = None
+        comm, self.comm = self.comm, None
+        if comm is not None:
+            try:
+                comm.Free()
+            except Exception:
+                pass
         super().close()

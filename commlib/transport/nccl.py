@@ -3,15 +3,80 @@ buffers are staged through device memory.
 
 Collectives are enqueued on the current cupy stream and return without a
 host synchronisation (stream order makes the result visible to later work on
-that stream). With a deadline, the call records an event and polls it,
-checking ``check_async_error()``; on timeout the NCCL communicator is
-aborted so no rank stays blocked in a kernel.
+that stream). With a deadline, the call records an event and hands it to
+:class:`NcclWatch`, a daemon thread that polls the events in flight (and
+``check_async_error()``): when one misses its deadline, or a peer leaves the
+status board, it aborts the NCCL communicator so no kernel stays blocked,
+and the transport's next call raises. ``barrier`` waits on the host.
+An aborted collective may leave partial sums in the arrays it was writing;
+nothing writes into them after the abort.
 """
 import contextlib
+import threading
+import time
 
+from .. import waiting
 from ..bootstrap import _nccl
+from ..consistency import label
+from ..errors import CollectiveTimeoutError, CommlibError
 from ..ops._arrays import is_cupy
 from .base import Transport
+
+
+class NcclWatch:
+    """Watches the collectives of one NCCL communicator in flight: a daemon
+    thread that polls their events every ``every`` seconds and aborts the
+    communicator when one is late or a peer left (``wait.board``)."""
+
+    def __init__(self, transport, every=0.05):
+        self.transport, self.every = transport, every
+        self.failure = None
+        self._pending = []          # (event, Wait copy)
+        self._lock = threading.Lock()
+        self._thread = None
+
+    def add(self, event, wait):
+        with self._lock:
+            self._pending.append((event, waiting.Wait(wait.deadline, wait.seq, wait.what,
+                                                      wait.board, wait.rank)))
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, daemon=True,
+                                                name="commlib-nccl-watch")
+                self._thread.start()
+
+    def check(self):
+        """Raise the failure the thread found, if any."""
+        if self.failure is not None:
+            raise self.failure
+
+    def _run(self):
+        while self.failure is None and not self.transport._broken:
+            time.sleep(self.every)
+            with self._lock:
+                pending = list(self._pending)
+            for event, wait in pending:
+                try:
+                    if event.done:
+                        with self._lock:
+                            self._pending.remove((event, wait))
+                        continue
+                    wait.check()
+                except CommlibError as exc:
+                    self._fail(exc)
+                    return
+                except Exception as exc:        # check_async_error and the like
+                    self._fail(CollectiveTimeoutError(
+                        "rank %d: NCCL failed in %s: %s"
+                        % (wait.rank, label(wait.what, wait.seq), exc)))
+                    return
+
+    def _fail(self, exc):
+        self.failure = exc
+        self.transport.fail(str(exc))
+        try:
+            self.transport.comm.abort()
+        except Exception:
+            pass
 
 # ncclDataType_t and ncclRedOp_t values (stable across NCCL 2.x)
 _DTYPES = {"uint8": 1, "int32": 2, "int64": 4, "float16": 6, "float32": 7,
@@ -48,6 +113,7 @@ class NcclTransport(Transport):
                 self.comm = nccl.NcclCommunicator(size, nccl_id.for_cupy(), rank)
             except TypeError:       # CuPy versions that take the ID as bytes
                 self.comm = nccl.NcclCommunicator(size, nccl_id.data, rank)
+        self.watch = NcclWatch(self)
 
     @contextlib.contextmanager
     def _device(self, buf, writeback):
@@ -64,49 +130,47 @@ class NcclTransport(Transport):
     def _stream(self):
         return self._cupy.cuda.get_current_stream()
 
-    def _finish(self, deadline, what):
-        """Without a deadline return at once; with one, wait for the stream."""
-        if deadline is None:
-            return
-        event = self._stream().record()
-        self.poll_until(lambda: self._check() and event.done, deadline, what,
-                        on_timeout=self.comm.abort)
+    def check_usable(self):
+        self.watch.check()
+        super().check_usable()
 
-    def _check(self):
-        self.comm.check_async_error()
-        return True
+    def _finish(self, wait):
+        """Hand the collective just enqueued to the watch (when it has a
+        deadline or peers to watch); returns at once."""
+        if wait.deadline is not None or wait.board is not None:
+            self.watch.add(self._stream().record(), wait)
 
     # -- collectives ---------------------------------------------------------
-    def all_reduce(self, buf, op, deadline=None, fmt=None):
+    def all_reduce(self, buf, op, wait=waiting.FOREVER, fmt=None, owned=False):
         self.check_usable()
         with self._device(buf, True) as d:
             dtype = _code(d.dtype) if fmt is None else _DTYPES[fmt]
             self.comm.allReduce(d.data.ptr, d.data.ptr, d.size, dtype, _OPS[op],
                                 self._stream().ptr)
-            self._finish(deadline, "all_reduce")
+            self._finish(wait)
 
-    def broadcast(self, buf, root, deadline=None):
+    def broadcast(self, buf, root, wait=waiting.FOREVER, owned=False):
         self.check_usable()
         with self._device(buf, self.rank != root) as d:
             self.comm.broadcast(d.data.ptr, d.data.ptr, d.size, _code(d.dtype),
                                 root, self._stream().ptr)
-            self._finish(deadline, "broadcast")
+            self._finish(wait)
 
-    def reduce(self, buf, root, op, deadline=None):
+    def reduce(self, buf, root, op, wait=waiting.FOREVER, owned=False):
         self.check_usable()
         with self._device(buf, self.rank == root) as d:
             self.comm.reduce(d.data.ptr, d.data.ptr, d.size, _code(d.dtype),
                              _OPS[op], root, self._stream().ptr)
-            self._finish(deadline, "reduce")
+            self._finish(wait)
 
-    def all_gather(self, sendbuf, recvbuf, deadline=None):
+    def all_gather(self, sendbuf, recvbuf, wait=waiting.FOREVER):
         self.check_usable()
         with self._device(sendbuf, False) as s, self._device(recvbuf, True) as r:
             self.comm.allGather(s.data.ptr, r.data.ptr, s.size, _code(s.dtype),
                                 self._stream().ptr)
-            self._finish(deadline, "all_gather")
+            self._finish(wait)
 
-    def all_gatherv(self, sendbuf, recvbuf, counts, deadline=None):
+    def all_gatherv(self, sendbuf, recvbuf, counts, wait=waiting.FOREVER):
         """Grouped broadcasts, one per rank (NCCL has no all-gather-v)."""
         self.check_usable()
         nccl = _nccl()
@@ -122,28 +186,33 @@ class NcclTransport(Transport):
                     self.comm.broadcast(src, dst, count, dtype, root, stream)
                 offset += count
             nccl.groupEnd()
-            self._finish(deadline, "all_gatherv")
+            self._finish(wait)
 
-    def reduce_scatter(self, sendbuf, recvbuf, op, deadline=None):
+    def reduce_scatter(self, sendbuf, recvbuf, op, wait=waiting.FOREVER):
         self.check_usable()
         with self._device(sendbuf, False) as s, self._device(recvbuf, True) as r:
             self.comm.reduceScatter(s.data.ptr, r.data.ptr, r.size, _code(s.dtype),
                                     _OPS[op], self._stream().ptr)
-            self._finish(deadline, "reduce_scatter")
+            self._finish(wait)
 
-    def barrier(self, deadline=None):
+    def barrier(self, wait=waiting.FOREVER):
         """An all-reduce of one byte, waited for on the host."""
         self.check_usable()
         with self._cupy.cuda.Device(self.device):
             one = self._cupy.zeros(1, dtype=self._cupy.uint8)
             self.comm.allReduce(one.data.ptr, one.data.ptr, 1, _DTYPES["uint8"], _OPS["sum"],
                                 self._stream().ptr)
-            if deadline is None:
-                self._stream().synchronize()
-            else:
-                self._finish(deadline, "barrier")
+            self._finish(wait)
+            event = self._stream().record()
+            waiting.poll(lambda: self.watch.check() or event.done, wait)
 
     def close(self):
+        """Destroy the NCCL communicator (abort it after a failure)."""
         if self._broken is None:
             self.comm.destroy()
+        else:
+            try:
+                self.comm.abort()
+            except Exception:
+                pass
         super().close()

@@ -1,8 +1,8 @@
-"""Intra-node all-reduce through one MPI shared-memory window.
+"""Intra-node all-reduce through memory shared by the ranks of one node.
 
 When every rank of a communicator lives on one node, :class:`SharedMemoryReducer`
 all-reduces numpy arrays without MPI's message path, ``capacity_bytes`` at a
-time: each rank copies its data into its own slot of the window,
+time: each rank copies its data into its own slot of the shared memory,
 the ranks synchronise, rank r reduces elements ``[r*N//n, (r+1)*N//n)`` of
 all slots (in rank order) into a shared result region, the ranks synchronise
 again, and every rank copies the whole result region out. Every rank reads
@@ -26,12 +26,16 @@ only after the first synchronisation of call k+1, which every rank reaches
 only once it has copied out the result of call k.
 
 Synchronisation (``sync``): ``"flags"`` spins on one monotonically increasing
-sequence number per rank in the window (x86-64 only, where stores become
-visible in program order; in C without the GIL when the host loops are
-compiled); ``"barrier"`` is ``MPI_Barrier`` on the node communicator.
-``"auto"`` picks flags on x86-64. With a ``deadline`` the waits give up with
-:class:`~commlib.errors.CollectiveTimeoutError` (the watch dog), as MPI's
-path does.
+sequence number per rank in the shared memory (in C without the GIL, with
+acquire/release order, when the host loops are compiled; in Python only on
+x86-64, where stores become visible in program order); ``"barrier"`` is
+``MPI_Ibarrier`` on the communicator. The waits take the collective's
+:class:`~commlib.waiting.Wait`: they give up at its deadline or when a rank
+leaves the status board, naming the ranks that had not arrived, and return
+to Python every few milliseconds so signal handlers run. A failure leaves
+each element of the caller's arrays holding its input or its result (a
+rank writes its own share's result into its arrays between the two
+synchronisations), never a partial sum, and nothing is written after it.
 
 Stores (``stores``): with flags, the copies into the window and the result
 use plain or streaming (non-temporal) stores. ``"auto"`` probes both when
@@ -39,23 +43,28 @@ the reducer is made (:meth:`SharedMemoryReducer.probe_stores`) and then
 measures them on real calls (:mod:`.store_mode`; each rank publishes its
 busy time next to its sequence number), the same choice on every rank.
 """
-import os
 import platform
 import statistics
 import time
 
 import numpy as np
 
-from ..errors import ArgumentError, ArrayTypeError, CollectiveTimeoutError
+from .. import waiting
+from ..errors import ArgumentError, ArrayTypeError
 from ..ops import _native, hostcopy, hostreduce
 from .store_mode import StoreModeChooser
+
+
+def _mpi():
+    from .mpi import mpi
+    return mpi()
+
 
 _UFUNCS = {"sum": np.add, "max": np.maximum, "min": np.minimum, "prod": np.multiply}
 _DTYPES = ("float16", "bfloat16", "float32", "float64", "int32", "int64", "uint8")
 _LINE = 64                # bytes per rank in the control region: sequence number, busy ns
 _STORES = {"auto": None, "plain": False, "streaming": True}
 _ALIGN = 4096             # alignment of slots and the result region, bytes
-_SPINS = 2000             # polls before each poll also yields the CPU
 
 
 _supported_cache = {}
@@ -75,16 +84,16 @@ def _round_up(x, to):
 
 class SharedMemoryReducer:
     """All-reduce of numpy buffers over ``comm`` (an mpi4py communicator
-    whose ranks share one node), ``capacity_bytes`` at a time.
+    whose ranks all share one node), ``capacity_bytes`` at a time, in
+    ``memory``: a zero-filled uint8 numpy array of :meth:`bytes_needed`
+    bytes shared by the ranks (:mod:`commlib.shared_segment`).
 
-    The constructor is collective over ``comm``. If the ranks span several
-    nodes, :attr:`usable` is False and :meth:`all_reduce` always returns
-    False. Memory: ``(size + 1) * capacity_bytes`` bytes of shared memory.
+    The constructor is collective over ``comm`` (with ``stores="auto"`` it
+    probes the stores). ``comm`` is used only there and, with
+    ``sync="barrier"``, for the synchronisations. Closing is local.
     """
 
-    def __init__(self, comm, capacity_bytes=4 << 20, sync="auto", stores="auto"):
-        from .mpi import mpi
-        MPI = mpi()
+    def __init__(self, comm, memory, capacity_bytes=4 << 20, sync="auto", stores="auto"):
         if int(capacity_bytes) <= 0:
             raise ArgumentError("commlib: capacity_bytes must be positive, got %r"
                                 % (capacity_bytes,))
@@ -92,43 +101,47 @@ class SharedMemoryReducer:
             raise ArgumentError("commlib: sync must be 'auto', 'flags' or 'barrier', got %r"
                                 % (sync,))
         x86 = platform.machine().lower() in ("x86_64", "amd64")
+        native = _native.available()  # compile the host loops now, not inside a timed collective
         if sync == "auto":
-            sync = "flags" if x86 else "barrier"
-        if sync == "flags" and not x86:
-            raise ArgumentError("commlib: sync='flags' needs x86-64 memory ordering")
+            sync = "flags" if x86 or native else "barrier"
+        if sync == "flags" and not (x86 or native):
+            raise ArgumentError("commlib: sync='flags' needs x86-64 memory ordering or the "
+                                "compiled host loops")
         if stores not in _STORES:
             raise ArgumentError("commlib: stores must be one of %s, got %r"
                                 % (", ".join(_STORES), stores))
         self.rank, self.size = comm.Get_rank(), comm.Get_size()
         self.capacity_bytes = _round_up(int(capacity_bytes), _ALIGN)
         self.sync = sync
-        self._node = comm.Split_type(MPI.COMM_TYPE_SHARED, key=self.rank)
-        self.usable = self._node.Get_size() == self.size
-        self._win = None
+        self._comm = comm
         self._views = {}          # dtype -> (slots, result), arrays of that dtype
         self._seq = 0
         # streaming stores need x86-64 (and the flags carry the busy times)
-        self.stores = StoreModeChooser(fixed=_STORES[stores] if sync == "flags" else False)
+        self.stores = StoreModeChooser(fixed=_STORES[stores] if sync == "flags" and x86
+                                       else False)
         self._last = None         # (mode, bytes, busy ns) of the last call with the C loops
-        if not self.usable or self.size == 1:
-            return
-        native = _native.available()  # compile the host loops now, not inside a timed collective
-        control = _round_up(self.size * _LINE, _ALIGN)
-        total = control + (self.size + 1) * self.capacity_bytes
-        self._win = MPI.Win.Allocate_shared(total if self.rank == 0 else 0, 1,
-                                            comm=self._node)
-        memory, _ = self._win.Shared_query(0)
-        self._mem = np.frombuffer(memory, dtype=np.uint8, count=total)
+        control = self._control_bytes(self.size)
+        total = self.bytes_needed(self.size, self.capacity_bytes)
+        if memory.size < total:
+            raise ArgumentError("commlib: the shared-memory reducer needs %d bytes, got %d"
+                                % (total, memory.size))
+        self._mem = memory[:total]
         self._slots_at = [control + r * self.capacity_bytes for r in range(self.size)]
         self._result_at = control + self.size * self.capacity_bytes
         self._control = self._mem[:control].view(np.int64)
-        self._flags = memoryview(self._control)
-        if self.rank == 0:
-            self._mem[:control] = 0
-        self._node.Barrier()
         # the probe is collective: only when every rank has the compiled loops
-        if self.stores.fixed is None and self._node.allreduce(native, op=MPI.LAND):
+        if self.stores.fixed is None and comm.allreduce(native, op=_mpi().LAND):
             self.stores = StoreModeChooser(initial=self.probe_stores())
+
+    @staticmethod
+    def _control_bytes(size):
+        return _round_up(size * _LINE, _ALIGN)
+
+    @classmethod
+    def bytes_needed(cls, size, capacity_bytes):
+        """Bytes of shared memory for ``size`` ranks and ``capacity_bytes``."""
+        capacity = _round_up(int(capacity_bytes), _ALIGN)
+        return cls._control_bytes(size) + (size + 1) * capacity
 
     def probe_stores(self, nbytes=256 << 10, rounds=3):
         """Whether streaming stores beat plain ones here and now (collective;
@@ -146,65 +159,60 @@ class SharedMemoryReducer:
         slot, other = slots[self.rank][:count], slots[(self.rank + 1) % self.size][:count]
         clock, times = time.perf_counter_ns, ([], [])
         for streaming in [False] + [False, True] * rounds:
-            self._node.Barrier()
+            self._comm.Barrier()
             start = clock()
             hostcopy.gather((mine,), slot, None, streaming)
             written = clock() - start
-            self._node.Barrier()
+            self._comm.Barrier()
             start = clock()
             hostcopy.gather((other,), seen)
             times[streaming].append(written + clock() - start)
-        from .mpi import mpi
         cost = np.array([statistics.median(t[-rounds:]) for t in times], dtype=np.float64)
-        self._node.Allreduce(mpi().IN_PLACE, cost, op=mpi().MAX)
+        self._comm.Allreduce(_mpi().IN_PLACE, cost, op=_mpi().MAX)
         return bool(cost[1] < 0.7 * cost[0])
 
     # -- synchronisation ---------------------------------------------------------
-    def _wait_all(self, seq, deadline, publish=None):
+    def _wait_all(self, seq, wait, publish=None):
         """Publish this rank's sequence number ``seq`` (and before it, with
         flags, ``publish``: its busy ns of the previous call) and wait until
-        every rank has published at least ``seq``, or raise
-        CollectiveTimeoutError once ``deadline`` (``time.monotonic()``
-        value, or None) has passed. Returns, with flags, the largest busy
-        time every rank published (0 if one published none)."""
+        every rank has published at least ``seq``. ``wait``: the
+        collective's :class:`~commlib.waiting.Wait` (deadline, and the status
+        board whose ranks leaving end the wait). Returns, with flags, the
+        largest busy time every rank published (0 if one published none)."""
         if self.sync == "barrier":
-            if deadline is None:
-                self._node.Barrier()
-                return 0
-            request = self._node.Ibarrier()
-            while not request.Test():
-                self._check_deadline(deadline)
+            request = self._comm.Ibarrier()
+            waiting.poll(request.Test, wait)
             return 0
         stride = _LINE // 8
+        board = wait.board
+        gone, gone_stride = board.gone_words if board is not None else (None, 1)
         ext = _native.module()
-        if ext is not None:      # spins in C, without the GIL
-            found = ext.wait_flags(self._control, self.rank, self.size, stride, seq, publish,
-                                   deadline)
-            if found < 0:
-                self._check_deadline(deadline)
-            return found
-        flags = self._flags
-        if publish is not None:
-            flags[self.rank * stride + 1] = publish
-        flags[self.rank * stride] = seq
-        for r in range(self.size):
-            if r == self.rank:
-                continue
-            i, polls = r * stride, 0
-            while flags[i] < seq:
-                polls += 1
-                if polls > _SPINS:
-                    os.sched_yield()
-                    if deadline is not None:
-                        self._check_deadline(deadline)
-        published = [flags[r * stride + 1] for r in range(self.size)]
-        return max(published) if min(published) > 0 else 0
-
-    def _check_deadline(self, deadline):
-        if time.monotonic() >= deadline:
-            raise CollectiveTimeoutError(
-                "rank %d: all_reduce did not complete before its deadline; a peer may "
-                "have died, hung, or not called it" % self.rank)
+        flags = self._control
+        if ext is None:
+            if publish is not None:
+                flags[self.rank * stride + 1] = publish
+            flags[self.rank * stride] = seq
+        first = True
+        while True:
+            if ext is not None:      # spins in C, without the GIL
+                found = ext.wait_flags(flags, self.rank, self.size, stride, seq, publish,
+                                       wait.deadline, waiting.CHECK_EVERY_S, gone, gone_stride,
+                                       wait.seq, first)
+                first = False
+            else:
+                found = waiting.spin_py(flags[:self.size * stride:stride], seq,
+                                        None if gone is None else
+                                        gone[:self.size * gone_stride:gone_stride],
+                                        wait.seq, self.rank, waiting.slice_end(wait.deadline))
+                if found == -3:
+                    published = flags[1::stride][:self.size]
+                    found = int(published.max()) if published.min() > 0 else 0
+            if found >= 0:
+                return found
+            if found <= -2:
+                board.check_peers(wait.seq, wait.what, [-2 - found])
+            late = [r for r in range(self.size) if flags[r * stride] < seq]
+            wait.check(late)
 
     def _views_for(self, dtype):
         """(slots, result) for ``dtype``: a tuple of every rank's slot, and
@@ -220,15 +228,17 @@ class SharedMemoryReducer:
         return found
 
     # -- the collective ----------------------------------------------------------
-    def all_reduce(self, buf, op, deadline=None):
+    def all_reduce(self, buf, op, wait=waiting.FOREVER):
         """Reduce ``buf`` (1-D C-contiguous writeable numpy array, any length:
         pieces of ``capacity_bytes`` one after the other) with ``op``
         (``"sum"``, ``"max"``, ``"min"``, ``"prod"``) over all ranks, in place.
 
         Returns True when done, False (``buf`` untouched, no communication)
-        when this reducer cannot take the call: not usable, not a numpy
-        array or an unsupported dtype. Every rank must pass the same dtype and
-        length, so all ranks agree.
+        when this reducer cannot take the call: not a numpy array or an
+        unsupported dtype. Every rank must pass the same dtype and length,
+        so all ranks agree. ``wait``: the collective's
+        :class:`~commlib.waiting.Wait`. A failure raises with each element
+        of ``buf`` holding either its input or its result.
         """
         if type(buf) is not np.ndarray:
             return False
@@ -238,11 +248,11 @@ class SharedMemoryReducer:
         for start in range(0, max(buf.size, 1), step):
             piece = buf[start:start + step]
             # False can only come on the first piece: nothing has been touched then
-            if not self.all_reduce_parts((piece,), piece.size, buf.dtype, op, None, deadline):
+            if not self.all_reduce_parts((piece,), piece.size, buf.dtype, op, None, wait):
                 return False
         return True
 
-    def all_reduce_parts(self, parts, count, dtype, op, scale=None, deadline=None):
+    def all_reduce_parts(self, parts, count, dtype, op, scale=None, wait=waiting.FOREVER):
         """All-reduce, in place, the concatenation of ``parts`` (a tuple or
         list of C-contiguous writeable numpy arrays of ``dtype``, ``count``
         elements in all, any shapes) and multiply it by ``scale`` (float, or
@@ -252,15 +262,14 @@ class SharedMemoryReducer:
         ufunc = _UFUNCS.get(op)
         if ufunc is None:
             raise ArgumentError("commlib: op must be one of %s, got %r" % (sorted(_UFUNCS), op))
-        if (not self.usable or not _supported(dtype)
-                or count * dtype.itemsize > self.capacity_bytes):
+        if not _supported(dtype) or count * dtype.itemsize > self.capacity_bytes:
             return False
         if self.size == 1 or count == 0:
             if scale is not None:
                 for part in parts:
                     part *= scale
             return True
-        if self._win is None:
+        if self._mem is None:
             raise ArgumentError("commlib: the shared-memory reducer is closed")
         slots, result = self._views_for(dtype)
         n, rank = self.size, self.rank
@@ -276,7 +285,7 @@ class SharedMemoryReducer:
             hostcopy.gather_any(parts, slot)
         busy = clock() - start
         self._seq += 2
-        slowest = self._wait_all(self._seq - 1, deadline,
+        slowest = self._wait_all(self._seq - 1, wait,
                                  publish=self._last[2] if self._last else 0)
         if slowest and self._last is not None:
             self.stores.observe(self._last[0], self._last[1], slowest)
@@ -292,7 +301,7 @@ class SharedMemoryReducer:
                 if scale is not None:
                     out *= scale
         busy += clock() - start
-        self._wait_all(self._seq, deadline)
+        self._wait_all(self._seq, wait)
         start = clock()
         if not (native and hostcopy.scatter(result, parts, own)):
             hostcopy.scatter_any(result, parts)
@@ -302,14 +311,7 @@ class SharedMemoryReducer:
         return True
 
     def close(self):
-        """Free the window (collective over the communicator). Idempotent."""
-        if self._win is not None:
-            self._flags.release()
-            self._control = None
-            self._views.clear()
-            self._mem = None
-            self._win.Free()
-            self._win = None
-        if self._node is not None:
-            self._node.Free()
-            self._node = None
+        """Drop this rank's views of the shared memory (local). Idempotent."""
+        self._control = None
+        self._views.clear()
+        self._mem = None

@@ -1,0 +1,329 @@
+"""The status board: where each rank of a communicator stands, in memory
+shared by the ranks of one node.
+
+Every rank owns one line of :data:`LINE_BYTES` bytes. Its int64 words:
+
+==========  ==================================================================
+``ENTERED``  sequence number of the last collective the rank entered (0: none)
+``GONE``     0 while the rank takes part; else the first sequence number it
+             will never complete (it closed the communicator, exited, dropped
+             it, or gave up on a collective after an error)
+``PID``      its process id
+``REASON``   why it left (:data:`REASONS`); the text area says more
+``TEXT_SEQ`` the sequence number the text area describes (mismatch reports)
+``SLOT``     two slots of four words, one per parity of the sequence number:
+             the call's fingerprint (two words), the collective's code
+             (:data:`commlib.consistency.COLLECTIVES`) and when it was entered
+             (``time.monotonic_ns()``)
+==========  ==================================================================
+
+then UTF-8 text. A zero-filled line is a rank that has entered nothing and
+has not left.
+
+Entering collective ``s`` (:meth:`StatusBoard.enter`) writes the slot of
+``s``'s parity, then ``ENTERED = s`` (release order), and waits until every
+rank has entered ``s``; then every rank compares every rank's fingerprint.
+No rank can write that slot again before every rank has entered ``s + 1``,
+so the comparison is stable. Equal fingerprints (the usual case) cost one
+pass over the other ranks' lines. Otherwise every rank writes a description
+of its call (or its argument error) into its text area, publishes
+``TEXT_SEQ = s``, waits for the others' and raises the same
+:class:`~commlib.errors.ConsistencyError` (or its own argument error): no
+data has moved, so the communicator stays usable.
+
+While a rank waits (here, or in a transport that calls :meth:`check_peers`)
+it gives up with :class:`~commlib.errors.PeerError` when a rank it waits for
+has left (``0 < GONE <= s``) or its process no longer exists, and with
+:class:`~commlib.errors.CollectiveTimeoutError` at the deadline, naming the
+ranks that had not arrived and what each last entered. Either way it marks
+itself gone at ``s`` so that its peers learn of it too. The waits spin in C
+without the GIL (:mod:`commlib.ops._native`) and come back to Python every
+:data:`SLICE_S` seconds, so signal handlers (Ctrl-C) run.
+"""
+import os
+import sys
+import time
+
+import numpy as np
+
+from . import consistency, waiting
+from .errors import CollectiveTimeoutError, PeerError
+from .ops import _native
+
+LINE_BYTES = 1024
+STRIDE = LINE_BYTES // 8
+ENTERED, GONE, PID, REASON, TEXT_SEQ = 0, 1, 2, 3, 4
+SLOT = 8                    # two slots: digest0, digest1, collective code, monotonic ns
+SLOT_WORDS = 4
+TEXT = 16 * 8               # byte offset of the text area in a line
+TEXT_BYTES = LINE_BYTES - TEXT
+#: seconds a wait spends in C before Python checks signals, deadline and peers
+SLICE_S = waiting.CHECK_EVERY_S
+#: the fingerprint a rank publishes when it rejected its own arguments
+ERROR_DIGEST = (-1, -1)
+
+CLOSED, EXITED, GAVE_UP, CLOSED_ON_EXCEPTION, DROPPED = 1, 2, 3, 4, 5
+REASONS = {CLOSED: "closed the communicator", EXITED: "exited",
+           GAVE_UP: "gave up", CLOSED_ON_EXCEPTION: "left after an exception",
+           DROPPED: "dropped the communicator without close()"}
+
+
+def _alive(pid):
+    """Whether process ``pid`` (on this node) still runs; zombies count as ended."""
+    try:
+        with open("/proc/%d/stat" % pid, "rb") as f:
+            return f.read().rsplit(b")", 1)[1].split()[0] not in (b"Z", b"X")
+    except FileNotFoundError:
+        return False
+    except OSError:
+        return True
+
+
+class StatusBoard:
+    """The board of one communicator over ``memory`` (a writeable uint8
+    numpy array of at least ``size * LINE_BYTES`` bytes, zero-filled when
+    made, shared by all ``size`` ranks). :meth:`join` before use."""
+
+    def __init__(self, memory, rank, size):
+        self.rank, self.size = rank, size
+        self.memory = memory[:size * LINE_BYTES]
+        self.words = self.memory.view(np.int64)
+        self._lines = self.words.reshape(size, STRIDE)
+        self._gone = self.words[GONE:]        # for waits that watch for ranks leaving
+        self._mine = self._lines[rank]
+        self._ext = _native.module()
+        self.warn_after = None                # seconds, see enter()
+
+    @property
+    def gone_words(self):
+        """(int64 array, stride): word ``r * stride`` is rank r's ``GONE``."""
+        return self._gone, STRIDE
+
+    def join(self):
+        """Write this rank's process id (the rest of its line is zero)."""
+        self._mine[PID] = os.getpid()
+
+    def everyone_joined(self):
+        """Whether every rank has joined this board (ranks on other nodes
+        never see it)."""
+        return bool((self._lines[:, PID] != 0).all())
+
+    # -- entering a collective -------------------------------------------------
+    def enter(self, seq, what, digest, deadline, error=None, describe=None):
+        """Enter collective number ``seq`` (1, 2, ...; the code ``what`` of
+        :data:`~commlib.consistency.COLLECTIVES`) with ``digest`` (two int64,
+        :func:`commlib.consistency.digest`), and wait for every rank to enter
+        it. ``deadline``: ``time.monotonic()`` value or None. ``error``: this
+        rank's argument error, or None; ``describe()``: text of this call,
+        used only when fingerprints differ.
+
+        Returns when every rank entered ``seq`` with the same fingerprint and
+        no error. Raises ConsistencyError (or ``error``) when they differ,
+        PeerError or CollectiveTimeoutError when a rank left, died or did not
+        come (this rank is then marked gone at ``seq``).
+        """
+        d0, d1 = ERROR_DIGEST if error is not None else digest
+        when = time.monotonic_ns()
+        ext, publish = self._ext, True
+        while True:
+            if ext is not None:
+                code = ext.board_enter(self.words, STRIDE, self.size, self.rank, ENTERED, GONE,
+                                       SLOT, seq, d0, d1, what, when, publish, deadline, SLICE_S)
+            else:
+                code = self._enter_py(seq, (d0, d1, what, when), publish, deadline)
+            publish = False
+            if code == 0 and error is None:
+                return
+            if code >= 0:
+                return self._disagree(seq, what, error, describe, deadline)
+            if code <= -2:
+                raise self._left(-2 - code, seq, what)
+            self.check_waiting(seq, what, deadline, entering=True)
+
+    def _enter_py(self, seq, slot, publish, deadline):
+        """board_enter's loop in Python (no compiled loops; x86-64 order)."""
+        at = SLOT + (seq & 1) * SLOT_WORDS
+        if publish:
+            self._mine[at:at + SLOT_WORDS] = slot
+            self._mine[ENTERED] = seq
+        code = waiting.spin_py(self._lines[:, ENTERED], seq, self._lines[:, GONE], seq,
+                               self.rank, waiting.slice_end(deadline))
+        if code != -3:
+            return code
+        same = (self._lines[:, at:at + 2] == np.array(slot[:2])).all()
+        return 0 if same else 1
+
+    def wait_words(self, word, target, seq, what, deadline):
+        """Wait until every rank's ``word`` is at least ``target``, watching
+        for ranks leaving collective ``seq`` (``what``)."""
+        while True:
+            if self._ext is not None:
+                code = self._ext.wait_flags(self.words[word:], self.rank, self.size, STRIDE,
+                                            target, None, deadline, SLICE_S, self._gone, STRIDE,
+                                            seq, False)
+                code = -3 if code >= 0 else code
+            else:
+                code = waiting.spin_py(self._lines[:, word], target, self._lines[:, GONE], seq,
+                                       self.rank, waiting.slice_end(deadline))
+            if code == -3:
+                return
+            if code <= -2:
+                raise self._left(-2 - code, seq, what)
+            self.check_waiting(seq, what, deadline)
+
+    def _disagree(self, seq, what, error, describe, deadline):
+        """Fingerprints differ (or a rank rejected its arguments): exchange
+        texts and raise on every rank."""
+        text = ("ERROR " + str(error)) if error is not None else describe()
+        self.write_text(text)
+        self._mine[TEXT_SEQ] = seq
+        self.wait_words(TEXT_SEQ, seq, seq, what, deadline)
+        at = SLOT + (seq & 1) * SLOT_WORDS
+        rows = [(tuple(self._lines[r, at:at + 2]), self.read_text(r)) for r in range(self.size)]
+        failure = consistency.disagreement(self.rank, seq, what, rows,
+                                           error_digest=ERROR_DIGEST)
+        if error is not None:
+            raise error
+        raise failure
+
+    # -- watching the others ---------------------------------------------------------
+    def check_waiting(self, seq, what, deadline, entering=False):
+        """Called between slices of a wait in collective ``seq`` (``entering``:
+        the wait for every rank to enter it): raise when the deadline passed
+        or a rank died; warn once after :attr:`warn_after` seconds."""
+        now = time.monotonic()
+        late = self.not_arrived(seq) if entering else None
+        self.check_peers(seq, what, late)
+        if deadline is not None and now >= deadline:
+            raise self.give_up(seq, what, CollectiveTimeoutError,
+                               self.timeout_text(seq, what, late), late or ())
+        if self.warn_after is not None and late:
+            since = self._mine[SLOT + (seq & 1) * SLOT_WORDS + 3]
+            if since and now - since * 1e-9 > self.warn_after:
+                self.warn_after = None
+                print("commlib: rank %d has waited %.0f s in %s; %s" % (
+                    self.rank, now - since * 1e-9, consistency.label(what, seq),
+                    "; ".join(self.where(r) for r in late)), file=sys.stderr, flush=True)
+
+    def check_peers(self, seq, what, ranks=None):
+        """Raise PeerError (marking this rank gone at ``seq``) when one of
+        ``ranks`` (default: every other rank) left before completing
+        collective ``seq`` or its process died."""
+        for r in range(self.size) if ranks is None else ranks:
+            if r == self.rank:
+                continue
+            gone = self._lines[r, GONE]
+            if 0 < gone <= seq:
+                raise self._left(r, seq, what)
+            pid = int(self._lines[r, PID])
+            if pid and not _alive(pid):
+                raise self.give_up(seq, what, PeerError,
+                                   "rank %d (pid %d) died while this rank waits in %s"
+                                   % (r, pid, consistency.label(what, seq)), (r,))
+
+    def not_arrived(self, seq):
+        """Ranks that have not entered collective ``seq``."""
+        return [r for r in range(self.size) if self._lines[r, ENTERED] < seq]
+
+    def where(self, r):
+        """What rank ``r`` last did, e.g. ``rank 2 last entered barrier #7 3.1 s ago``."""
+        line = self._lines[r]
+        entered = int(line[ENTERED])
+        gone = int(line[GONE])
+        if gone:
+            return "rank %d %s after collective #%d%s" % (
+                r, REASONS.get(int(line[REASON]), "left"), gone - 1, self._reason_text(r))
+        if not entered:
+            return "rank %d has not entered any collective" % r
+        at = SLOT + (entered & 1) * SLOT_WORDS
+        ago = time.monotonic() - line[at + 3] * 1e-9
+        return "rank %d last entered %s %.1f s ago" % (
+            r, consistency.label(int(line[at + 2]), entered), ago)
+
+    def _reason_text(self, r):
+        text = self.read_text(r) if self._lines[r, TEXT_SEQ] == 0 else ""
+        return " (%s)" % text if text else ""
+
+    def timeout_text(self, seq, what, late):
+        """Text of a timeout in collective ``seq`` naming the ``late`` ranks."""
+        if late:
+            who = "; ".join(self.where(r) for r in late)
+            return ("%s did not complete before its deadline: waiting for %s"
+                    % (consistency.label(what, seq), who))
+        return ("%s did not complete before its deadline; every rank had entered it (a peer "
+                "stalled or was descheduled inside it)" % consistency.label(what, seq))
+
+    def _left(self, r, seq, what):
+        """PeerError for rank ``r`` having left before collective ``seq``."""
+        reason = int(self._lines[r, REASON])
+        hint = ("; uneven number of steps? every rank must call the same collectives"
+                if reason in (CLOSED, EXITED, DROPPED) else "")
+        text = "%s while this rank is in %s%s" % (self.where(r), consistency.label(what, seq),
+                                                  hint)
+        return self.give_up(seq, what, PeerError, text, (r,))
+
+    def give_up(self, seq, what, kind, text, culprits):
+        """Mark this rank gone at ``seq`` and return ``kind`` (an error class)
+        with ``text``, naming ``culprits``."""
+        self.leave(seq - 1, GAVE_UP, "in %s: %s" % (consistency.label(what, seq), text))
+        return kind("rank %d: %s" % (self.rank, text), culprits=culprits)
+
+    # -- leaving ---------------------------------------------------------------------
+    def leave(self, completed, reason, text=""):
+        """Publish that this rank completes no collective after number
+        ``completed``, for ``reason`` (:data:`REASONS`), with ``text``. A
+        rank leaves once; later calls keep the first reason."""
+        if self._mine[GONE]:
+            return
+        self._mine[TEXT_SEQ] = 0
+        self.write_text(text)
+        self._mine[REASON] = reason
+        self._mine[GONE] = completed + 1
+
+    def wait_left(self, completed, deadline):
+        """After :meth:`leave` (closing after collective ``completed``), wait
+        until every rank has left after the same collective. Raises
+        PeerError when a rank entered a later collective (uneven number of
+        steps: this rank stopped early), left earlier or died, and
+        CollectiveTimeoutError at the deadline naming the ranks still busy."""
+        pause = 1e-5
+        while True:
+            busy = []
+            for r in range(self.size):
+                line = self._lines[r]
+                if r == self.rank or line[GONE] == completed + 1 and line[ENTERED] <= completed:
+                    continue
+                if line[ENTERED] > completed:
+                    raise PeerError(
+                        "rank %d: this rank left after collective #%d but %s: uneven number "
+                        "of steps (every rank must call the same collectives)"
+                        % (self.rank, completed, self.where(r)), culprits=(self.rank,))
+                if line[GONE]:
+                    raise PeerError("rank %d: %s; this rank left after collective #%d"
+                                    % (self.rank, self.where(r), completed), culprits=(r,))
+                pid = int(line[PID])
+                if pid and not _alive(pid):
+                    raise PeerError("rank %d: rank %d (pid %d) died before closing"
+                                    % (self.rank, r, pid), culprits=(r,))
+                busy.append(r)
+            if not busy:
+                return
+            if deadline is not None and time.monotonic() >= deadline:
+                raise CollectiveTimeoutError(
+                    "rank %d: closing after collective #%d timed out waiting for %s"
+                    % (self.rank, completed, "; ".join(self.where(r) for r in busy)),
+                    culprits=busy)
+            time.sleep(pause)
+            pause = min(2e-3, pause * 2)
+
+    # -- text ------------------------------------------------------------------------
+    def write_text(self, text):
+        data = text.encode("utf-8", "replace")[:TEXT_BYTES - 1]
+        at = self.rank * LINE_BYTES + TEXT
+        self.memory[at:at + TEXT_BYTES] = 0
+        self.memory[at:at + len(data)] = np.frombuffer(data, np.uint8)
+
+    def read_text(self, r):
+        at = r * LINE_BYTES + TEXT
+        return bytes(self.memory[at:at + TEXT_BYTES]).split(b"\0", 1)[0].decode(
+            "utf-8", "replace")

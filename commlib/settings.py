@@ -1,0 +1,92 @@
+"""commlib's environment variables and defaults, read in one place.
+
+Flags accept ``1/true/yes/on`` and ``0/false/no/off`` (any case); an empty or
+unset variable means the default; anything else is an ArgumentError naming
+the variable. Seconds must be positive and finite.
+"""
+import math
+import os
+
+from .errors import ArgumentError
+
+CHECK = "COMMLIB_CHECK"
+WATCHDOG_ENABLE = "COMMLIB_WATCHDOG_ENABLE"
+WATCHDOG_TIMEOUT = "COMMLIB_WATCHDOG_TIMEOUT"
+STALL_WARNING = "COMMLIB_STALL_WARNING"
+ABORT_ON_ERROR = "COMMLIB_ABORT_ON_ERROR"
+SHM = "COMMLIB_SHM"
+SHM_STORES = "COMMLIB_SHM_STORES"
+
+#: the watch dog's default deadline per collective, seconds: long enough for
+#: a rank that evaluates or saves a checkpoint while the others wait at the
+#: next all-reduce, short enough that a hung job ends the same shift
+#: (PyTorch's default for its NCCL process groups is the same 10 minutes)
+DEFAULT_TIMEOUT = 600.0
+#: seconds a rank waits in one collective before it prints which ranks it
+#: waits for (once per collective; it keeps waiting until the deadline)
+DEFAULT_STALL_WARNING = 60.0
+
+_TRUE = ("1", "true", "yes", "on")
+_FALSE = ("0", "false", "no", "off")
+
+
+def flag(name, default):
+    """Boolean environment variable ``name`` (``default`` when unset or empty)."""
+    value = os.environ.get(name, "").strip().lower()
+    if not value:
+        return default
+    if value in _TRUE:
+        return True
+    if value in _FALSE:
+        return False
+    raise ArgumentError("%s=%r: expected one of %s (on) or %s (off)"
+                        % (name, os.environ[name], "/".join(_TRUE), "/".join(_FALSE)))
+
+
+def seconds(value, what):
+    """``value`` as positive finite seconds (float), else ArgumentError naming ``what``."""
+    if isinstance(value, str):
+        try:
+            value = float(value)
+        except ValueError:
+            raise ArgumentError("%s=%r is not a number of seconds" % (what, value)) from None
+    if (isinstance(value, bool) or not isinstance(value, (int, float))
+            or not 0 < value < math.inf):
+        raise ArgumentError("%s must be a positive, finite number of seconds, got %r"
+                            % (what, value))
+    return float(value)
+
+
+def env_seconds(name, default):
+    value = os.environ.get(name, "").strip()
+    return default if not value else seconds(value, name)
+
+
+def timeout(value=None):
+    """The watch dog's deadline per collective: ``value`` (seconds; ``math.inf``
+    turns the watch dog off) or, when None, the environment: off with
+    ``COMMLIB_WATCHDOG_ENABLE=0``, else ``COMMLIB_WATCHDOG_TIMEOUT`` seconds
+    (default :data:`DEFAULT_TIMEOUT`). Returns seconds, or None for off."""
+    if value is None:
+        if not flag(WATCHDOG_ENABLE, True):
+            return None
+        return env_seconds(WATCHDOG_TIMEOUT, DEFAULT_TIMEOUT)
+    if isinstance(value, (int, float)) and not isinstance(value, bool) and value == math.inf:
+        return None
+    return seconds(value, "timeout")
+
+
+def stall_warning():
+    """Seconds before a waiting rank says whom it waits for (None: never)."""
+    value = os.environ.get(STALL_WARNING, "").strip().lower()
+    if value in ("0", "off", "no", "false"):
+        return None
+    return env_seconds(STALL_WARNING, DEFAULT_STALL_WARNING)
+
+
+def shm_stores():
+    value = os.environ.get(SHM_STORES, "").strip().lower() or "auto"
+    if value not in ("auto", "plain", "streaming"):
+        raise ArgumentError("%s=%r: expected auto, plain or streaming"
+                            % (SHM_STORES, os.environ[SHM_STORES]))
+    return value

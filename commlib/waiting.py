@@ -1,0 +1,94 @@
+"""How a collective waits for its peers.
+
+The communicator hands every transport call (and every compression
+strategy) a :class:`Wait` instead of a bare deadline: the collective's
+deadline (``time.monotonic()`` seconds, or None for none), its sequence
+number and code, and the status board to watch. :func:`poll` is the one
+polling loop of the library: it calls ``done()`` back to back and, every
+:data:`commlib.board.SLICE_S` seconds, lets :meth:`Wait.check` raise when the
+deadline passed or a peer left or died (Python runs signal handlers between
+polls too, so Ctrl-C ends a wait).
+"""
+import os
+import time
+
+from .errors import CollectiveTimeoutError
+
+#: seconds between checks of the deadline and the peers while polling, and
+#: the longest a compiled wait spins before Python gets control back
+CHECK_EVERY_S = 0.02
+_POLLS_PER_CLOCK = 64
+_SPINS = 2000             # polls of a word before each further poll yields the CPU
+
+
+class Wait:
+    """What a transport needs to wait inside collective ``seq`` (code
+    ``what``, see :data:`commlib.consistency.COLLECTIVES`) of rank ``rank``."""
+
+    __slots__ = ("deadline", "seq", "what", "board", "rank")
+
+    def __init__(self, deadline=None, seq=0, what=0, board=None, rank=0):
+        self.deadline, self.seq, self.what = deadline, seq, what
+        self.board, self.rank = board, rank
+
+    def check(self, late=None):
+        """Raise PeerError when a peer left or died, CollectiveTimeoutError
+        when the deadline passed (naming ``late``: the ranks known not to
+        have arrived, if any)."""
+        board = self.board
+        if board is not None:
+            board.check_peers(self.seq, self.what)
+        if self.deadline is not None and time.monotonic() >= self.deadline:
+            raise self.timeout(late)
+
+    def timeout(self, late=None):
+        """The CollectiveTimeoutError of this collective (marks this rank gone)."""
+        board = self.board
+        if board is not None:
+            return board.give_up(self.seq, self.what, CollectiveTimeoutError,
+                                 board.timeout_text(self.seq, self.what, late), late or ())
+        from .consistency import label
+        return CollectiveTimeoutError(
+            "rank %d: %s did not complete before its deadline; a peer may have died, hung or "
+            "not called it" % (self.rank, label(self.what, self.seq)), culprits=late or ())
+
+
+#: a Wait with no deadline and nothing to watch
+FOREVER = Wait()
+
+
+def poll(done, wait):
+    """Call ``done()`` until it returns True, checking ``wait`` every
+    :data:`CHECK_EVERY_S` seconds."""
+    clock = time.monotonic
+    next_check = clock() + CHECK_EVERY_S
+    polls = 0
+    while not done():
+        polls += 1
+        if polls % _POLLS_PER_CLOCK == 0 and clock() >= next_check:
+            wait.check()
+            next_check = clock() + CHECK_EVERY_S
+
+
+def spin_py(words, target, gone, seq, rank, until):
+    """Python twin of the compiled wait (``commlib/native/flag_wait.c``):
+    ``words`` and ``gone`` are per-rank numpy views (``gone`` may be None).
+    Returns -3 when every other rank's word reached ``target``, -2 - r when
+    rank r left (``0 < gone[r] <= seq``), -1 once ``until`` passed."""
+    polls = 0
+    for r in range(len(words)):
+        while r != rank and words[r] < target:
+            if gone is not None and 0 < gone[r] <= seq:
+                return -2 - r
+            polls += 1
+            if polls > _SPINS:
+                os.sched_yield()
+                if time.monotonic() >= until:
+                    return -1
+    return -3
+
+
+def slice_end(deadline):
+    """When a wait's next slice ends: :data:`CHECK_EVERY_S` from now, or the deadline."""
+    until = time.monotonic() + CHECK_EVERY_S
+    return until if deadline is None else min(until, deadline)
