@@ -3,42 +3,82 @@
     python -m commlib.launch -n 4 [--backend auto|nccl|mpi] [--timeout S] [--] train.py [args]
     commlib-run -n 4 train.py [args]
 
-Each worker runs ``python train.py args`` and calls :func:`commlib.init`.
+Each worker runs ``train.py args`` as ``__main__`` (like ``python train.py
+args``) and calls :func:`commlib.init`.
 
 * ``nccl`` (the default when cupy, NCCL and at least N GPUs are usable): the
   launcher makes one :class:`~commlib.NcclId` and starts N child processes
-  with ``COMMLIB_NCCL_ID``, ``COMMLIB_RANK``, ``COMMLIB_SIZE``,
+  (``python -m commlib.launch --_rank train.py args``) with
+  ``COMMLIB_NCCL_ID``, ``COMMLIB_RANK``, ``COMMLIB_SIZE``,
   ``COMMLIB_LOCAL_RANK`` and ``COMMLIB_LOCAL_SIZE`` set; the local rank picks
-  the GPU (``CUDA_VISIBLE_DEVICES`` is left alone).
-* ``mpi`` (otherwise): ``mpiexec -n N python -m commlib.launch --_worker
-  train.py args``, with the mpiexec next to ``sys.executable`` (MPICH from the
-  ``mpi`` extra) or else the one on ``PATH``. The ``--_worker`` wrapper runs
-  the script; when it fails on a rank, the wrapper records the rank and exit
-  code for the launcher and aborts the MPI job, so that peers blocked in a
-  collective do not wait forever.
+  the GPU (``CUDA_VISIBLE_DEVICES`` is left alone). The launcher reads each
+  worker's output and prints it line by line, prefixed with ``[rank] ``.
+* ``mpi`` (otherwise): ``mpiexec -prepend-rank -n N python -m commlib.launch
+  --_worker train.py args``, with the mpiexec next to ``sys.executable``
+  (MPICH from the ``mpi`` extra) or else the one on ``PATH``. Each process
+  mpiexec starts is a supervisor that never initialises MPI: it starts the
+  rank process (``--_rank``) as its child with the same environment and file
+  descriptors (MPI_Init connects through them), forwards SIGINT/SIGTERM to it,
+  passes its output on in whole lines (hydra's ``-prepend-rank`` adds
+  ``[rank] ``; with another mpiexec the supervisor adds it), and when the
+  child ends, writes what it saw before exiting with the child's status
+  (128 + signal number for a signal). mpiexec thus learns of a rank's death
+  only after it is recorded; the child dies with its supervisor
+  (``PR_SET_PDEATHSIG``), e.g. when hydra kills the job.
 
-Workers inherit the launcher's environment; with N > 1 and no
-``OMP_NUM_THREADS`` set, it is set to (CPU cores // N).
+A failing rank (exception or nonzero ``sys.exit``) records the failure,
+prints a one-line summary and (under MPI) calls ``MPI_Abort`` so that peers
+blocked in a collective do not wait forever.
 
-When a worker fails, the launcher ends the others (SIGTERM, then SIGKILL after
-``--grace`` seconds), prints ``commlib.launch: rank R failed with exit code C``
-and exits with C. SIGINT or SIGTERM to the launcher, or ``--timeout``, ends
-all workers the same way. Exit status: 0 when every worker succeeded, the
-failed rank's exit code (128 + signal number when it was killed by a signal),
-124 after ``--timeout``, 128 + signal number when the launcher was
-interrupted, 2 for bad arguments.
+Status directory (``COMMLIB_LAUNCH_STATUS_DIR``, made by the launcher): one
+JSON object per file, written to a temporary name and renamed, with ``rank``,
+``kind`` and ``time`` (``time.time()`` of the event):
+
+* ``done.R``: rank R's script returned (or exited with status 0); written by
+  the rank before MPI finalizes.
+* ``failed.R``: rank R's script failed: ``code`` (its exit status),
+  ``exception`` and ``message`` (None for ``sys.exit``), ``culprits`` (the
+  ranks a commlib error blames) and ``traceback``.
+* ``died.R``: written by the supervisor (the launcher itself for forked
+  workers) when the rank process ended without ``failed.R``, and without
+  ``done.R`` or with a nonzero status: ``signal`` or ``code``, ``finished``
+  (whether ``done.R`` exists) and ``requested`` (the signal the supervisor or
+  launcher had sent it, when it was asked to end; such records blame no one).
+
+A rank killed together with its supervisor (hydra's cleanup after another
+rank died or aborted) leaves no record and is not blamed. Workers inherit the
+launcher's environment; with N > 1 and no ``OMP_NUM_THREADS`` set, it is set
+to (CPU cores // N).
+
+When a worker fails or dies, the launcher ends the others (SIGTERM, then
+SIGKILL after ``--grace`` seconds); when all have ended it prints each
+distinct traceback once, headed by the ranks that raised it (tracebacks that
+differ only in ``rank R`` naming the rank's own number count as one), then
+one line naming the rank to blame: a rank named in others' ``culprits``
+first, then a rank that died or failed on its own before one that failed
+blaming others, the earliest first. SIGINT or SIGTERM to the launcher, or
+``--timeout``, ends all workers the same way. Exit status: 0 when every
+worker finished; the blamed rank's exit code (128 + signal number when it was
+killed by a signal, 1 when it exited with 0 without finishing its script);
+mpiexec's status when it failed and no rank left a record; 124 after
+``--timeout``; 128 + signal number when the launcher was interrupted; 2 for
+bad arguments.
 """
 import argparse
 import collections
 import ctypes
+import json
 import os
+import re
 import runpy
+import select
 import shutil
 import signal
 import site
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import traceback
 
@@ -48,18 +88,25 @@ from .bootstrap import (ENV_LOCAL_RANK, ENV_LOCAL_SIZE, ENV_NCCL_ID, ENV_RANK, E
 from .errors import ArgumentError, BackendUnavailableError, CommlibError
 
 PROG = "commlib.launch"  # also the module name workers run with -m
-WORKER_FLAG = "--_worker"
-#: directory where ``--_worker`` wrappers record failures for the launcher
+WORKER_FLAG = "--_worker"  # the supervisor of one rank under mpiexec
+RANK_FLAG = "--_rank"  # the rank process itself: runs the script
+#: directory where ranks and their supervisors record how they ended
 ENV_STATUS_DIR = "COMMLIB_LAUNCH_STATUS_DIR"
+#: "1": supervisors prefix output lines with "[rank] " (mpiexec without -prepend-rank)
+ENV_PREFIX = "COMMLIB_LAUNCH_PREFIX"
 LAUNCH_ENV = (ENV_NCCL_ID, ENV_RANK, ENV_SIZE, ENV_LOCAL_RANK, ENV_LOCAL_SIZE)
 EXIT_TIMEOUT = 124
 POLL_S = 0.05
 SETTLE_S = 1.0  # after a failure, time for the job to end itself (MPI_Abort)
 OUTPUT_DRAIN_S = 0.25  # a failed rank's pause between its last output and MPI_Abort
+PARTIAL_LINE_S = 0.5  # an unfinished output line is passed on after this long
+PARTIAL_LINE_MAX = 1 << 16  # or when it has this many bytes
+PIPE_DRAIN_S = 1.0  # after a process ended, wait for its pipes (held by its children?)
 
 
 def _say(message):
-    print("%s: %s" % (PROG, message), file=sys.stderr, flush=True)
+    sys.stderr.write("%s: %s\n" % (PROG, message))  # one write: other output is per line
+    sys.stderr.flush()
 
 
 # -- arguments ---------------------------------------------------------------------------
@@ -91,9 +138,10 @@ def _seconds(zero_ok):
 def build_parser():
     parser = argparse.ArgumentParser(
         prog=PROG, description="Run N data-parallel workers of a commlib training script.",
-        epilog="Exit status: 0 when all workers succeed; the exit code of the first worker "
-               "that failed (the others are ended); %d after --timeout; 128 + N after "
-               "signal N; 2 for bad arguments." % EXIT_TIMEOUT)
+        epilog="Exit status: 0 when all workers finish; else the exit code of the worker "
+               "that failed or died first (128 + N for signal N; the others are ended); "
+               "%d after --timeout; 128 + N after signal N to the launcher; 2 for bad "
+               "arguments." % EXIT_TIMEOUT)
     parser.add_argument("-n", "--nprocs", type=_positive_int, required=True,
                         help="number of workers (ranks)")
     parser.add_argument("--backend", choices=("auto", "nccl", "mpi"), default="auto",
@@ -167,7 +215,7 @@ def _common_env(base, n):
     user did not choose) OMP_NUM_THREADS = CPU cores // n, so that the
     workers' BLAS threads do not oversubscribe the cores."""
     env = dict(base)
-    for name in LAUNCH_ENV:
+    for name in LAUNCH_ENV + (ENV_STATUS_DIR, ENV_PREFIX):
         env.pop(name, None)
     here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     sites = set(site.getsitepackages()) | {site.getusersitepackages()}
@@ -201,43 +249,240 @@ def worker_env(base, nccl_id, rank, size, local_rank=None, local_size=None):
     return env
 
 
-# -- jobs --------------------------------------------------------------------------------
+# -- status records ----------------------------------------------------------------------
 
-class Failure(collections.namedtuple("Failure", "rank code")):
-    """A worker that ended badly: ``code`` > 0 is an exit code, < 0 a signal."""
+def _ranks_text(ranks):
+    ranks = list(ranks)
+    return ("rank %s" if len(ranks) == 1 else "ranks %s") % ", ".join(map(str, ranks))
+
+
+def _shorten(text, limit=300):
+    return text if len(text) <= limit else text[:limit - 3] + "..."
+
+
+def _signal_name(signum):
+    try:
+        return signal.Signals(signum).name
+    except ValueError:
+        return "signal %d" % signum
+
+
+_RECORD_FIELDS = ("rank", "kind", "time", "code", "signal", "exception", "message",
+                  "culprits", "traceback", "finished", "requested")
+
+
+class Record(collections.namedtuple("Record", _RECORD_FIELDS)):
+    """How one rank ended (see the module docstring): ``kind`` is ``"done"``,
+    ``"failed"`` or ``"died"``; ``code`` an exit status, ``signal`` the
+    signal that killed it."""
+
+    def __new__(cls, rank, kind, time=0.0, code=None, signal=None, exception=None,
+                message=None, culprits=(), traceback=None, finished=False, requested=None):
+        return super().__new__(cls, rank, kind, time, code, signal, exception, message,
+                               tuple(culprits), traceback, finished, requested)
+
+    @classmethod
+    def from_dict(cls, data):
+        data = {k: v for k, v in data.items() if k in _RECORD_FIELDS}
+        return cls(**data)
+
+    @property
+    def bad(self):
+        """Whether this record blames its rank: it failed or died, unasked."""
+        return self.kind != "done" and self.requested is None
 
     def describe(self):
-        if self.code < 0:
-            try:
-                name = signal.Signals(-self.code).name
-            except ValueError:
-                name = "signal %d" % -self.code
-            return "rank %s was killed by %s" % (self.rank, name)
-        return "rank %s failed with exit code %d" % (self.rank, self.code)
+        rank = self.rank
+        if self.kind == "failed":
+            text = "rank %s failed with exit code %d" % (rank, self.code)
+            if self.exception:
+                blaming = " blaming %s" % _ranks_text(self.culprits) if self.culprits else ""
+                message = (self.message or "").strip().splitlines()
+                message = ": " + _shorten(message[0]) if message else ""
+                text += " (%s%s%s)" % (self.exception, blaming, message)
+            return text
+        if self.kind == "done":
+            return "rank %s finished" % rank
+        if self.signal is not None:
+            how = ("ended by %s" if self.requested else "killed by %s") \
+                % _signal_name(self.signal)
+            text = "rank %s was %s" % (rank, how)
+            return text + " after its script finished" if self.finished else text
+        if self.finished:
+            return "rank %s exited with status %d after its script finished" % (rank, self.code)
+        return ("rank %s exited with status %d without finishing its script (os._exit, or "
+                "an exit in native code)" % (rank, self.code))
 
     def exit_status(self):
-        return 128 - self.code if self.code < 0 else (self.code or 1)
+        if self.signal is not None:
+            return 128 + self.signal
+        return self.code or 1
 
+
+def write_record(status_dir, record):
+    """Write ``record`` as ``<kind>.<rank>`` in ``status_dir`` (atomically);
+    False when it could not be written."""
+    path = os.path.join(status_dir, "%s.%s" % (record.kind, record.rank))
+    tmp = "%s.tmp%d" % (path, os.getpid())
+    try:
+        with open(tmp, "w") as f:
+            json.dump(record._asdict(), f)
+        os.replace(tmp, path)
+        return True
+    except (OSError, TypeError, ValueError):
+        return False
+
+
+_RECORD_NAME = re.compile(r"(done|failed|died)\.(\d+)$")
+
+
+def read_records(status_dir):
+    """The records in ``status_dir``, earliest first (unreadable ones left out)."""
+    found = []
+    try:
+        names = os.listdir(status_dir)
+    except OSError:
+        return found
+    for name in names:
+        if _RECORD_NAME.match(name):
+            try:
+                with open(os.path.join(status_dir, name)) as f:
+                    found.append(Record.from_dict(json.load(f)))
+            except (OSError, ValueError, TypeError):
+                continue
+    return sorted(found, key=lambda r: r.time)
+
+
+def blame(records):
+    """The record to name for a job's failure, or None when no rank failed
+    or died unasked. A rank other ranks blame (``culprits``) comes first,
+    then one that failed or died without blaming others, the earliest first."""
+    bad = [r for r in records if r.bad]
+
+    def key(r):
+        named = any(r.rank in o.culprits for o in bad if o.rank != r.rank)
+        return (not named, bool(r.culprits), r.time)
+    return min(bad, key=key) if bad else None
+
+
+def _same_traceback_key(record):
+    """The traceback with the rank's own number in ``rank R`` replaced."""
+    return re.sub(r"\b(ranks?\s+)%d\b" % int(record.rank), r"\1<R>", record.traceback,
+                  flags=re.IGNORECASE)
+
+
+def distinct_tracebacks(records):
+    """[(ranks, traceback text)] for the failed records with a traceback,
+    one entry per distinct traceback (the text of its lowest rank), in the
+    order they were first recorded."""
+    groups = collections.OrderedDict()
+    for r in sorted(records, key=lambda r: r.time):
+        if r.kind == "failed" and r.traceback:
+            groups.setdefault(_same_traceback_key(r), []).append(r)
+    found = []
+    for group in groups.values():
+        group.sort(key=lambda r: r.rank)
+        found.append(([r.rank for r in group], group[0].traceback))
+    return found
+
+
+# -- processes and their output ----------------------------------------------------------
 
 _prctl = None
 
 
-def _die_with_launcher():
-    """preexec_fn (Linux): SIGKILL the child if the launcher dies first."""
-    if _prctl is not None:
-        _prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+def _child_setup(parent, new_group):
+    """preexec_fn (Linux): SIGKILL the child when ``parent`` (the pid that
+    starts it) dies; with ``new_group``, a process group of its own."""
+    def setup():
+        if new_group:
+            os.setpgid(0, 0)
+        if _prctl is not None:
+            _prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+            if os.getppid() != parent:  # the parent died before prctl
+                os._exit(128 + signal.SIGKILL)
+    return setup
 
 
-def _popen(cmd, env):
+def _popen(cmd, env, new_group=False, **kwargs):
+    """Popen whose child dies with this process (Linux)."""
     global _prctl
     preexec = None
     if sys.platform.startswith("linux"):
         try:
             _prctl = _prctl or ctypes.CDLL(None, use_errno=True).prctl  # resolved before fork
-            preexec = _die_with_launcher
+            preexec = _child_setup(os.getpid(), new_group)
         except (OSError, AttributeError):
             pass
-    return subprocess.Popen(cmd, env=env, preexec_fn=preexec)
+    return subprocess.Popen(cmd, env=env, preexec_fn=preexec, **kwargs)
+
+
+def _write_all(fd, data):
+    while data:
+        data = data[os.write(fd, data):]
+
+
+_LINE_END = re.compile(rb"\r\n|\n|\r(?=[^\n])")  # "\r" too: progress bars redraw a line
+
+
+def _relay(src, dst, prefix=b""):
+    """Copy output from file descriptor ``src`` to ``dst`` in whole lines, one
+    write per line, each starting with ``prefix``; a line left unfinished for
+    PARTIAL_LINE_S (or longer than PARTIAL_LINE_MAX) is passed on as it is.
+    Closes ``src`` at its end."""
+    pending, at_line_start, broken = b"", True, False
+    readable = select.poll()
+    readable.register(src, select.POLLIN)
+
+    def emit(data):
+        nonlocal broken
+        if not broken:
+            try:
+                _write_all(dst, data)
+            except OSError:  # the reader is gone: keep reading so the writer never blocks
+                broken = True
+    try:
+        while True:
+            if pending and not readable.poll(PARTIAL_LINE_S * 1000):
+                emit((prefix if at_line_start else b"") + pending)
+                pending, at_line_start = b"", False
+                continue
+            try:
+                chunk = os.read(src, 65536)
+            except OSError:
+                chunk = b""
+            if not chunk:
+                break
+            data, start = pending + chunk, 0
+            for end in _LINE_END.finditer(data):
+                emit((prefix if at_line_start else b"") + data[start:end.end()])
+                start, at_line_start = end.end(), True
+            pending = data[start:]
+            if len(pending) >= PARTIAL_LINE_MAX:
+                emit((prefix if at_line_start else b"") + pending)
+                pending, at_line_start = b"", False
+        if pending:
+            emit((prefix if at_line_start else b"") + pending + b"\n")
+    finally:
+        os.close(src)
+
+
+def _start_relays(proc, prefix=b""):
+    """Threads passing ``proc``'s stdout and stderr pipes on to ours."""
+    threads = []
+    for pipe, dst in ((proc.stdout, 1), (proc.stderr, 2)):
+        fd = os.dup(pipe.fileno())
+        pipe.close()
+        t = threading.Thread(target=_relay, args=(fd, dst, prefix), daemon=True)
+        t.start()
+        threads.append(t)
+    return threads
+
+
+def _join(threads, timeout):
+    deadline = time.monotonic() + timeout
+    for t in threads:
+        t.join(max(0.0, deadline - time.monotonic()))
 
 
 def _end(procs, grace):
@@ -255,54 +500,140 @@ def _end(procs, grace):
         p.wait()
 
 
-class ForkedWorkers:
-    """N child processes sharing an NCCL ID; the launcher sees each exit code."""
+# -- jobs --------------------------------------------------------------------------------
 
-    def __init__(self, procs):
-        self.procs = procs
+class ForkedWorkers:
+    """N child processes sharing an NCCL ID; the launcher sees each exit code
+    (when it happens, from one waiting thread per worker) and passes each
+    worker's output on with a ``[rank] `` prefix."""
+
+    def __init__(self, procs, status_dir=None):
+        self.procs, self.status_dir = procs, status_dir
+        n = len(procs)
+        self.ended_at = [None] * n  # time.time() when each worker ended
+        self.requested = [None] * n  # signal the launcher sent it while it ran
+        self._relays = []
+        for rank, p in enumerate(procs):
+            self._relays += _start_relays(p, b"[%d] " % rank)
+        self._waiters = [threading.Thread(target=self._wait, args=(rank,), daemon=True)
+                         for rank in range(n)]
+        for t in self._waiters:
+            t.start()
+
+    def _wait(self, rank):
+        self.procs[rank].wait()
+        self.ended_at[rank] = time.time()
 
     @classmethod
-    def start(cls, cmd, n, nccl_id, base_env=None):
-        """Start ``cmd`` (argv list) ``n`` times, rank r with :func:`worker_env`."""
+    def start(cls, cmd, n, nccl_id, base_env=None, status_dir=None):
+        """Start ``cmd`` (argv list) ``n`` times, rank r with :func:`worker_env`
+        (plus ``status_dir`` as COMMLIB_LAUNCH_STATUS_DIR when given)."""
         base = os.environ if base_env is None else base_env
         procs = []
         try:
             for rank in range(n):
-                procs.append(_popen(cmd, worker_env(base, nccl_id, rank, n)))
+                env = worker_env(base, nccl_id, rank, n)
+                if status_dir is not None:
+                    env[ENV_STATUS_DIR] = status_dir
+                procs.append(_popen(cmd, env, stdout=subprocess.PIPE,
+                                    stderr=subprocess.PIPE))
         except BaseException:
             _end(procs, 0)
             raise
-        return cls(procs)
+        return cls(procs, status_dir)
+
+    @classmethod
+    def start_script(cls, script, args, n, nccl_id, base_env=None):
+        """Start ``script args`` on ``n`` ranks under the ``--_rank`` wrapper,
+        which records how each rank ended in a new status directory."""
+        status_dir = tempfile.mkdtemp(prefix="commlib-launch-")
+        try:
+            return cls.start([sys.executable, "-m", PROG, RANK_FLAG, script, *args], n,
+                             nccl_id, base_env, status_dir)
+        except BaseException:
+            shutil.rmtree(status_dir, ignore_errors=True)
+            raise
+
+    def records(self):
+        """The wrappers' records, and a ``died`` (or, without a status
+        directory, ``failed``) record for each worker that ended without
+        recording it."""
+        found = read_records(self.status_dir) if self.status_dir else []
+        kinds = {(r.rank, r.kind) for r in found}
+        for rank, p in enumerate(self.procs):
+            ended, code = self.ended_at[rank], p.returncode
+            if ended is None or code is None or (rank, "failed") in kinds:
+                continue
+            finished = (rank, "done") in kinds
+            if code == 0 and (finished or self.status_dir is None):
+                continue
+            kind = "failed" if self.status_dir is None and code > 0 else "died"
+            found.append(Record(rank, kind, ended, code=code if code >= 0 else None,
+                                signal=-code if code < 0 else None, finished=finished,
+                                requested=self.requested[rank]))
+        return sorted(found, key=lambda r: r.time)
 
     def poll(self):
-        """(all ended, first Failure or None)."""
-        codes = [p.poll() for p in self.procs]
-        failed = [Failure(rank, code) for rank, code in enumerate(codes) if code]
-        return all(c is not None for c in codes), failed[0] if failed else None
+        """(all ended, whether a worker failed or died)."""
+        return (all(t is not None for t in self.ended_at),
+                any(r.bad for r in self.records()))
 
     def end(self, grace):
-        _end(self.procs, grace)
+        def signal_live(sig):
+            for rank, p in enumerate(self.procs):
+                if self.ended_at[rank] is None:
+                    self.requested[rank] = sig
+                    try:
+                        os.kill(p.pid, sig)  # not reaped yet: its waiter would have noted it
+                    except ProcessLookupError:
+                        pass
+        signal_live(signal.SIGTERM)
+        deadline = time.monotonic() + grace
+        while None in self.ended_at and time.monotonic() < deadline:
+            time.sleep(POLL_S / 5)
+        signal_live(signal.SIGKILL)
+        _join(self._waiters, 60)
 
     def unreported_exit(self):
         return None
 
+    def drain(self):
+        """Wait (briefly) until the ended workers' output is passed on."""
+        _join(self._relays, PIPE_DRAIN_S)
+
     def close(self):
-        pass
+        self.drain()
+        if self.status_dir:
+            shutil.rmtree(self.status_dir, ignore_errors=True)
+
+
+def _is_hydra(mpiexec):
+    """Whether ``mpiexec`` is MPICH's hydra (which knows -prepend-rank)."""
+    try:
+        out = subprocess.run([mpiexec, "--version"], stdout=subprocess.PIPE,
+                             stderr=subprocess.STDOUT, timeout=30).stdout
+    except (OSError, subprocess.SubprocessError):
+        return False
+    return b"HYDRA" in out
 
 
 class MpiJob:
-    """``mpiexec -n N python -m commlib.launch --_worker script args``; failures
-    come back through files the wrappers write in a status directory."""
+    """``mpiexec -n N python -m commlib.launch --_worker script args``; how
+    ranks end comes back through records in a status directory."""
 
     def __init__(self, proc, status_dir):
         self.proc, self.status_dir = proc, status_dir
 
     @classmethod
     def start(cls, script, args, n, mpiexec=None, base_env=None):
+        mpiexec = mpiexec or mpiexec_path()
         status_dir = tempfile.mkdtemp(prefix="commlib-launch-")
         env = _common_env(os.environ if base_env is None else base_env, n)
         env[ENV_STATUS_DIR] = status_dir
-        cmd = [mpiexec or mpiexec_path(), "-n", str(n), sys.executable, "-m", PROG,
+        prepend = ["-prepend-rank"] if _is_hydra(mpiexec) else []
+        if not prepend:
+            env[ENV_PREFIX] = "1"
+        cmd = [mpiexec, *prepend, "-n", str(n), sys.executable, "-m", PROG,
                WORKER_FLAG, script, *args]
         try:
             return cls(_popen(cmd, env), status_dir)
@@ -310,31 +641,22 @@ class MpiJob:
             shutil.rmtree(status_dir, ignore_errors=True)
             raise
 
-    def failures(self):
-        """Failures recorded so far, earliest first."""
-        found = []
-        for name in os.listdir(self.status_dir):
-            if name.startswith("failed."):
-                try:
-                    with open(os.path.join(self.status_dir, name)) as f:
-                        code, when = f.read().split()
-                    found.append((float(when), Failure(int(name.split(".")[1]), int(code))))
-                except (OSError, ValueError):
-                    continue  # being written; read again at the next poll
-        return [f for _, f in sorted(found)]
+    def records(self):
+        return read_records(self.status_dir)
 
     def poll(self):
-        ended = self.proc.poll() is not None
-        failed = self.failures()
-        return ended, failed[0] if failed else None
+        """(mpiexec ended, whether a rank failed or died)."""
+        return self.proc.poll() is not None, any(r.bad for r in self.records())
 
     def end(self, grace):
         _end([self.proc], grace)
 
     def unreported_exit(self):
-        """mpiexec's nonzero exit status when no wrapper recorded a failure
-        (a rank killed by a signal, or mpiexec itself failed)."""
+        """mpiexec's nonzero exit status (used when no rank recorded a failure)."""
         return self.proc.returncode or None
+
+    def drain(self):
+        pass  # mpiexec has passed the ranks' output on before it exited
 
     def close(self):
         shutil.rmtree(self.status_dir, ignore_errors=True)
@@ -375,21 +697,16 @@ def supervise(job, timeout=None, grace=5.0):
     try:
         with _Signals() as signals:
             while True:
-                ended, failure = job.poll()
+                ended, failed = job.poll()
                 if signals.received is not None:
-                    name = signal.Signals(signals.received).name
-                    _say("received %s; ending all workers" % name)
+                    _say("received %s; ending all workers" % _signal_name(signals.received))
                     job.end(grace)
                     return 128 + signals.received
-                if failure is not None:
-                    return _after_failure(job, failure, grace)
+                if failed:
+                    _settle(job, grace)
+                    return report(job)
                 if ended:
-                    code = job.unreported_exit()
-                    if code:
-                        _say("mpiexec exited with status %d (a rank ended without reporting, "
-                             "e.g. killed by a signal; see the output above)" % code)
-                        return code
-                    return 0
+                    return report(job)
                 if deadline is not None and time.monotonic() > deadline:
                     _say("timed out after %g s; ending all workers" % timeout)
                     job.end(grace)
@@ -399,24 +716,95 @@ def supervise(job, timeout=None, grace=5.0):
         job.close()
 
 
-def _after_failure(job, failure, grace):
+def _settle(job, grace):
     """Let the job end itself briefly (MPI_Abort), then end what is left."""
     settle = time.monotonic() + min(SETTLE_S, grace)
     while time.monotonic() < settle and not job.poll()[0]:
         time.sleep(POLL_S)
     job.end(grace)
-    _say(failure.describe() + "; all workers ended")
-    return failure.exit_status()
 
 
-# -- the per-rank wrapper under mpiexec --------------------------------------------------
+def report(job):
+    """Print the ended ``job``'s distinct tracebacks and the rank to blame;
+    returns the exit status."""
+    job.drain()
+    records = job.records()
+    for ranks, text in distinct_tracebacks(records):
+        _say("%s raised:" % _ranks_text(ranks))
+        sys.stderr.write(text if text.endswith("\n") else text + "\n")
+        sys.stderr.flush()
+    culprit = blame(records)
+    if culprit is not None:
+        _say(culprit.describe() + "; all workers ended")
+        return culprit.exit_status()
+    code = job.unreported_exit()
+    if code:
+        _say("mpiexec exited with status %d and no rank recorded a failure (mpiexec "
+             "failed, or a rank was ended from outside; see the output above)" % code)
+        return code
+    return 0
 
-def _mpi_rank_from_env():
-    for names in MPI_LAUNCHER_ENV:
-        if names[0] in os.environ:
-            return os.environ[names[0]]
-    return "?"
 
+# -- one rank under mpiexec: its supervisor ----------------------------------------------
+
+def _rank_from_env():
+    """This process's rank (str) from the launcher's or mpiexec's variables, or None."""
+    for name in (ENV_RANK,) + tuple(names[0] for names in MPI_LAUNCHER_ENV):
+        if os.environ.get(name, "").isdigit():
+            return os.environ[name]
+    return None
+
+
+def _forward_pending(started, received):
+    for entry in received:
+        if started and not entry[1]:
+            entry[1] = True
+            if started[0].returncode is None:
+                try:
+                    os.kill(started[0].pid, entry[0])
+                except ProcessLookupError:
+                    pass
+
+
+def run_supervisor(script, args):
+    """What mpiexec starts (``--_worker``): run the rank process as a child
+    (same environment and inherited file descriptors, so its MPI_Init reaches
+    mpiexec), forward SIGINT/SIGTERM to it, pass its output on in whole lines,
+    record its end if it did not (``died.R``), then exit with its status.
+    Never initialises MPI."""
+    rank = _rank_from_env()
+    status_dir = os.environ.get(ENV_STATUS_DIR)
+    prefix = b"[%s] " % rank.encode() if rank and os.environ.get(ENV_PREFIX) == "1" else b""
+    received, started = [], []  # [signal, forwarded], the child once started
+
+    def forward(signum, frame=None):
+        received.append([signum, False])
+        _forward_pending(started, received)
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, forward)
+    # own process group: a signal mpiexec sends to this group reaches the child once,
+    # through forward()
+    child = _popen([sys.executable, "-m", PROG, RANK_FLAG, script, *args], os.environ,
+                   new_group=True, close_fds=False, stdout=subprocess.PIPE,
+                   stderr=subprocess.PIPE)
+    started.append(child)
+    _forward_pending(started, received)  # what arrived while it started
+    relays = _start_relays(child, prefix)
+    status = child.wait()
+    ended = time.time()
+    if status_dir and rank is not None:
+        failed = os.path.exists(os.path.join(status_dir, "failed.%s" % rank))
+        finished = os.path.exists(os.path.join(status_dir, "done.%s" % rank))
+        if not failed and (status != 0 or not finished):
+            write_record(status_dir, Record(
+                int(rank), "died", ended, code=status if status >= 0 else None,
+                signal=-status if status < 0 else None, finished=finished,
+                requested=received[-1][0] if received else None))
+    _join(relays, PIPE_DRAIN_S)
+    os._exit(128 - status if status < 0 else status)
+
+
+# -- the rank process: runs the script ---------------------------------------------------
 
 def _exit_status(value):
     """Process exit status for ``SystemExit(value)``, as Python computes it."""
@@ -428,63 +816,78 @@ def _exit_status(value):
     return 1
 
 
-def _report_failure(code):
-    """Record the failure for the launcher, then end this rank and the job."""
-    rank = _mpi_rank_from_env()
-    status_dir = os.environ.get(ENV_STATUS_DIR)
-    recorded = False
-    if status_dir and rank != "?":
-        path = os.path.join(status_dir, "failed.%s" % rank)
-        try:
-            with open(path + ".tmp", "w") as f:
-                f.write("%d %r\n" % (code, time.time()))
-            os.replace(path + ".tmp", path)
-            recorded = True
-        except OSError:  # e.g. another host: the message below still names the rank
-            pass
-    if not recorded:
-        _say(Failure(rank, code).describe())
-    sys.stdout.flush()
-    sys.stderr.flush()
-    time.sleep(OUTPUT_DRAIN_S)  # mpiexec drops output still in its pipes at an abort
-    mpi = sys.modules.get("mpi4py.MPI")
-    if mpi is not None and mpi.Is_initialized() and not mpi.Is_finalized():
-        mpi.COMM_WORLD.Abort(code)
-    os._exit(code)
-
-
-def _print_script_traceback(exc):
-    """Print ``exc`` as ``python script.py`` would: without this module's and
-    runpy's frames."""
+def _script_traceback(exc):
+    """``exc``'s traceback as ``python script.py`` prints it: without this
+    module's and runpy's frames."""
     skip = {os.path.abspath(__file__), runpy.__file__, "<frozen runpy>"}
     tb = exc.__traceback__
     while tb is not None and tb.tb_frame.f_code.co_filename in skip:
         tb = tb.tb_next
-    traceback.print_exception(type(exc), exc, tb)
+    return "".join(traceback.format_exception(type(exc), exc, tb))
+
+
+def _failure_record(rank, code, exc):
+    if exc is None:
+        return Record(rank, "failed", time.time(), code=code)
+    try:
+        message = str(exc)
+    except Exception:
+        message = "<str() failed>"
+    try:
+        culprits = tuple(int(r) for r in getattr(exc, "culprits", ()) or ())
+    except (TypeError, ValueError):
+        culprits = ()
+    return Record(rank, "failed", time.time(), code=code, exception=type(exc).__name__,
+                  message=message, culprits=culprits, traceback=_script_traceback(exc))
+
+
+def _report_failure(code, exc=None):
+    """Record the failure for the launcher, then end this rank and the MPI job."""
+    rank = _rank_from_env()
+    status_dir = os.environ.get(ENV_STATUS_DIR)
+    record = _failure_record(int(rank) if rank is not None else "?", code, exc)
+    recorded = bool(status_dir) and rank is not None and write_record(status_dir, record)
+    if not recorded:  # e.g. another host, or no launcher: tell it here in full
+        if record.traceback:
+            sys.stderr.write(record.traceback)
+        _say(record.describe())
+    elif exc is not None:
+        _say(record.describe() + "; traceback when the job has ended")
+    sys.stdout.flush()
+    sys.stderr.flush()
+    mpi = sys.modules.get("mpi4py.MPI")
+    if mpi is not None and mpi.Is_initialized() and not mpi.Is_finalized():
+        time.sleep(OUTPUT_DRAIN_S)  # mpiexec drops output still in its pipes at an abort
+        mpi.COMM_WORLD.Abort(code)
+    os._exit(code)
 
 
 def run_worker(script, args):
-    """Run ``script`` as ``__main__`` with ``args``, like ``python script args``.
+    """Run ``script`` as ``__main__`` with ``args``, like ``python script args``
+    (``--_rank``).
 
-    A failure (exception or nonzero exit) goes to :func:`_report_failure`
+    When the script returns (or exits with 0) it records ``done.R``. A
+    failure (exception or nonzero exit) goes to :func:`_report_failure`
     instead of a normal exit, because a normal exit would finalize MPI and
     block while peers wait in a collective.
     """
     sys.argv = [script, *args]
     sys.path[0] = os.path.dirname(os.path.abspath(script))
+    error = None
     try:
         runpy.run_path(script, run_name="__main__")
         code = 0
     except SystemExit as exc:
         code = _exit_status(exc.code)
     except KeyboardInterrupt as exc:
-        _print_script_traceback(exc)
-        code = 128 + signal.SIGINT
+        error, code = exc, 128 + signal.SIGINT
     except BaseException as exc:
-        _print_script_traceback(exc)
-        code = 1
+        error, code = exc, 1
     if code:
-        _report_failure(code)
+        _report_failure(code, error)
+    rank, status_dir = _rank_from_env(), os.environ.get(ENV_STATUS_DIR)
+    if status_dir and rank is not None:
+        write_record(status_dir, Record(int(rank), "done", time.time()))
     return 0
 
 
@@ -493,18 +896,18 @@ def run_worker(script, args):
 def main(argv=None):
     """``commlib-run`` / ``python -m commlib.launch``; returns the exit status."""
     argv = sys.argv[1:] if argv is None else list(argv)
-    if argv[:1] == [WORKER_FLAG]:
+    if argv[:1] in ([WORKER_FLAG], [RANK_FLAG]):
         if len(argv) < 2:
-            _say("%s needs a script" % WORKER_FLAG)
+            _say("%s needs a script" % argv[0])
             return 2
-        return run_worker(argv[1], argv[2:])
+        run = run_supervisor if argv[0] == WORKER_FLAG else run_worker
+        return run(argv[1], argv[2:])
     ns = parse_args(argv)
     try:
         backend = choose_backend(ns.backend, ns.nprocs)
         if backend == "nccl":
             from .bootstrap import NcclId
-            job = ForkedWorkers.start([sys.executable, ns.script, *ns.args], ns.nprocs,
-                                      str(NcclId()))
+            job = ForkedWorkers.start_script(ns.script, ns.args, ns.nprocs, str(NcclId()))
         else:
             job = MpiJob.start(ns.script, ns.args, ns.nprocs)
     except CommlibError as exc:
