@@ -1,15 +1,19 @@
 """All-reduce benchmark: commlib against two hand-written mpi4py baselines.
 
-    mpiexec -n 2 python benchmarks/allreduce.py [--cases ...] [--json out.json]
+    mpiexec -n 2 python benchmarks/allreduce.py [--cases ...] [--safety] [--json out.json]
 
 Every case is timed three ways in the same run, interleaved repeat by repeat:
-``commlib`` (``Communicator.all_reduce`` on the list), ``per-tensor`` (one
-``Allreduce(IN_PLACE)`` per array) and ``flat`` (one ``Allreduce`` over a
-pre-packed buffer of the same total size; packing is not timed, so this is
-the lower bound). See benchmarks/README.md for how to read the table.
+``commlib`` (``Communicator.all_reduce`` on the list, default settings),
+``per-tensor`` (one ``Allreduce(IN_PLACE)`` per array) and ``flat`` (one
+``Allreduce`` over a pre-packed buffer of the same total size; packing is not
+timed, so this is the lower bound). ``--safety`` adds the same commlib call
+with the consistency check off (``check=False``) and with the check and the
+watch dog off (``timeout=math.inf`` too), and the cost of each in percent.
+See benchmarks/README.md for how to read the table.
 """
 import argparse
 import json
+import math
 import statistics
 import sys
 import time
@@ -28,7 +32,7 @@ DEFAULT_SIZES = [4 * 2**10 * 4**k for k in range(9)]  # 4 KiB ... 256 MiB
 SMALL_CASE = "1000x256"
 #: the same list allocated as consecutive views of one buffer (commlib.flat_arrays)
 VIEWS_CASE = SMALL_CASE + "-views"
-METHODS = ("commlib", "per-tensor", "flat")
+METHODS = ("commlib", "per-tensor", "flat", "no-check", "no-check-no-watchdog")
 DTYPE = np.float32
 
 
@@ -90,6 +94,9 @@ def parse_args(argv=None):
                    help="commlib's compression= (the baselines stay uncompressed)")
     p.add_argument("--device", choices=("cpu", "gpu"), default="cpu",
                    help="numpy arrays over MPI, or cupy arrays (commlib uses NCCL)")
+    p.add_argument("--safety", action="store_true",
+                   help="also time commlib without the consistency check, and without the "
+                        "check and the watch dog, and report their costs")
     p.add_argument("--json", default=None, help="also write the results here")
     args = p.parse_args(argv)
     args.cases = [c for c in args.cases.split(",") if c]
@@ -112,6 +119,14 @@ class Context:
         self.comm = commlib.Communicator.from_mpi(
             backend="mpi" if args.device == "cpu" else None, bucket_bytes=args.bucket_bytes)
         self.compression = args.compression
+        self.bare = {}
+        if args.safety:        # the same call without the check, and without the watch dog too
+            for name, options in (("no-check", {"check": False}),
+                                  ("no-check-no-watchdog", {"check": False,
+                                                            "timeout": math.inf})):
+                self.bare[name] = commlib.Communicator.from_mpi(
+                    backend="mpi" if args.device == "cpu" else None,
+                    bucket_bytes=args.bucket_bytes, **options)
         self.xp = np
         if args.device == "gpu":
             import cupy
@@ -127,7 +142,8 @@ class Context:
             self.xp.cuda.Device().synchronize()
 
     def close(self):
-        self.comm.close()
+        for comm in [self.comm, *self.bare.values()]:
+            comm.close()
         self.mpi.Free()
 
 
@@ -140,6 +156,9 @@ def make_methods(ctx, shapes, views=False):
         arrays = [ctx.xp.empty(s, DTYPE) for s in shapes]
     methods = {"commlib": (arrays, lambda: ctx.comm.all_reduce(arrays,
                                                               compression=ctx.compression))}
+    for name, comm in ctx.bare.items():
+        methods[name] = (arrays, lambda comm=comm: comm.all_reduce(
+            arrays, compression=ctx.compression))
     if ctx.baselines:
         flat = ctx.xp.empty(sum(a.size for a in arrays), DTYPE)
 
@@ -197,6 +216,9 @@ def run_case(ctx, name, shapes, repeats, warmup):
     row["busbw_gbs"] = None if algbw is None else algbw * 2 * (ctx.size - 1) / ctx.size
     best = min((median[m] for m in ("per-tensor", "flat") if m in median), default=None)
     row["ratio"] = median["commlib"] / best if best and not failed else None
+    bare = [median.get("no-check"), median.get("no-check-no-watchdog")]
+    row["check_cost"] = (median["commlib"] / bare[0] - 1) * 100 if bare[0] else None
+    row["watchdog_cost"] = (bare[0] / bare[1] - 1) * 100 if bare[1] else None
     return row
 
 
@@ -205,14 +227,18 @@ COLUMNS = [("case", "case", "%s"), ("bytes", "bytes", "%d"), ("tensors", "tensor
            ("flat_ms", "flat ms", "%.4g"), ("algbw_gbs", "commlib algbw GB/s", "%.3g"),
            ("busbw_gbs", "busbw GB/s", "%.3g"), ("ratio", "commlib / best baseline", "%.2f"),
            ("check", "check", "%s")]
+SAFETY_COLUMNS = [("no_check_ms", "no check ms", "%.4g"),
+                  ("no_check_no_watchdog_ms", "no check, no watch dog ms", "%.4g"),
+                  ("check_cost", "check cost %", "%+.1f"),
+                  ("watchdog_cost", "watch dog cost %", "%+.1f")]
 
 
-def table(rows):
+def table(rows, columns=COLUMNS):
     """Markdown table of ``rows``; missing values print as '-'."""
-    lines = ["| " + " | ".join(title for _, title, _ in COLUMNS) + " |",
-             "|" + "|".join(" --- " for _ in COLUMNS) + "|"]
+    lines = ["| " + " | ".join(title for _, title, _ in columns) + " |",
+             "|" + "|".join(" --- " for _ in columns) + "|"]
     for row in rows:
-        cells = ["-" if row[key] is None else fmt % row[key] for key, _, fmt in COLUMNS]
+        cells = ["-" if row[key] is None else fmt % row[key] for key, _, fmt in columns]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
@@ -223,10 +249,12 @@ def main(argv=None):
     say = print if ctx.rank == 0 else (lambda *a, **k: None)
     config = {"ranks": ctx.size, "backend": ctx.comm.backend, "device": args.device,
               "bucket_bytes": ctx.bucket_bytes, "check": ctx.comm.check,
+              "timeout": ctx.comm.timeout,
               "compression": args.compression,
               "dtype": np.dtype(DTYPE).name, "warmup": args.warmup}
     say("# all-reduce, %(ranks)d ranks, backend %(backend)s, device %(device)s, "
-        "bucket_bytes %(bucket_bytes)d, consistency check %(check)s, %(dtype)s, "
+        "bucket_bytes %(bucket_bytes)d, consistency check %(check)s, watch dog %(timeout)s s, "
+        "%(dtype)s, "
         "compression %(compression)s" % config)
     say("# time: max over ranks, median of the repeats; GB/s = 1e9 bytes/s; "
         "busbw = algbw * 2(n-1)/n", flush=True)
@@ -241,7 +269,7 @@ def main(argv=None):
             continue
         repeats = args.repeats or (20 if nbytes < 16 * 2**20 else 7)
         rows.append(run_case(ctx, name, shapes, repeats, args.warmup))
-    say(table(rows))
+    say(table(rows, COLUMNS + SAFETY_COLUMNS if ctx.bare else COLUMNS))
     for note in notes:
         say("note: " + note)
     if ctx.rank == 0 and args.json:

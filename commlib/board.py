@@ -65,7 +65,8 @@ ERROR_DIGEST = (-1, -1)
 CLOSED, EXITED, GAVE_UP, CLOSED_ON_EXCEPTION, DROPPED = 1, 2, 3, 4, 5
 REASONS = {CLOSED: "closed the communicator", EXITED: "exited",
            GAVE_UP: "gave up", CLOSED_ON_EXCEPTION: "left after an exception",
-           DROPPED: "dropped the communicator without close()"}
+           DROPPED: "dropped the communicator without close() (its script ended, or the last "
+                    "reference went away)"}
 
 
 def _alive(pid):

@@ -166,12 +166,12 @@ def test_failing_rank_ends_the_job(tmp_path, how, code):
     assert res.returncode == code, res.stderr
     assert said(res.stderr)[-1].startswith("rank 1 failed with exit code %d" % code), \
         res.stderr
-    assert named_ranks(res.stderr) == {1}, res.stderr
-    tracebacks = res.stderr.count("Traceback (most recent call last)")
-    assert tracebacks == (1 if "raise" in how else 0), res.stderr
-    if tracebacks:
-        assert "rank 1 raised:" in said(res.stderr), res.stderr
-        assert "RuntimeError: rank one breaks" in said(res.stderr)[-1]
+    assert set(re.findall(r"\branks? (\d+)", said(res.stderr)[-1])) == {"1"}, res.stderr
+    # rank 0, waiting in all_reduce, may have raised too: then blaming rank 1
+    assert said(res.stderr).count("rank 1 raised:") == (1 if "raise" in how else 0), res.stderr
+    assert "RuntimeError: rank one breaks" in res.stderr or "raise" not in how
+    if "rank 0 raised:" in said(res.stderr):
+        assert "PeerError: rank 0: rank 1 " in res.stderr, res.stderr
     assert "finished" not in res.stdout
     assert res.seconds < 10, res.seconds
     assert_all_ended(tmp_path)
