@@ -3,13 +3,14 @@
 Every rank reduces its own random inputs; the expected values are computed
 independently with numpy from every rank's inputs (all-gathered)."""
 import sys
+import warnings
 
 import numpy as np
 from mpi4py import MPI
 
 import commlib
 from commlib import errors
-from commlib.compression import Partial, Threshold, TopK
+from commlib.compression import BF16, FP16, HalfPrecision, Partial, Threshold, TopK
 
 WORLD = MPI.COMM_WORLD
 SHAPES = [(3,), (0,), (17, 5), (1,), (257,), (300_001,), (64, 64), (2,)]   # one > the bucket
@@ -92,7 +93,10 @@ def select_threshold(acc, t):
 
 
 def check_sparse(comm, xp, to_host, strategy, select, op, steps=3):
-    """``steps`` calls with fresh gradients; residuals tracked independently."""
+    """``steps`` calls with fresh gradients; residuals tracked independently.
+    Rank 0 has a NaN and the last rank an inf (step 1) in the large array:
+    with ``nonfinite="warn"`` they are dropped (residual 0) with one warning
+    per call of that unit."""
     rank, n = comm.rank, comm.size
     arrays = [xp.zeros(s, dtype=np.float32) for s in SPARSE_SHAPES]
     residual = [[np.zeros(u.size, np.float32) for u in units([np.zeros(s, np.float32)
@@ -106,14 +110,22 @@ def check_sparse(comm, xp, to_host, strategy, select, op, steps=3):
         inputs[n - 1][-1][7] = np.inf if step == 1 else inputs[n - 1][-1][7]
         for a, h in zip(arrays, inputs[rank]):
             a[...] = xp.asarray(h)
-        comm.all_reduce(arrays, op=op, compression=strategy)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            comm.all_reduce(arrays, op=op, compression=strategy)
+        caught = [w for w in caught if issubclass(w.category, RuntimeWarning)]
+        dropped = "rank 0 (1 value)" + (", rank %d (1 value)" % (n - 1) if step == 1 else "")
+        if n == 1 and step == 1:
+            dropped = "rank 0 (2 values)"
+        assert len(caught) == 1 and dropped in str(caught[0].message), \
+            (step, [str(w.message) for w in caught])
         expected = [np.zeros(u.size, np.float32) for u in units(inputs[0])]
         for r in range(n):
             for u, (grad, res, out) in enumerate(zip(units(inputs[r]), residual[r], expected)):
                 acc = res + grad if strategy.error_feedback else grad.copy()
+                acc[~np.isfinite(acc)] = 0                      # dropped: not sent, not owed
                 chosen = select(acc)
-                with np.errstate(invalid="ignore"):
-                    out[chosen] += acc[chosen]
+                out[chosen] += acc[chosen]
                 acc[chosen] = 0
                 residual[r][u] = acc if strategy.error_feedback else res
         if op == "avg":
@@ -159,9 +171,19 @@ def check_range(comm, xp, to_host):
     comm.all_reduce(x, op="avg", compression="fp16")
     assert (to_host(x) == 40000.0).all()
     x = xp.full(1000, 40000.0, dtype=np.float32)
-    comm.all_reduce(x, op="sum", compression="fp16")
+    try:                                # default nonfinite="raise": no rank to blame
+        comm.all_reduce(x, op="sum", compression="fp16")
+        assert n == 1, "a float16 overflow was not reported"
+    except errors.NonFiniteError as exc:
+        assert n > 1 and exc.counts == (0,) * n and exc.culprits == (), (exc, exc.counts)
+        assert "holds 1000 NaN or inf" in str(exc) and "overflowed" in str(exc), exc
+    assert (to_host(x) == 40000.0).all(), to_host(x)[:3]
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        comm.all_reduce(x, op="sum", compression=FP16(nonfinite="warn"))
     want = np.inf if n > 1 else 40000.0
     assert (to_host(x) == want).all(), to_host(x)[:3]
+    assert len(caught) == (n > 1), [str(w.message) for w in caught]
     x = xp.full(1000, 3.0e38, dtype=np.float32)
     comm.all_reduce(x, op="avg", compression="bf16")
     got = to_host(x).astype(np.float64)
@@ -190,7 +212,10 @@ def check_errors(comm, xp):
 
 def check_sparse_errors(comm, xp):
     for bad in (lambda: TopK(0), lambda: TopK(1.5), lambda: TopK(True), lambda: Threshold(-1),
-                lambda: Threshold(float("inf")), lambda: Partial(0), lambda: Partial("a")):
+                lambda: Threshold(float("inf")), lambda: Partial(0), lambda: Partial("a"),
+                lambda: TopK(nonfinite="ignore"), lambda: Threshold(1, nonfinite=None),
+                lambda: FP16(nonfinite="Raise"), lambda: BF16(nonfinite=1),
+                lambda: HalfPrecision("float16", "zero")):
         try:
             bad()
         except errors.ArgumentError:
@@ -234,9 +259,9 @@ def main(which):
                                            bucket_bytes=SPARSE_BUCKET)
     for ef in (True, False):
         for op in ("avg", "sum"):
-            check_sparse(sparse, xp, to_host, TopK(0.05, error_feedback=ef),
+            check_sparse(sparse, xp, to_host, TopK(0.05, error_feedback=ef, nonfinite="warn"),
                          lambda acc: select_topk(acc, 0.05), op)
-            check_sparse(sparse, xp, to_host, Threshold(1.2, error_feedback=ef),
+            check_sparse(sparse, xp, to_host, Threshold(1.2, error_feedback=ef, nonfinite="warn"),
                          lambda acc: select_threshold(acc, 1.2), op)
     check_sparse_errors(sparse, xp)
     for fraction in (0.3, 1.0, 1e-9):

@@ -75,6 +75,17 @@ def test_padding_skipped_and_bad_counted_not_written():
     np.testing.assert_array_equal(dense, [0, 1, 3, 3])
 
 
+@pytest.mark.parametrize("bad_index", [-2, -7, -2 ** 31, 5, 6, 2 ** 31 - 1])
+def test_every_kind_of_bad_index_reported(bad_index):
+    """One bad index in the middle segment: counted (never dropped
+    silently), never written; the other entries are applied."""
+    dense = np.zeros(5, F32)
+    idx = np.array([0, 1, bad_index, 2, 4], np.int32)
+    bad = scatter_add(dense, idx, np.ones(5, F32), segments=[2, 2, 1])
+    assert bad.shape == () and bad.dtype == np.int64 and int(bad) == 1
+    np.testing.assert_array_equal(dense, [1, 1, 1, 0, 1])
+
+
 def test_alpha_minus_one_is_the_residual_update():
     dense = np.array([1.5, 2.0, -3.0], F32)
     scatter_add(dense, np.array([0, 2], np.int32), np.array([1.5, -3.0], F32), alpha=-1)

@@ -7,6 +7,14 @@ instead of the plain all-reduce; the other arrays of the call are reduced as
 usual. One small module per strategy: :mod:`.half` (float16 / bfloat16),
 :mod:`.topk` and :mod:`.threshold` (sparsification with error feedback),
 :mod:`.partial` (partial synchronisation).
+
+The lossy strategies (half precision, top-K, threshold) take
+``nonfinite="raise"`` (default) or ``"warn"``: NaN or inf in a bucket raises
+:class:`~commlib.errors.NonFiniteError` on every rank with nothing written,
+or is dropped (sparse) / written (half) with a warning (:mod:`._nonfinite`).
+The sparse strategies validate every rank's payload before writing and raise
+:class:`~commlib.errors.PayloadError` on every rank, naming the sender, when
+one is malformed (:mod:`._payload`).
 """
 from ..errors import ArgumentError
 from .base import Compression

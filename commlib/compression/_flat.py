@@ -31,3 +31,9 @@ def scatter(flat, arrays):
     whose flat view it is)."""
     if len(arrays) > 1:
         hostcopy.scatter_any(flat, arrays)
+
+
+def describe(size, count):
+    """``"a bucket of <size> float32 values (<count> arrays)"``, for messages."""
+    return "a bucket of %d float32 values (%d array%s)" % (size, count,
+                                                            "" if count == 1 else "s")

@@ -1,11 +1,12 @@
 """What the sparsifying strategies (top-K, threshold) share: their base
-class and the exchange of (index, value) sets and their sum."""
+class, which exchanges (index, value) sets and sums them."""
 import numpy as np
 
 from ..errors import ArgumentError
 from ..ops._arrays import array_module
 from ..ops.sparse import scatter_add
-from ._flat import buffer, gather, scatter
+from . import _nonfinite, _payload
+from ._flat import buffer, describe, gather, scatter
 from .base import Compression
 
 
@@ -13,12 +14,26 @@ class Sparsifier(Compression):
     """A strategy that sends (index, value) pairs of float32 buckets and sums
     them (``sum`` and ``avg`` only), with optional error feedback.
 
-    Subclasses set ``error_feedback`` and ``same_count`` (whether every rank
-    sends as many pairs) and define :meth:`select`.
+    Per call and bucket of ``n`` values, each rank forms ``acc`` = its
+    residual + the bucket (the bucket alone without error feedback), sets
+    acc's NaN and +-inf entries to 0 and counts them (a finite sum that
+    overflows counts too), and sends ``select(acc)`` with that count. The
+    ranks' records are all-gathered and validated (:mod:`._payload`), then
+    summed rank by rank in rank order (so every rank computes the same bits)
+    into the bucket, times ``scale`` if given; the new residual is ``acc``
+    less what was sent. ``nonfinite`` (:mod:`._nonfinite`): with
+    ``"raise"``, a non-zero count on any rank raises NonFiniteError on every
+    rank; with ``"warn"`` the dropped entries are not sent, their residual
+    is 0, and every rank warns. On any error nothing is written: the arrays
+    and residuals stay as they were.
+
+    Subclasses set ``error_feedback``, ``nonfinite`` and ``name``, and define
+    :meth:`select` and, when every rank sends as many entries,
+    :meth:`count_for`.
     """
 
     error_feedback = True
-    same_count = True
+    nonfinite = "raise"
 
     def applies_to(self, dtype):
         return dtype == np.float32
@@ -28,53 +43,59 @@ class Sparsifier(Compression):
             raise ArgumentError("rank %d: compression %s sums; op=%r is not supported "
                                 "(use 'sum' or 'avg')" % (rank, self.name, op))
 
-    def select(self, flat, residual):
-        """(int32 indices, float32 values) to send from ``flat`` (1-D
-        float32); with a ``residual`` (error feedback: same length, kept
-        between calls) select from ``residual + flat`` and leave in
-        ``residual`` what was not sent."""
+    def count_for(self, size):
+        """The number of entries every rank sends from a bucket of ``size``
+        values, or None when it varies by rank (the default)."""
+        return None
+
+    def select(self, acc):
+        """``(indices, values)`` to send from ``acc`` (1-D float32, finite;
+        not to be modified): int32 indices in ``[0, len(acc))`` (or the
+        padding -1 with value 0), unique, preferably ascending (else the
+        duplicate check sorts), and float32 values of the same length."""
         raise NotImplementedError
 
     def reduce(self, transport, arrays, op, scale, deadline, workspace):
         flat = gather(arrays, workspace)
+        xp, n = array_module(flat), flat.size
+        acc = buffer(workspace, "acc", xp, n, np.float32)
         residual = None
         if self.error_feedback:
-            residual = buffer(workspace, "residual", array_module(flat), flat.size,
-                              np.float32, zero=True)
-        indices, values = self.select(flat, residual)
-        exchange_and_sum(transport, indices, values, flat, scale, deadline, self.same_count)
+            residual = buffer(workspace, "residual", xp, n, np.float32, zero=True)
+            with np.errstate(over="ignore", invalid="ignore"):
+                xp.add(residual, flat, out=acc)
+        else:
+            acc[...] = flat
+        nonfinite = _nonfinite.drop(acc)
+        indices, values = self.select(acc)
+        slots = self.count_for(n)
+        record = _payload.encode(xp, indices, values, nonfinite, slots)
+        context = "rank %d: compression %s" % (transport.rank, self.name)
+        where = describe(n, len(arrays))
+        dropped = []
+
+        def on_headers(counts):
+            if any(counts) and self.nonfinite == "raise":
+                raise _nonfinite.error(
+                    "%s: NaN or inf in the gradient%s of %s, in %s; nothing was written: "
+                    "arrays and residuals are unchanged"
+                    % (context, " + residual" if residual is not None else "",
+                       _nonfinite.ranks(counts), where), counts)
+            dropped[:] = counts
+
+        all_indices, all_values, counts = _payload.exchange(
+            transport, record, slots, n, deadline, context,
+            "in %s; nothing was written: arrays and residuals are unchanged" % where,
+            on_headers)
+        flat[...] = 0
+        scatter_add(flat, all_indices, all_values, segments=counts)
+        if scale is not None:
+            flat *= np.float32(scale)
+        if residual is not None:    # what was sent is no longer owed
+            scatter_add(acc, indices, values, alpha=-1.0)
+            workspace["residual"], workspace["acc"] = acc, residual
         scatter(flat, arrays)
-
-
-def exchange_and_sum(transport, indices, values, out, scale, deadline, same_count):
-    """All-gather every rank's ``(indices, values)`` (int32 / float32, same
-    length) and write their sum into ``out`` (float32, zeroed first), rank by
-    rank in rank order (so every rank computes the same bits), times
-    ``scale`` if given. ``same_count``: every rank sends as many entries as
-    this one (one all-gather); otherwise the counts are exchanged first and
-    the sets all-gathered by count (all-gather-v).
-
-    Each rank's set travels as one int32 record ``indices ++ bits(values)``.
-    """
-    xp = array_module(out)
-    n, c = transport.size, indices.size
-    record = xp.concatenate([indices, values.view(np.int32)])
-    if same_count:
-        counts = [c] * n
-        gathered = xp.empty(2 * c * n, dtype=np.int32)
-        if c:
-            transport.all_gather(record, gathered, deadline)
-    else:
-        found = xp.empty(n, dtype=np.int64)
-        transport.all_gather(xp.full(1, c, dtype=np.int64), found, deadline)
-        counts = [int(k) for k in (found if xp is np else found.get())]
-        gathered = xp.empty(2 * sum(counts), dtype=np.int32)
-        if gathered.size:
-            transport.all_gatherv(record, gathered, [2 * k for k in counts], deadline)
-    starts = np.concatenate(([0], np.cumsum([2 * k for k in counts])))
-    all_indices = xp.concatenate([gathered[s:s + k] for s, k in zip(starts, counts)])
-    all_values = xp.concatenate([gathered[s + k:s + 2 * k] for s, k in zip(starts, counts)])
-    out[...] = 0
-    scatter_add(out, all_indices, all_values.view(np.float32), segments=counts)
-    if scale is not None:
-        out *= np.float32(scale)
+        if any(dropped):
+            _nonfinite.warn("%s: dropped NaN and inf of %s, in %s: not sent%s"
+                            % (context, _nonfinite.ranks(dropped), where,
+                               ", residual set to 0" if residual is not None else ""))

@@ -13,6 +13,15 @@ addition for float16, 2**-8 for bfloat16); a float16 value beyond 65504
 becomes inf (bfloat16 has float32's range). bfloat16 travels as uint16 bit
 patterns, reduced by NCCL's bfloat16 type or an MPI operator that widens to
 float32 and rounds back to nearest even. Other dtypes are not compressed.
+
+``nonfinite`` (see :mod:`._nonfinite`) looks at the reduced half-precision
+result, whose bits are the same on every rank, so every rank decides alike:
+NaN or inf in it (a rank's NaN or inf, a value beyond float16's range after
+the division, or a float16 sum that overflowed) raises NonFiniteError on
+every rank before anything is written back (``"raise"``, the default), or is
+written and warned about (``"warn"``). Only then do the ranks all-gather how
+many non-finite values each sent (counted while casting), for ``counts``
+and ``culprits``; none when only the sum overflowed.
 """
 import numpy as np
 
@@ -20,19 +29,26 @@ from ..errors import ArgumentError
 from ..ops import pack as _pack
 from ..ops._arrays import array_module
 from ..ops.cast import numpy_cast_into, storage_dtype
-from . import _flat
+from . import _flat, _nonfinite
 from .base import Compression
 
 
 class HalfPrecision(Compression):
-    """float32 buckets travel as ``fmt``: ``"float16"`` or ``"bfloat16"``."""
+    """float32 buckets travel as ``fmt``: ``"float16"`` or ``"bfloat16"``;
+    ``nonfinite``: ``"raise"`` or ``"warn"``. The name is ``"fp16"`` /
+    ``"bf16"`` (like the ``compression=`` strings) with ``"raise"``, and
+    spells the setting otherwise: ``"fp16(nonfinite='warn')"``."""
 
-    def __init__(self, fmt):
+    def __init__(self, fmt, nonfinite="raise"):
         if fmt not in ("float16", "bfloat16"):
             raise ArgumentError("HalfPrecision: fmt must be 'float16' or 'bfloat16', got %r"
                                 % (fmt,))
         self.fmt = fmt
-        self.name = {"float16": "fp16", "bfloat16": "bf16"}[fmt]
+        self.nonfinite = _nonfinite.check_mode(nonfinite, type(self).__name__)
+        short = {"float16": "fp16", "bfloat16": "bf16"}[fmt]
+        self.name = short if nonfinite == "raise" else "%s(nonfinite=%r)" % (short, nonfinite)
+        # exponent bits of the format, all set in inf and NaN
+        self._exponent = 0x7C00 if fmt == "float16" else 0x7F80
         # the wire buffer's dtype, and the format the transport must be told
         self._storage = storage_dtype(fmt)
         self._wire_fmt = fmt if fmt == "bfloat16" else None
@@ -47,27 +63,60 @@ class HalfPrecision(Compression):
         size = sum(a.size for a in arrays)
         wire = _flat.buffer(workspace, "wire", xp, size, self._storage)
         if xp is not np:             # one pack / unpack launch, casting on the way
-            _pack.pack(arrays, wire, scale=scale)
-            transport.all_reduce(wire, op, deadline, fmt=self._wire_fmt)
+            sent = xp.zeros((), dtype=np.int64)
+            _pack.pack(arrays, wire, scale=scale, nonfinite=sent)
+            self._all_reduce(transport, wire, op, deadline)
+            warning = self._settle(transport, wire, sent, arrays, deadline)
             _pack.unpack(wire, arrays)
-            return
-        # numpy: gather into float32, then cast whole buffers (the kernels' twin)
-        flat = _flat.gather(arrays, workspace)
-        numpy_cast_into(flat, wire, np.float32(1) if scale is None else np.float32(scale))
-        transport.all_reduce(wire, op, deadline, fmt=self._wire_fmt)
-        numpy_cast_into(wire, flat)
-        _flat.scatter(flat, arrays)
+        else:   # numpy: gather into float32, then cast whole buffers (the kernels' twin)
+            flat = _flat.gather(arrays, workspace)
+            sent = numpy_cast_into(flat, wire,
+                                   np.float32(1) if scale is None else np.float32(scale))
+            self._all_reduce(transport, wire, op, deadline)
+            warning = self._settle(transport, wire, sent, arrays, deadline)
+            numpy_cast_into(wire, flat)
+            _flat.scatter(flat, arrays)
+        if warning:
+            _nonfinite.warn(warning)
+
+    def _all_reduce(self, transport, wire, op, deadline):
+        # overflow is counted and reported by _settle, not warned by numpy
+        # (the MPI transport reduces half formats with numpy ufuncs)
+        with np.errstate(over="ignore", invalid="ignore"):
+            transport.all_reduce(wire, op, deadline, fmt=self._wire_fmt)
+
+    def _settle(self, transport, wire, sent, arrays, deadline):
+        """Count the NaN and inf in the reduced ``wire`` (one host read on
+        GPUs). If there are any, all-gather every rank's count of non-finite
+        values sent (``sent``: int or 0-d device array), then raise
+        NonFiniteError (``"raise"``) or return the warning's text."""
+        xp = array_module(wire)
+        bits = wire.view(np.uint16)
+        total = int(xp.count_nonzero((bits & self._exponent) == self._exponent))
+        if not total:
+            return None
+        counts = xp.empty(transport.size, dtype=np.int64)
+        transport.all_gather(xp.asarray(sent, dtype=np.int64).reshape(1), counts, deadline)
+        counts = (counts if xp is np else counts.get()).tolist()
+        origin = ("sent by " + _nonfinite.ranks(counts) if any(counts)
+                  else "no rank sent any: the %s reduction overflowed" % self.fmt)
+        text = ("rank %d: compression %s: the reduced %s result holds %d NaN or inf, in %s; %s"
+                % (transport.rank, self.name, self.fmt, total,
+                   _flat.describe(wire.size, len(arrays)), origin))
+        if self.nonfinite == "raise":
+            raise _nonfinite.error(text + "; nothing was written: arrays are unchanged", counts)
+        return text + "; written as they are"
 
 
 class FP16(HalfPrecision):
     """float32 buckets travel as float16."""
 
-    def __init__(self):
-        super().__init__("float16")
+    def __init__(self, nonfinite="raise"):
+        super().__init__("float16", nonfinite)
 
 
 class BF16(HalfPrecision):
     """float32 buckets travel as bfloat16."""
 
-    def __init__(self):
-        super().__init__("bfloat16")
+    def __init__(self, nonfinite="raise"):
+        super().__init__("bfloat16", nonfinite)

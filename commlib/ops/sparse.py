@@ -6,7 +6,8 @@ from several ranks (an all-gather-v of top-K results): ``segments`` gives the
 per-rank entry counts. Indices are unique within a segment but may repeat
 across segments; segments are applied one after another, so the result is
 bit-identical from run to run. The error-feedback residual update is the
-same call with ``alpha=-1``.
+same call with ``alpha=-1``. Out-of-range indices are never written and are
+counted in the returned ``bad``, which callers must check.
 
 With cupy input every non-empty segment is one launch of
 ``kernels/sparse.cu``; numpy input runs the numpy twin.
@@ -50,7 +51,10 @@ def scatter_add(dense, indices, values, *, alpha=1.0, segments=None):
     duplicates inside one segment make the result order-dependent on the GPU.
 
     Returns ``bad``: a 0-d int64 array (a device array for cupy input)
-    counting the out-of-range indices.
+    counting the out-of-range indices, which were skipped. A non-zero count
+    means a malformed set: check it, or validate the sets before the call
+    (the compression strategies validate every received set first, see
+    ``commlib.compression._payload``, and never pass a bad index).
     """
     check_vector(dense, "dense", np.float32)
     check_vector(indices, "indices", np.int32)

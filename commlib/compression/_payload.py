@@ -1,0 +1,217 @@
+"""The records the sparsifying strategies exchange, and their validation.
+
+Every rank's selection travels as one int32 record: a header of
+:data:`HEADER` words ``[entries, nonfinite, problem, detail]``, then its
+``entries`` indices and the bit patterns of its float32 values. The header
+carries what every rank needs to decide alike: the sender's count of
+non-finite values and, when its selection was malformed (not 1-D int32
+indices and float32 values of one length), a problem code; its entries are
+then not used.
+
+Every rank validates the same gathered bytes before anything is written, so
+a bad payload raises :class:`~commlib.errors.PayloadError` on every rank,
+naming the senders: an entry count that is negative, exceeds the bucket or
+differs from the count every rank must send; an index outside ``[0, n)``
+other than the padding ``-1`` with value 0; an index repeated within one
+rank's set; a non-finite value.
+"""
+import numpy as np
+
+from ..errors import PayloadError
+from ..ops._arrays import array_module, is_cupy
+from ..ops._select import MAX_LEN
+
+HEADER = 4
+
+# problem codes of a malformed selection: 1 / 3: indices / values not a 1-D
+# array of the bucket's kind; 2 / 4: wrong dtype (detail: the dtype's char);
+# 5: lengths differ (detail: the number of values)
+_ARRAYS = {1: ("indices", np.dtype(np.int32)), 3: ("values", np.dtype(np.float32))}
+_LENGTHS = 5
+
+
+def _problem(xp, indices, values):
+    """``(code, detail)`` of what is wrong with a selection, ``(0, 0)`` if nothing."""
+    for (code, (_, dtype)), a in zip(_ARRAYS.items(), (indices, values)):
+        if not (isinstance(a, np.ndarray) or is_cupy(a)) or array_module(a) is not xp \
+                or a.ndim != 1:
+            return code, 0
+        if a.dtype != dtype:
+            return code + 1, ord(a.dtype.char)
+    if indices.size != values.size:
+        return _LENGTHS, min(values.size, MAX_LEN)
+    return 0, 0
+
+
+def _problem_text(code, detail, entries):
+    if code == _LENGTHS:
+        return "%d indices but %d values" % (entries, detail)
+    what, dtype = _ARRAYS[code - (code % 2 == 0)]
+    if code % 2:
+        return "%s that are not a 1-D array like the bucket" % what
+    try:
+        got = np.dtype(chr(detail)).name
+    except (TypeError, ValueError):
+        got = "code %d" % detail
+    return "%s of dtype %s (expected %s)" % (what, got, dtype.name)
+
+
+def encode(xp, indices, values, nonfinite, slots=None):
+    """This rank's record: a 1-D int32 ``xp`` array of ``HEADER + 2 *
+    slots`` words (``slots`` defaults to the number of entries); entries
+    beyond ``slots`` are cut, missing ones are zeros (the header tells).
+
+    indices, values: the selection (checked here, not trusted).
+    nonfinite: this rank's non-finite count (int, or 0-d array on the device).
+    """
+    problem, detail = _problem(xp, indices, values)
+    entries = min(int(getattr(indices, "size", 0)), MAX_LEN)
+    slots = entries if slots is None else slots
+    record = xp.zeros(HEADER + 2 * slots, dtype=np.int32)
+    record[0] = entries
+    record[1] = nonfinite
+    record[2] = problem
+    record[3] = detail
+    if not problem:
+        m = min(entries, slots)
+        record[HEADER:HEADER + m] = indices[:m]
+        record[HEADER + slots:HEADER + slots + m] = values[:m].view(np.int32)
+    return record
+
+
+def check_headers(headers, n, slots=None):
+    """Problems of the gathered headers (host int array, one row per rank),
+    as ``{rank: text}``. ``n``: the bucket's length; ``slots``: the number
+    of entries every rank must send, or None when counts vary."""
+    found = {}
+    for r, (entries, nonfinite, problem, detail) in enumerate(np.asarray(headers).tolist()):
+        if problem:
+            found[r] = "sent %s" % _problem_text(problem, detail, entries)
+        elif not 0 <= entries <= n:
+            found[r] = "sent an entry count of %d outside [0, %d]" % (entries, n)
+        elif slots is not None and entries != slots:
+            found[r] = "sent %d entries where every rank sends %d" % (entries, slots)
+        elif not 0 <= nonfinite <= n:
+            found[r] = "sent a non-finite count of %d outside [0, %d]" % (nonfinite, n)
+    return found
+
+
+def check_entries(indices, values, counts, n):
+    """Problems of the gathered entries as ``{rank: text}``: the ranks' sets
+    back to back (``indices`` int32, ``values`` float32, numpy or cupy),
+    ``counts`` entries each (host ints), for a bucket of ``n`` values.
+
+    Index range, padding and finite values are checked on the arrays'
+    device, and so are duplicates while each set ascends up to its trailing
+    padding (as top-K and threshold select; other orders are sorted): one
+    host read, two after a sort. Problems are described from a host copy.
+    """
+    xp = array_module(indices)
+    m = indices.size
+    if not m:
+        return {}
+    pad = (indices == -1) & (values == 0)
+    # as uint32, negative indices are >= 2**31 > n
+    bad = ~((indices.view(np.uint32) < n) | pad) | ~xp.isfinite(values)
+    # entry j+1 out of order: a real index not above entry j, or after padding
+    unordered = ((indices[1:] <= indices[:-1]) | pad[:-1]) & ~pad[1:]
+    firsts = [e - 1 for e in np.cumsum(counts)[:-1].tolist() if 0 < e < m]
+    if firsts:
+        unordered[firsts] = False       # each set's first entry follows another set
+    summary = xp.stack([xp.count_nonzero(bad), xp.count_nonzero(unordered)])
+    n_bad, n_unordered = (int(v) for v in (summary if xp is np else summary.get()))
+    if not n_bad and n_unordered:
+        # one key per entry, by rank then index; padding maps to n
+        rank_of = xp.repeat(xp.arange(len(counts), dtype=np.int64), [int(c) for c in counts])
+        keys = xp.sort(rank_of * (n + 1) + xp.where(pad, n, indices.astype(np.int64)))
+        n_bad = int(xp.count_nonzero((keys[1:] == keys[:-1]) & (keys[1:] % (n + 1) != n)))
+    if not n_bad:
+        return {}
+    if xp is not np:
+        indices, values = indices.get(), values.get()
+    return _describe_entries(indices, values, counts, n)
+
+
+def _describe_entries(indices, values, counts, n):
+    """:func:`check_entries`'s problems from numpy arrays, rank by rank."""
+    found = {}
+    start = 0
+    for r, c in enumerate(counts):
+        idx, val = indices[start:start + c].astype(np.int64), values[start:start + c]
+        start += c
+        pad = (idx == -1) & (val == 0)
+        out = ((idx < 0) | (idx >= n)) & ~pad
+        texts = []
+        if out.any():
+            at = np.flatnonzero(out)
+            j = at[0]
+            texts.append("padding index -1 with value %r" % float(val[j]) if idx[j] == -1
+                         else "index %d outside [0, %d)" % (idx[j], n))
+            if at.size > 1:
+                texts[-1] += " (and %d more bad indices)" % (at.size - 1)
+        nonfinite = np.flatnonzero(~np.isfinite(val))
+        if nonfinite.size:
+            texts.append("the non-finite value %r at index %d"
+                         % (float(val[nonfinite[0]]), idx[nonfinite[0]]))
+        seen, times = np.unique(idx[~pad & ~out], return_counts=True)
+        if (times > 1).any():
+            texts.append("index %d %d times" % (seen[times > 1][0], times[times > 1][0]))
+        if texts:
+            found[r] = "sent " + ", ".join(texts)
+    return found
+
+
+def fail(context, found, tail):
+    """PayloadError for the problems ``found`` (``{rank: text}``):
+    ``"<context>: rank 1 sent ...; rank 3 sent ... <tail>"``, blaming those
+    ranks."""
+    text = "; ".join("rank %d %s" % item for item in sorted(found.items()))
+    return PayloadError("%s: %s %s" % (context, text, tail), culprits=sorted(found))
+
+
+def exchange(transport, record, slots, n, deadline, context, tail, on_headers):
+    """All-gather every rank's :func:`encode` record and validate it.
+
+    slots: the number of entries in every record (one all-gather), or None
+    when counts vary (headers all-gathered first, then the entries by count,
+    all-gather-v). ``n``: the bucket's length. ``on_headers(nonfinite)`` runs
+    with every rank's non-finite count (host ints) once the headers are
+    valid, before any entries are read; it may raise.
+
+    Returns ``(indices, values, counts)``: every rank's entries back to back
+    in rank order (int32 / float32 arrays of the record's kind) and each
+    rank's number of entries. Raises PayloadError (``context``: who and
+    where; ``tail``: what was left alone) on every rank when any record is
+    malformed.
+    """
+    xp = array_module(record)
+    size = transport.size
+    if slots is not None:
+        width = HEADER + 2 * slots
+        table = xp.empty((size, width), dtype=np.int32)
+        transport.all_gather(record, table.reshape(-1), deadline)
+        headers = table[:, :HEADER]
+    else:
+        headers = xp.empty((size, HEADER), dtype=np.int32)
+        transport.all_gather(record[:HEADER], headers.reshape(-1), deadline)
+    headers = headers if xp is np else xp.ascontiguousarray(headers).get()
+    found = check_headers(headers, n, slots)
+    if found:
+        raise fail(context, found, tail)
+    on_headers([int(c) for c in headers[:, 1]])
+    counts = [int(c) for c in headers[:, 0]]
+    if slots is not None:
+        indices = xp.ascontiguousarray(table[:, HEADER:HEADER + slots]).reshape(-1)
+        values = xp.ascontiguousarray(table[:, HEADER + slots:]).reshape(-1)
+    else:
+        gathered = xp.empty(2 * sum(counts), dtype=np.int32)
+        if gathered.size:
+            transport.all_gatherv(record[HEADER:], gathered, [2 * c for c in counts], deadline)
+        starts = np.concatenate(([0], np.cumsum([2 * c for c in counts]))).tolist()
+        indices = xp.concatenate([gathered[s:s + c] for s, c in zip(starts, counts)])
+        values = xp.concatenate([gathered[s + c:s + 2 * c] for s, c in zip(starts, counts)])
+    values = values.view(np.float32)
+    found = check_entries(indices, values, counts, n)
+    if found:
+        raise fail(context, found, tail)
+    return indices, values, counts
