@@ -10,15 +10,17 @@ Every rank owns one line of :data:`LINE_BYTES` bytes. Its int64 words:
              it, or gave up on a collective after an error)
 ``PID``      its process id
 ``REASON``   why it left (:data:`REASONS`); the text area says more
-``TEXT_SEQ`` the sequence number the text area describes (mismatch reports)
+``TEXT_SEQ`` the sequence number the call text describes (mismatch reports)
 ``SLOT``     two slots of four words, one per parity of the sequence number:
              the call's fingerprint (two words), the collective's code
              (:data:`commlib.consistency.COLLECTIVES`) and when it was entered
              (``time.monotonic_ns()``)
 ==========  ==================================================================
 
-then UTF-8 text. A zero-filled line is a rank that has entered nothing and
-has not left.
+then two UTF-8 texts: the call text (what the rank called, or why it
+rejected its arguments, written when fingerprints differ) and the reason
+text (why it left). A zero-filled line is a rank that has entered nothing
+and has not left.
 
 Entering collective ``s`` (:meth:`StatusBoard.enter`) writes the slot of
 ``s``'s parity, then ``ENTERED = s`` (release order), and waits until every
@@ -55,8 +57,9 @@ STRIDE = LINE_BYTES // 8
 ENTERED, GONE, PID, REASON, TEXT_SEQ = 0, 1, 2, 3, 4
 SLOT = 8                    # two slots: digest0, digest1, collective code, monotonic ns
 SLOT_WORDS = 4
-TEXT = 16 * 8               # byte offset of the text area in a line
-TEXT_BYTES = LINE_BYTES - TEXT
+TEXT = 16 * 8               # byte offset of the call text in a line
+TEXT_BYTES = (LINE_BYTES - TEXT) // 2
+REASON_TEXT = TEXT + TEXT_BYTES
 #: seconds a wait spends in C before Python checks signals, deadline and peers
 SLICE_S = waiting.CHECK_EVERY_S
 #: the fingerprint a rank publishes when it rejected its own arguments
@@ -242,7 +245,7 @@ class StatusBoard:
             r, consistency.label(int(line[at + 2]), entered), ago)
 
     def _reason_text(self, r):
-        text = self.read_text(r) if self._lines[r, TEXT_SEQ] == 0 else ""
+        text = self.read_text(r, REASON_TEXT)
         return " (%s)" % text if text else ""
 
     def timeout_text(self, seq, what, late):
@@ -276,8 +279,7 @@ class StatusBoard:
         rank leaves once; later calls keep the first reason."""
         if self._mine[GONE]:
             return
-        self._mine[TEXT_SEQ] = 0
-        self.write_text(text)
+        self.write_text(text, REASON_TEXT)
         self._mine[REASON] = reason
         self._mine[GONE] = completed + 1
 
@@ -292,14 +294,15 @@ class StatusBoard:
             busy = []
             for r in range(self.size):
                 line = self._lines[r]
-                if r == self.rank or line[GONE] == completed + 1 and line[ENTERED] <= completed:
+                gone, entered = int(line[GONE]), int(line[ENTERED])   # one read each
+                if r == self.rank or gone == completed + 1 and entered <= completed:
                     continue
-                if line[ENTERED] > completed:
+                if entered > completed:
                     raise PeerError(
                         "rank %d: this rank left after collective #%d but %s: uneven number "
                         "of steps (every rank must call the same collectives)"
                         % (self.rank, completed, self.where(r)), culprits=(self.rank,))
-                if line[GONE]:
+                if gone:
                     raise PeerError("rank %d: %s; this rank left after collective #%d"
                                     % (self.rank, self.where(r), completed), culprits=(r,))
                 pid = int(line[PID])
@@ -318,13 +321,15 @@ class StatusBoard:
             pause = min(2e-3, pause * 2)
 
     # -- text ------------------------------------------------------------------------
-    def write_text(self, text):
+    def write_text(self, text, where=TEXT):
+        """Write this rank's call text (``where=TEXT``) or reason text."""
         data = text.encode("utf-8", "replace")[:TEXT_BYTES - 1]
-        at = self.rank * LINE_BYTES + TEXT
+        at = self.rank * LINE_BYTES + where
         self.memory[at:at + TEXT_BYTES] = 0
         self.memory[at:at + len(data)] = np.frombuffer(data, np.uint8)
 
-    def read_text(self, r):
-        at = r * LINE_BYTES + TEXT
+    def read_text(self, r, where=TEXT):
+        """Rank ``r``'s call text (``where=TEXT``) or reason text."""
+        at = r * LINE_BYTES + where
         return bytes(self.memory[at:at + TEXT_BYTES]).split(b"\0", 1)[0].decode(
             "utf-8", "replace")
