@@ -85,6 +85,9 @@ def parse_args(argv=None):
                    help="skip cases larger than this (default: 512MiB)")
     p.add_argument("--repeats", type=int, default=None,
                    help="timed repeats per case (default: 20 below 16 MiB, else 7)")
+    p.add_argument("--calls", type=int, default=1,
+                   help="back-to-back calls per timed sample; times are per call "
+                        "(default 1)")
     p.add_argument("--warmup", type=int, default=2,
                    help="untimed calls per method before timing (>= 1; the last "
                         "one is checked for correctness)")
@@ -105,8 +108,8 @@ def parse_args(argv=None):
         p.error("unknown case(s): %s" % ", ".join(sorted(unknown)))
     args.sizes = ([parse_bytes(s) for s in args.sizes.split(",")]
                   if args.sizes else DEFAULT_SIZES)
-    if args.warmup < 1 or (args.repeats is not None and args.repeats < 1):
-        p.error("--warmup and --repeats must be >= 1")
+    if args.warmup < 1 or args.calls < 1 or (args.repeats is not None and args.repeats < 1):
+        p.error("--warmup, --calls and --repeats must be >= 1")
     return args
 
 
@@ -171,16 +174,18 @@ def make_methods(ctx, shapes, views=False):
     return methods
 
 
-def timed(ctx, buffers, call):
-    """Fill with rank + 1, barrier, run ``call``; seconds, max over ranks."""
+def timed(ctx, buffers, call, calls=1):
+    """Fill with rank + 1, barrier, run ``call`` ``calls`` times back to back;
+    seconds per call, max over ranks."""
     for b in buffers:
         b.fill(ctx.rank + 1)
     ctx.sync()
     ctx.mpi.Barrier()
     start = time.perf_counter()
-    call()
+    for _ in range(calls):
+        call()
     ctx.sync()
-    return ctx.mpi.allreduce(time.perf_counter() - start, op=MPI.MAX)
+    return ctx.mpi.allreduce((time.perf_counter() - start) / calls, op=MPI.MAX)
 
 
 def correct(ctx, buffers):
@@ -190,8 +195,9 @@ def correct(ctx, buffers):
     return ctx.mpi.allreduce(ok, op=MPI.LAND)
 
 
-def run_case(ctx, name, shapes, repeats, warmup):
-    """Warm up and check each method, then time them round-robin."""
+def run_case(ctx, name, shapes, repeats, warmup, calls=1):
+    """Warm up and check each method (one call each, then the result is
+    checked), then time them round-robin, ``calls`` calls per sample."""
     methods = make_methods(ctx, shapes, views=name == VIEWS_CASE)
     failed = []
     for method, (buffers, call) in methods.items():
@@ -203,7 +209,7 @@ def run_case(ctx, name, shapes, repeats, warmup):
     samples = {m: [] for m in order}
     for r in range(repeats):
         for method in order[r % len(order):] + order[:r % len(order)]:
-            samples[method].append(timed(ctx, *methods[method]))
+            samples[method].append(timed(ctx, *methods[method], calls=calls))
     nbytes = case_bytes(shapes)
     median = {m: statistics.median(s) for m, s in samples.items()}
     row = {"case": name, "bytes": nbytes, "tensors": len(shapes), "repeats": repeats,
@@ -251,13 +257,13 @@ def main(argv=None):
               "bucket_bytes": ctx.bucket_bytes, "check": ctx.comm.check,
               "timeout": ctx.comm.timeout,
               "compression": args.compression,
-              "dtype": np.dtype(DTYPE).name, "warmup": args.warmup}
+              "dtype": np.dtype(DTYPE).name, "warmup": args.warmup, "calls": args.calls}
     say("# all-reduce, %(ranks)d ranks, backend %(backend)s, device %(device)s, "
         "bucket_bytes %(bucket_bytes)d, consistency check %(check)s, watch dog %(timeout)s s, "
         "%(dtype)s, "
         "compression %(compression)s" % config)
-    say("# time: max over ranks, median of the repeats; GB/s = 1e9 bytes/s; "
-        "busbw = algbw * 2(n-1)/n", flush=True)
+    say("# time per call: max over ranks, median of the repeats (%d back-to-back calls "
+        "each); GB/s = 1e9 bytes/s; busbw = algbw * 2(n-1)/n" % args.calls, flush=True)
     notes, rows = [], []
     if not ctx.baselines:
         notes.append("baselines skipped: MPI is not CUDA-aware")
@@ -268,7 +274,7 @@ def main(argv=None):
                          % (name, human(nbytes), human(args.max_bytes)))
             continue
         repeats = args.repeats or (20 if nbytes < 16 * 2**20 else 7)
-        rows.append(run_case(ctx, name, shapes, repeats, args.warmup))
+        rows.append(run_case(ctx, name, shapes, repeats, args.warmup, args.calls))
     say(table(rows, COLUMNS + SAFETY_COLUMNS if ctx.bare else COLUMNS))
     for note in notes:
         say("note: " + note)

@@ -11,6 +11,7 @@ Every rank owns one line of :data:`LINE_BYTES` bytes. Its int64 words:
 ``PID``      its process id
 ``REASON``   why it left (:data:`REASONS`); the text area says more
 ``TEXT_SEQ`` the sequence number the call text describes (mismatch reports)
+``BLAME``    1 + the first rank it blamed when it gave up (0: none)
 ``SLOT``     two slots of four words, one per parity of the sequence number:
              the call's fingerprint (two words), the collective's code
              (:data:`commlib.consistency.COLLECTIVES`) and when it was entered
@@ -54,7 +55,7 @@ from .ops import _native
 
 LINE_BYTES = 1024
 STRIDE = LINE_BYTES // 8
-ENTERED, GONE, PID, REASON, TEXT_SEQ = 0, 1, 2, 3, 4
+ENTERED, GONE, PID, REASON, TEXT_SEQ, BLAME = 0, 1, 2, 3, 4, 5
 SLOT = 8                    # two slots: digest0, digest1, collective code, monotonic ns
 SLOT_WORDS = 4
 TEXT = 16 * 8               # byte offset of the call text in a line
@@ -157,6 +158,11 @@ class StatusBoard:
         same = (self._lines[:, at:at + 2] == np.array(slot[:2])).all()
         return 0 if same else 1
 
+    def arrive(self, seq):
+        """Publish that this rank entered collective ``seq`` without waiting
+        (the consistency check is off), for messages about who is late."""
+        self._mine[ENTERED] = seq
+
     def wait_words(self, word, target, seq, what, deadline):
         """Wait until every rank's ``word`` is at least ``target``, watching
         for ranks leaving collective ``seq`` (``what``)."""
@@ -235,8 +241,11 @@ class StatusBoard:
         entered = int(line[ENTERED])
         gone = int(line[GONE])
         if gone:
+            reason = int(line[REASON])
+            if reason == GAVE_UP:
+                return "rank %d gave up in collective #%d%s" % (r, gone, self._reason_text(r))
             return "rank %d %s after collective #%d%s" % (
-                r, REASONS.get(int(line[REASON]), "left"), gone - 1, self._reason_text(r))
+                r, REASONS.get(reason, "left"), gone - 1, self._reason_text(r))
         if not entered:
             return "rank %d has not entered any collective" % r
         at = SLOT + (entered & 1) * SLOT_WORDS
@@ -249,7 +258,10 @@ class StatusBoard:
         return " (%s)" % text if text else ""
 
     def timeout_text(self, seq, what, late):
-        """Text of a timeout in collective ``seq`` naming the ``late`` ranks."""
+        """Text of a timeout in collective ``seq`` naming the ``late`` ranks
+        (default: those that have not entered it)."""
+        if late is None:
+            late = self.not_arrived(seq)
         if late:
             who = "; ".join(self.where(r) for r in late)
             return ("%s did not complete before its deadline: waiting for %s"
@@ -258,28 +270,32 @@ class StatusBoard:
                 "stalled or was descheduled inside it)" % consistency.label(what, seq))
 
     def _left(self, r, seq, what):
-        """PeerError for rank ``r`` having left before collective ``seq``."""
+        """PeerError for rank ``r`` having left before collective ``seq``;
+        when ``r`` gave up blaming another rank, the blame passes on."""
         reason = int(self._lines[r, REASON])
         hint = ("; uneven number of steps? every rank must call the same collectives"
                 if reason in (CLOSED, EXITED, DROPPED) else "")
         text = "%s while this rank is in %s%s" % (self.where(r), consistency.label(what, seq),
                                                   hint)
-        return self.give_up(seq, what, PeerError, text, (r,))
+        blamed = int(self._lines[r, BLAME]) - 1 if reason == GAVE_UP else -1
+        return self.give_up(seq, what, PeerError, text, (blamed if blamed >= 0 else r,))
 
     def give_up(self, seq, what, kind, text, culprits):
         """Mark this rank gone at ``seq`` and return ``kind`` (an error class)
         with ``text``, naming ``culprits``."""
-        self.leave(seq - 1, GAVE_UP, "in %s: %s" % (consistency.label(what, seq), text))
+        self.leave(seq - 1, GAVE_UP, "%s: %s" % (consistency.label(what, seq), text), culprits)
         return kind("rank %d: %s" % (self.rank, text), culprits=culprits)
 
     # -- leaving ---------------------------------------------------------------------
-    def leave(self, completed, reason, text=""):
+    def leave(self, completed, reason, text="", blame=()):
         """Publish that this rank completes no collective after number
-        ``completed``, for ``reason`` (:data:`REASONS`), with ``text``. A
-        rank leaves once; later calls keep the first reason."""
+        ``completed``, for ``reason`` (:data:`REASONS`), with ``text`` and
+        the ranks it ``blame``s. A rank leaves once; later calls keep the
+        first reason."""
         if self._mine[GONE]:
             return
         self.write_text(text, REASON_TEXT)
+        self._mine[BLAME] = blame[0] + 1 if blame else 0
         self._mine[REASON] = reason
         self._mine[GONE] = completed + 1
 

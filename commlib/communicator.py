@@ -22,6 +22,7 @@ raise :class:`~commlib.errors.ArrayTypeError` on integer arrays (no silent
 truncation); use ``op="sum"`` and divide yourself.
 """
 import atexit
+import itertools
 import sys
 import time
 import weakref
@@ -43,6 +44,7 @@ _ABORT_DRAIN_S = 0.25   # seconds between printing the traceback and MPI_Abort
 #: errors a collective raises alike on every rank, after which it stays usable
 _AGREED = (NonFiniteError, PayloadError)
 _live = weakref.WeakSet()   # communicators not closed yet, for the exit hooks
+_made = itertools.count()   # creation order (the same on every rank: creation is collective)
 _hooks_installed = False
 
 
@@ -82,9 +84,11 @@ def _install_hooks():
 
 
 def _close_at_exit():
-    """Close the communicators still open when the interpreter exits; a
-    peer still inside a collective is told this rank exited."""
-    for comm in list(_live):
+    """Close the communicators still open when the interpreter exits, the
+    newest first (the same order on every rank, so no two ranks wait for
+    each other on different communicators); a peer still inside a
+    collective is told this rank exited."""
+    for comm in sorted(_live, key=lambda c: c._serial, reverse=True):
         try:
             comm._close(_board.EXITED)
         except CommlibError as exc:
@@ -137,6 +141,7 @@ class Communicator:
         self._seq = 0             # collectives entered
         self._failure = None      # the error that left the communicator unusable
         self._closed = False
+        self._serial = next(_made)
         if board is not None:
             board.warn_after = settings.stall_warning()
         if size > 1:
@@ -338,7 +343,9 @@ class Communicator:
         wait.seq, wait.what = seq, consistency.CODES[name]
         wait.deadline = None if timeout is None else time.monotonic() + timeout
         board = self._board
-        if board is not None and self._check:
+        if board is not None and not self._check:
+            board.arrive(seq)
+        elif board is not None:
             digest = arrays = None
             if error is None:
                 arrays, prepared = layout()
@@ -361,8 +368,9 @@ class Communicator:
         if self._failure is None:
             self._failure = exc
             if self._board is not None:
-                self._board.leave(self._seq - 1, _board.GAVE_UP,
-                                  "%s: %s" % (type(exc).__name__, exc))
+                text = "%s: %s" % (type(exc).__name__, exc) if str(exc) else type(exc).__name__
+                self._board.leave(self._seq - 1, _board.GAVE_UP, text,
+                                  blame=getattr(exc, "culprits", ()))
             for transport in (self._mpi, self._nccl):
                 if transport is not None:
                     transport.fail("%s: %s" % (type(exc).__name__, exc))
@@ -386,7 +394,7 @@ class Communicator:
         if isinstance(array, (list, tuple)):
             raise ArgumentError("rank %d: %s takes one array, got a %s"
                                 % (self._rank, name, type(array).__name__))
-        return validation.as_list(array, name)[0]
+        return validation.as_list(array, name, self._rank)[0]
 
     def _fused_checks(self, items, prepared, writeable, floating):
         """Array checks for a fused collective; a list already prepared with
@@ -460,7 +468,7 @@ class Communicator:
 
         def checks():
             nonlocal items, key, prepared
-            items = validation.as_list(arrays)[0]
+            items = validation.as_list(arrays, rank=self._rank)[0]
             key, prepared = self._fusion.lookup(items)
             validation.check_root(root, self._size, self._rank)
             return self._fused_checks(items, prepared, not is_root, False)
@@ -493,7 +501,7 @@ class Communicator:
 
         def checks():
             nonlocal items, key, prepared, strategy
-            items = validation.as_list(arrays)[0]
+            items = validation.as_list(arrays, rank=self._rank)[0]
             key, prepared = self._fusion.lookup(items)
             if root is not None:
                 validation.check_root(root, self._size, self._rank)

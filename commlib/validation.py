@@ -16,13 +16,14 @@ from .ops._arrays import is_cupy
 _KINDS = {"numpy": "numpy.ndarray", "cupy": "cupy.ndarray"}
 
 
-def as_list(arrays, what="arrays"):
+def as_list(arrays, what="arrays", rank=None):
     """(list_of_arrays, was_single): accept one array or a list/tuple."""
     if isinstance(arrays, (list, tuple)):
         return list(arrays), False
     if _kind(arrays) is None:
-        raise ArrayTypeError("%s: expected a numpy/cupy array or a list of them, got %s"
-                             % (what, type(arrays).__name__))
+        raise ArrayTypeError("%s%s: expected a numpy/cupy array or a list of them, got %s"
+                             % ("" if rank is None else "rank %d: " % rank, what,
+                                type(arrays).__name__))
     return [arrays], True
 
 

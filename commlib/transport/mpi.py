@@ -233,10 +233,8 @@ class MpiTransport(Transport):
 
     def _error(self, name, exc):
         text = exc.Get_error_string() if hasattr(exc, "Get_error_string") else str(exc)
-        hint = ""
-        if exc.Get_error_class() in (mpi().ERR_TRUNCATE, mpi().ERR_COUNT, mpi().ERR_TYPE):
-            hint = ("; the ranks probably passed different sizes or dtypes (the consistency "
-                    "check, on by default, catches this before any data moves)")
+        hint = ("; the ranks may have passed different sizes or dtypes (the consistency "
+                "check, on by default, names them before any data moves)")
         return TransportError("rank %d: MPI reported an error in %s: %s%s"
                               % (self.rank, _NAMES[name], text.strip(), hint))
 

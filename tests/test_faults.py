@@ -1,0 +1,308 @@
+"""The fault suite: every failure mode at 2 and 3 real ranks, with commlib's
+default settings (only the watch dog's deadline is shortened, to
+:data:`DEADLINE` seconds).
+
+For each fault: no hang (every job runs under a hard bound), every
+surviving rank raises a CommlibError naming the culprit within the deadline
+plus 5 s, and no array is written after an error (a failed call leaves its
+arrays untouched, and they stay so after the late peer has come and gone).
+The rank programs are in tests/fault_programs.py; rank 1 misbehaves.
+"""
+import json
+import math
+import os
+import sys
+
+import numpy as np
+import pytest
+
+from mpirun import ROOT, mpiexec, run_bounded, run_mpi
+
+DEADLINE = 2.0
+LATE = 1
+SIZES = [2, 3]
+CODE = "import sys, fault_programs\nfault_programs.main(*sys.argv[1:])\n"
+
+
+def run(n, scenario, *args, expect_fail=False, env=None):
+    """Run ``scenario`` on ``n`` ranks; returns (records by rank, process)."""
+    proc = run_mpi(n, CODE, timeout=DEADLINE * 4 + 40, args=(scenario, *args),
+                   expect_fail=expect_fail,
+                   env=dict({"COMMLIB_WATCHDOG_TIMEOUT": str(DEADLINE)}, **(env or {})))
+    records = {}
+    for line in proc.stdout.splitlines():
+        if line.startswith("FAULT "):
+            record = json.loads(line[len("FAULT "):])
+            records.setdefault(record["rank"], []).append(record)
+    return records, proc
+
+
+def find(records, rank, what):
+    found = [r for r in records.get(rank, []) if r["what"] == what]
+    assert found, "rank %d reported no %r: %s" % (rank, what, records.get(rank))
+    return found[0]
+
+
+def others(n):
+    return [r for r in range(n) if r != LATE]
+
+
+def assert_raised(record, error, culprits=None, within=DEADLINE + 5, text=()):
+    assert record["error"] == error, record
+    if culprits is not None:
+        assert record["culprits"] == list(culprits), record
+    assert record["seconds"] <= within, record
+    assert record["untouched"], record
+    for fragment in text:
+        assert fragment in record["message"], (fragment, record)
+
+
+# -- a rank that hangs, dies or leaves ------------------------------------------------------
+
+@pytest.mark.parametrize("n", SIZES)
+@pytest.mark.parametrize("scenario", ["stall", "stall_large"])
+def test_stalled_rank_is_named_and_no_array_is_written_later(n, scenario):
+    """The others raise at the deadline naming the late rank; the late rank,
+    when it comes, raises naming one that gave up; nobody's arrays change."""
+    records, _ = run(n, scenario)
+    for r in others(n):
+        got = find(records, r, "all_reduce")
+        assert_raised(got, "CollectiveTimeoutError", [LATE], text=["rank %d " % LATE])
+        assert got["seconds"] >= DEADLINE - 0.1, got
+        assert not find(records, r, "after")["written_after"]
+        assert find(records, r, "next")["error"] == "ClosedError"
+    # the late rank learns that its peers gave up waiting for it
+    assert_raised(find(records, LATE, "all_reduce"), "PeerError", [LATE], within=2.0,
+                  text=["gave up", "waiting for rank %d" % LATE])
+    assert not find(records, LATE, "after")["written_after"]
+
+
+@pytest.mark.parametrize("n", SIZES)
+def test_abandoned_mpi_collective_never_writes_into_the_arrays(n):
+    """Consistency check off: the late rank joins the collective its peers
+    gave up on inside MPI; it completes, but the peers' arrays, staged out
+    of MPI's reach, stay as they were when their error was raised."""
+    records, _ = run(n, "stall_unchecked")
+    for r in others(n):
+        got = find(records, r, "all_reduce")
+        # the first to time out names the late rank; a peer that sees it give
+        # up first passes the blame on
+        assert got["error"] in ("CollectiveTimeoutError", "PeerError"), got
+        assert_raised(got, got["error"], [LATE], text=["rank %d" % LATE])
+        assert not find(records, r, "after")["written_after"]
+    late = find(records, LATE, "all_reduce")
+    if late["error"] is None:       # completed with the staged data its peers left
+        assert find(records, LATE, "next")["error"] == "PeerError"
+    else:                           # or noticed that they gave up
+        assert_raised(late, "PeerError", within=3, text=["gave up"])
+    assert not find(records, LATE, "after")["written_after"]
+
+
+@pytest.mark.parametrize("n", SIZES)
+@pytest.mark.parametrize("scenario, text", [("die_by_exception", "breaks down"),
+                                            ("exception_in_with", "breaks inside with")])
+def test_uncaught_exception_ends_the_job_and_peers_name_the_rank(n, scenario, text):
+    records, proc = run(n, scenario, expect_fail=True)
+    assert "RuntimeError: rank %d %s" % (LATE, text) in proc.stderr   # the traceback shows
+    for r in others(n):
+        assert_raised(find(records, r, "all_reduce"), "PeerError", [LATE], within=3,
+                      text=["rank %d left after an exception" % LATE, text])
+
+
+@pytest.mark.parametrize("n", SIZES)
+def test_sys_exit_on_one_rank(n):
+    records, proc = run(n, "sys_exit")
+    for r in others(n):
+        got = find(records, r, "all_reduce")
+        assert_raised(got, "PeerError", [LATE], within=3, text=["after collective #1"])
+        # at exit, or dropped as its frame unwound: both say the rank is gone
+        assert ("rank %d exited" % LATE in got["message"]
+                or "rank %d dropped the communicator" % LATE in got["message"]), got
+    assert "commlib: at exit: rank %d:" % LATE in proc.stderr
+
+
+@pytest.mark.parametrize("n", SIZES)
+def test_close_on_one_rank_while_others_reduce(n):
+    """Uneven steps: an error on every rank naming the rank that stopped
+    early and the collective the others were in."""
+    records, _ = run(n, "close_early")
+    for r in others(n):
+        assert_raised(find(records, r, "all_reduce"), "PeerError", [LATE], within=3,
+                      text=["rank %d closed the communicator after collective #2" % LATE,
+                            "all_reduce #3", "uneven number of steps"])
+    assert_raised(find(records, LATE, "close"), "PeerError", [LATE], within=3,
+                  text=["this rank left after collective #2", "all_reduce #3", "uneven"])
+
+
+@pytest.mark.parametrize("n", SIZES)
+def test_uneven_steps_without_close(n):
+    records, proc = run(n, "uneven_steps")
+    for r in others(n):
+        assert find(records, r, "step 1")["error"] is None
+        got = find(records, r, "step 2")
+        assert_raised(got, "PeerError", [LATE], within=3,
+                      text=["after collective #2", "all_reduce #3", "uneven number of steps"])
+    assert "this rank left after collective #2" in proc.stderr
+
+
+@pytest.mark.parametrize("n", SIZES)
+def test_ctrl_c_ends_a_waiting_rank_and_its_peers_learn_it(n):
+    records, _ = run(n, "interrupt")
+    got = find(records, 0, "all_reduce")
+    assert got["error"] == "KeyboardInterrupt" and got["seconds"] < 1.5 and got["untouched"]
+    for r in range(1, n):
+        assert_raised(find(records, r, "all_reduce"), "PeerError", [0], within=3,
+                      text=["rank 0 gave up", "KeyboardInterrupt"])
+
+
+# -- calls that disagree -------------------------------------------------------------------
+
+MISMATCHES = ["op", "shape", "dtype", "count", "order", "division", "compression",
+              "compression settings", "root", "collective", "barrier timeout"]
+
+
+@pytest.mark.parametrize("n", SIZES)
+def test_every_mismatch_raises_on_every_rank_before_data_moves(n):
+    records, _ = run(n, "mismatches")
+    for r in range(n):
+        for what in MISMATCHES:
+            assert_raised(find(records, r, what), "ConsistencyError", within=2,
+                          text=["ranks disagree on"])
+        assert find(records, r, "afterwards")["error"] is None
+        assert find(records, r, "result")["value"] == n * (n + 1) / 2
+
+
+BAD_INPUT = {"None": "ArrayTypeError", "scalar": "ArrayTypeError",
+             "list with None": "ArrayTypeError", "complex": "ArrayTypeError",
+             "strided": "ArrayTypeError", "read-only": "ArrayTypeError",
+             "integer avg": "ArrayTypeError", "bad op": "ArgumentError",
+             "root": "ArgumentError", "all_gatherv None": "ArrayTypeError",
+             "all_gather list": "ArgumentError", "barrier timeout": "ArgumentError",
+             "compression": "ArgumentError"}
+
+
+@pytest.mark.parametrize("n", SIZES)
+def test_bad_input_on_one_rank_reaches_every_rank(n):
+    records, _ = run(n, "bad_input")
+    for what, error in BAD_INPUT.items():
+        assert_raised(find(records, LATE, what), error, within=2, text=["rank %d" % LATE])
+        for r in others(n):
+            assert_raised(find(records, r, what), "ConsistencyError", [LATE], within=2,
+                          text=["rank %d rejected its arguments" % LATE])
+    for r in range(n):
+        assert find(records, r, "afterwards")["error"] is None
+        assert find(records, r, "result")["value"] == n * (n + 1) / 2
+
+
+@pytest.mark.parametrize("n", SIZES)
+def test_nonfinite_values_with_every_compression(n):
+    records, _ = run(n, "nonfinite")
+    cases = [r["what"] for r in records[0] if r["what"] not in ("afterwards", "done")]
+    assert len(cases) == 8, cases
+    for r in range(n):
+        for what in cases:
+            assert_raised(find(records, r, what), "NonFiniteError", [LATE], within=2)
+        assert find(records, r, "afterwards")["error"] is None
+
+
+@pytest.mark.parametrize("n", SIZES)
+def test_tampered_sparse_payload(n):
+    records, _ = run(n, "tampered")
+    for r in range(n):
+        assert_raised(find(records, r, "out of range"), "PayloadError", [LATE], within=2,
+                      text=["rank %d sent index 10000000" % LATE])
+        assert find(records, r, "afterwards")["error"] is None
+
+
+@pytest.mark.parametrize("n", SIZES)
+def test_new_partial_object_per_call_on_one_rank_keeps_windows_in_step(n):
+    from commlib.compression import Partial
+    records, _ = run(n, "partial_objects")
+    for r in range(n):
+        values = find(records, r, "partial")["values"]
+        for call, got in enumerate(values):
+            start, stop = Partial(0.25).window(len(got), call)
+            want = np.full(len(got), r + 1.0 + call)
+            want[start:stop] = call + (n + 1) / 2
+            assert np.array_equal(np.float32(got), np.float32(want)), (r, call)
+
+
+# -- settings --------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("variable, setting", [("COMMLIB_WATCHDOG_ENABLE", "timeout"),
+                                               ("COMMLIB_CHECK", "check")])
+def test_watch_dog_or_check_on_one_rank_only(variable, setting):
+    records, _ = run(2, "settings_differ", variable)
+    for r in range(2):
+        assert_raised(find(records, r, variable), "ConsistencyError", within=5,
+                      text=["different settings", setting])
+
+
+@pytest.mark.parametrize("value", ["0", "-1", "nan", "inf", "ten"])
+def test_bad_watchdog_timeout_in_the_environment(value):
+    records, _ = run(2, "bad_environment", value)
+    for r in range(2):
+        assert_raised(find(records, r, value), "ArgumentError", within=5,
+                      text=["COMMLIB_WATCHDOG_TIMEOUT"])
+
+
+@pytest.mark.parametrize("n", SIZES)
+def test_error_inside_init_on_one_rank(n):
+    records, _ = run(n, "init_error")
+    assert_raised(find(records, LATE, "init"), "ArgumentError", within=5, text=["backend"])
+    for r in others(n):
+        assert_raised(find(records, r, "init"), "ConsistencyError", [LATE], within=5,
+                      text=["rank %d failed" % LATE, "backend"])
+
+
+def test_dropped_communicators_do_not_exhaust_mpi():
+    code = """
+import os
+import numpy as np
+import commlib
+for i in range(1500):
+    comm = commlib.Communicator.from_mpi()
+    x = np.ones(4)
+    comm.all_reduce(x)
+    assert x[0] == comm.size
+left = [f for f in os.listdir("/dev/shm") if f.startswith("commlib-")]
+os.write(1, b"left in /dev/shm: %d\\n" % len(left))
+"""
+    proc = run_mpi(2, code, timeout=120)
+    assert proc.stdout.count("left in /dev/shm: 0") == 2, proc.stdout
+
+
+# -- launchers -------------------------------------------------------------------------------
+
+def _script(tmp_path, body):
+    path = tmp_path / "job.py"
+    path.write_text("import os, signal, sys, time\nimport numpy as np\nimport commlib\n"
+                    "comm = commlib.init()\nx = np.ones(1000)\ncomm.all_reduce(x)\n" + body)
+    return path
+
+
+def _env():
+    return dict(os.environ, COMMLIB_WATCHDOG_TIMEOUT=str(DEADLINE),
+                PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
+
+
+@pytest.mark.parametrize("how", ["os._exit(0)", "os.kill(os.getpid(), signal.SIGKILL)"])
+def test_launcher_names_a_rank_that_vanished(tmp_path, how):
+    script = _script(tmp_path, "if comm.rank == 1:\n    %s\ncomm.all_reduce(x)\n" % how)
+    proc = run_bounded([sys.executable, "-m", "commlib.launch", "-n", "3", "--backend", "mpi",
+                        script], 60, env=_env())
+    last = [l for l in proc.stderr.splitlines() if l.startswith("commlib.launch:")][-1]
+    assert proc.returncode != 0 and "rank 1 " in last, proc.stderr
+    assert "rank 0 " not in last and "rank 2 " not in last, proc.stderr
+
+
+@pytest.mark.parametrize("runner", ["launcher", "mpi4py"])
+def test_exception_inside_with_ends_the_job_with_its_traceback(tmp_path, runner):
+    script = _script(tmp_path, "comm.close()\nwith commlib.init() as comm:\n"
+                               "    if comm.rank == 1:\n        raise ValueError('inside with')\n"
+                               "    comm.all_reduce(x)\n")
+    cmd = ([sys.executable, "-m", "commlib.launch", "-n", "2", "--backend", "mpi"]
+           if runner == "launcher" else [mpiexec(), "-n", "2", sys.executable, "-m", "mpi4py"])
+    proc = run_bounded(cmd + [script], 60, env=_env())
+    assert proc.returncode != 0, proc.stderr
+    assert proc.stderr.count("ValueError: inside with") >= 1, proc.stderr
