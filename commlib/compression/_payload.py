@@ -169,7 +169,7 @@ def fail(context, found, tail):
     return PayloadError("%s: %s %s" % (context, text, tail), culprits=sorted(found))
 
 
-def exchange(transport, record, slots, n, deadline, context, tail, on_headers):
+def exchange(transport, record, slots, n, wait, context, tail, on_headers):
     """All-gather every rank's :func:`encode` record and validate it.
 
     slots: the number of entries in every record (one all-gather), or None
@@ -189,11 +189,11 @@ def exchange(transport, record, slots, n, deadline, context, tail, on_headers):
     if slots is not None:
         width = HEADER + 2 * slots
         table = xp.empty((size, width), dtype=np.int32)
-        transport.all_gather(record, table.reshape(-1), deadline)
+        transport.all_gather(record, table.reshape(-1), wait)
         headers = table[:, :HEADER]
     else:
         headers = xp.empty((size, HEADER), dtype=np.int32)
-        transport.all_gather(record[:HEADER], headers.reshape(-1), deadline)
+        transport.all_gather(record[:HEADER], headers.reshape(-1), wait)
     headers = headers if xp is np else xp.ascontiguousarray(headers).get()
     found = check_headers(headers, n, slots)
     if found:
@@ -206,7 +206,7 @@ def exchange(transport, record, slots, n, deadline, context, tail, on_headers):
     else:
         gathered = xp.empty(2 * sum(counts), dtype=np.int32)
         if gathered.size:
-            transport.all_gatherv(record[HEADER:], gathered, [2 * c for c in counts], deadline)
+            transport.all_gatherv(record[HEADER:], gathered, [2 * c for c in counts], wait)
         starts = np.concatenate(([0], np.cumsum([2 * c for c in counts]))).tolist()
         indices = xp.concatenate([gathered[s:s + c] for s, c in zip(starts, counts)])
         values = xp.concatenate([gathered[s + c:s + 2 * c] for s, c in zip(starts, counts)])

@@ -55,7 +55,7 @@ class Sparsifier(Compression):
         duplicate check sorts), and float32 values of the same length."""
         raise NotImplementedError
 
-    def reduce(self, transport, arrays, op, scale, deadline, workspace):
+    def reduce(self, transport, arrays, op, scale, wait, workspace):
         flat = gather(arrays, workspace)
         xp, n = array_module(flat), flat.size
         acc = buffer(workspace, "acc", xp, n, np.float32)
@@ -84,7 +84,7 @@ class Sparsifier(Compression):
             dropped[:] = counts
 
         all_indices, all_values, counts = _payload.exchange(
-            transport, record, slots, n, deadline, context,
+            transport, record, slots, n, wait, context,
             "in %s; nothing was written: arrays and residuals are unchanged" % where,
             on_headers)
         flat[...] = 0

@@ -25,12 +25,13 @@ class Compression:
         when this strategy cannot serve ``op``; runs before any
         communication."""
 
-    def reduce(self, transport, arrays, op, scale, deadline, workspace):
+    def reduce(self, transport, arrays, op, scale, wait, workspace):
         """All-reduce ``arrays`` (numpy or cupy arrays of one dtype this
         strategy applies to; one bucket) in place over ``transport`` with
         ``op`` (``"sum"``, ``"max"``, ``"min"``, ``"prod"``; averaging is
         ``"sum"`` with ``scale`` = 1/size), then multiply by ``scale``
-        (float, or None). ``deadline``: ``time.monotonic()`` value or None.
+        (float, or None). ``wait``: the collective's :class:`~commlib.waiting.Wait`
+        (deadline and peers), handed on to every transport call.
         ``workspace``: this bucket's dict, kept between calls."""
         raise NotImplementedError
 

@@ -56,7 +56,7 @@ class HalfPrecision(Compression):
     def applies_to(self, dtype):
         return dtype == np.float32
 
-    def reduce(self, transport, arrays, op, scale, deadline, workspace):
+    def reduce(self, transport, arrays, op, scale, wait, workspace):
         # a scale comes only with "sum" (averaging): dividing before the cast
         # keeps the half-precision sum from overflowing
         xp = array_module(arrays[0])
@@ -65,27 +65,27 @@ class HalfPrecision(Compression):
         if xp is not np:             # one pack / unpack launch, casting on the way
             sent = xp.zeros((), dtype=np.int64)
             _pack.pack(arrays, wire, scale=scale, nonfinite=sent)
-            self._all_reduce(transport, wire, op, deadline)
-            warning = self._settle(transport, wire, sent, arrays, deadline)
+            self._all_reduce(transport, wire, op, wait)
+            warning = self._settle(transport, wire, sent, arrays, wait)
             _pack.unpack(wire, arrays)
         else:   # numpy: gather into float32, then cast whole buffers (the kernels' twin)
             flat = _flat.gather(arrays, workspace)
             sent = numpy_cast_into(flat, wire,
                                    np.float32(1) if scale is None else np.float32(scale))
-            self._all_reduce(transport, wire, op, deadline)
-            warning = self._settle(transport, wire, sent, arrays, deadline)
+            self._all_reduce(transport, wire, op, wait)
+            warning = self._settle(transport, wire, sent, arrays, wait)
             numpy_cast_into(wire, flat)
             _flat.scatter(flat, arrays)
         if warning:
             _nonfinite.warn(warning)
 
-    def _all_reduce(self, transport, wire, op, deadline):
+    def _all_reduce(self, transport, wire, op, wait):
         # overflow is counted and reported by _settle, not warned by numpy
         # (the MPI transport reduces half formats with numpy ufuncs)
-        with np.errstate(over="ignore", invalid="ignore"):
-            transport.all_reduce(wire, op, deadline, fmt=self._wire_fmt)
+        with np.errstate(over="ignore", invalid="ignore"):    # the wire buffer is commlib's
+            transport.all_reduce(wire, op, wait, fmt=self._wire_fmt, owned=True)
 
-    def _settle(self, transport, wire, sent, arrays, deadline):
+    def _settle(self, transport, wire, sent, arrays, wait):
         """Count the NaN and inf in the reduced ``wire`` (one host read on
         GPUs). If there are any, all-gather every rank's count of non-finite
         values sent (``sent``: int or 0-d device array), then raise
@@ -96,7 +96,7 @@ class HalfPrecision(Compression):
         if not total:
             return None
         counts = xp.empty(transport.size, dtype=np.int64)
-        transport.all_gather(xp.asarray(sent, dtype=np.int64).reshape(1), counts, deadline)
+        transport.all_gather(xp.asarray(sent, dtype=np.int64).reshape(1), counts, wait)
         counts = (counts if xp is np else counts.get()).tolist()
         origin = ("sent by " + _nonfinite.ranks(counts) if any(counts)
                   else "no rank sent any: the %s reduction overflowed" % self.fmt)

@@ -40,13 +40,13 @@ class Partial(Compression):
         start = (call % math.ceil(size / width)) * width
         return start, min(size, start + width)
 
-    def reduce(self, transport, arrays, op, scale, deadline, workspace):
+    def reduce(self, transport, arrays, op, scale, wait, workspace):
         call = workspace.get("calls", 0)
         workspace["calls"] = call + 1
         flat = _flat.gather(arrays, workspace)
         start, stop = self.window(flat.size, call)
         piece = flat[start:stop]
-        transport.all_reduce(piece, op, deadline)
+        transport.all_reduce(piece, op, wait)
         if scale is not None:
             piece *= np.float32(scale)
         _flat.scatter(flat, arrays)
