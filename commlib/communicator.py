@@ -122,15 +122,16 @@ class Communicator:
     """
 
     def __init__(self, *, rank, size, local_rank, local_size, device=None,
-                 mpi_transport=None, nccl_transport=None, board=None, segment=None,
-                 bucket_bytes=None, check=None, timeout=None):
+                 mpi_transport=None, nccl_transport=None, local_transport=None, board=None,
+                 segment=None, bucket_bytes=None, check=None, timeout=None):
         options = _options(bucket_bytes, check, timeout)
-        if mpi_transport is None and nccl_transport is None and size != 1:
-            raise ArgumentError("Communicator needs a transport for size %d" % size)
+        if mpi_transport is None and nccl_transport is None and local_transport is None:
+            raise ArgumentError("Communicator needs at least one transport")
         self._rank, self._size = rank, size
         self._local_rank, self._local_size = local_rank, local_size
         self._device = device
         self._mpi, self._nccl = mpi_transport, nccl_transport
+        self._local = local_transport
         self._bucket_bytes = options["bucket_bytes"]
         self._check = options["check"]
         self._timeout = options["timeout"]
@@ -277,9 +278,11 @@ class Communicator:
     def single(cls, device=None, **options):
         """A communicator of one process that needs no MPI: every collective
         is local (what :func:`commlib.init` gives without mpi4py)."""
+        from .transport.local import LocalTransport
         if device is None and _gpu_available():
             device = 0
-        return cls(rank=0, size=1, local_rank=0, local_size=1, device=device, **options)
+        return cls(rank=0, size=1, local_rank=0, local_size=1, device=device,
+                   local_transport=LocalTransport(), **options)
 
     # -- properties --------------------------------------------------------------
     rank = property(lambda self: self._rank, doc="this process's rank, 0 <= rank < size")
@@ -309,8 +312,8 @@ class Communicator:
     # -- plumbing ------------------------------------------------------------------
     def _transport(self, kind):
         if kind == "cupy":
-            return self._nccl or self._mpi
-        return self._mpi or self._nccl
+            return self._nccl or self._mpi or self._local
+        return self._mpi or self._nccl or self._local
 
     def _bucket_bytes_for(self, transport):
         return self._bucket_bytes or bucketing.DEFAULT_BUCKET_BYTES[transport.name]
@@ -371,7 +374,7 @@ class Communicator:
                 text = "%s: %s" % (type(exc).__name__, exc) if str(exc) else type(exc).__name__
                 self._board.leave(self._seq - 1, _board.GAVE_UP, text,
                                   blame=getattr(exc, "culprits", ()))
-            for transport in (self._mpi, self._nccl):
+            for transport in (self._mpi, self._nccl, self._local):
                 if transport is not None:
                     transport.fail("%s: %s" % (type(exc).__name__, exc))
 
@@ -674,7 +677,7 @@ class Communicator:
         self._closed = True
         _live.discard(self)
         self._fusion.clear()
-        for transport in (self._nccl, self._mpi):
+        for transport in (self._nccl, self._mpi, self._local):
             if transport is not None:
                 transport.close()
         if self._segment is not None:
