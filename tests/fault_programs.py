@@ -250,8 +250,8 @@ def partial_objects(comm):
     rank = comm.rank
     kept = Partial(0.25)
     values = []
-    for call in range(6):
-        arrays = [np.full(SMALL, float(rank + 1 + call), np.float32)]
+    for call in range(6):     # values differ along the array: a window mix-up shows
+        arrays = [np.arange(SMALL, dtype=np.float32) + np.float32(rank + 1 + call)]
         comm.all_reduce(arrays, op="avg",
                         compression=Partial(0.25) if rank == LATE else kept)
         values.append(arrays[0].tolist())

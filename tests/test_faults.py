@@ -222,8 +222,8 @@ def test_new_partial_object_per_call_on_one_rank_keeps_windows_in_step(n):
         values = find(records, r, "partial")["values"]
         for call, got in enumerate(values):
             start, stop = Partial(0.25).window(len(got), call)
-            want = np.full(len(got), r + 1.0 + call)
-            want[start:stop] = call + (n + 1) / 2
+            want = np.arange(len(got)) + r + 1.0 + call
+            want[start:stop] = np.arange(start, stop) + call + (n + 1) / 2
             assert np.array_equal(np.float32(got), np.float32(want)), (r, call)
 
 
