@@ -289,12 +289,21 @@ def interrupt(comm):
     attempt(rank, "all_reduce", lambda: comm.all_reduce(arrays), arrays)
 
 
+def mpi_error(comm):
+    """The check off and sizes that differ: MPI's own error becomes a
+    TransportError that says what probably differs."""
+    rank = comm.rank
+    unchecked = commlib.Communicator.from_mpi(check=False)
+    x = np.ones(100_000 if rank == 0 else 10, np.float32)
+    attempt(rank, "broadcast", lambda: unchecked.broadcast(x), [x])
+
+
 SCENARIOS = {name: fn for name, fn in globals().items()
              if callable(fn) and name in (
                  "stall", "stall_large", "stall_unchecked", "die_by_exception",
                  "exception_in_with", "sys_exit", "close_early", "uneven_steps", "mismatches",
                  "bad_input", "nonfinite", "tampered", "partial_objects", "init_error",
-                 "interrupt")}
+                 "interrupt", "mpi_error")}
 
 
 def main(which, *args):

@@ -255,6 +255,15 @@ def test_error_inside_init_on_one_rank(n):
                       text=["rank %d failed" % LATE, "backend"])
 
 
+@pytest.mark.parametrize("n", SIZES)
+def test_mpi_error_becomes_a_transport_error(n):
+    records, _ = run(n, "mpi_error", env={"COMMLIB_SHM": "0"})
+    for r in range(1, n):      # the ranks that received too little
+        assert_raised(find(records, r, "broadcast"), "TransportError", within=3,
+                      text=["rank %d: MPI reported an error in broadcast" % r,
+                            "different sizes or dtypes"])
+
+
 def test_dropped_communicators_do_not_exhaust_mpi():
     code = """
 import os
