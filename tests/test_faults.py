@@ -64,8 +64,10 @@ def assert_raised(record, error, culprits=None, within=DEADLINE + 5, text=()):
 def test_stalled_rank_is_named_and_no_array_is_written_later(n, scenario):
     """The others raise at the deadline naming the late rank; the late rank,
     when it comes, raises naming one that gave up; nobody's arrays change."""
-    records, _ = run(n, scenario)
-    for r in others(n):
+    records, proc = run(n, scenario, env={"COMMLIB_STALL_WARNING": "1"})
+    for r in others(n):      # a warning at 1 s, the error at the deadline
+        assert "commlib: rank %d has waited 1 s in all_reduce #2; rank %d last entered " \
+               "all_reduce #1" % (r, LATE) in proc.stderr, proc.stderr
         got = find(records, r, "all_reduce")
         assert_raised(got, "CollectiveTimeoutError", [LATE], text=["rank %d " % LATE])
         assert got["seconds"] >= DEADLINE - 0.1, got
