@@ -169,9 +169,8 @@ class StatusBoard:
         while True:
             if self._ext is not None:
                 code = self._ext.wait_flags(self.words[word:], self.rank, self.size, STRIDE,
-                                            target, None, deadline, SLICE_S, self._gone, STRIDE,
-                                            seq, False)
-                code = -3 if code >= 0 else code
+                                            target, False, deadline, SLICE_S, self._gone,
+                                            STRIDE, seq)
             else:
                 code = waiting.spin_py(self._lines[:, word], target, self._lines[:, GONE], seq,
                                        self.rank, waiting.slice_end(deadline))

@@ -46,30 +46,13 @@ int commlib_wait_all(const volatile int64_t *words, Py_ssize_t stride, int nrank
 }
 
 int commlib_wait_flags(volatile int64_t *flags, int rank, int nranks, Py_ssize_t stride,
-                       int64_t seq, int first, int64_t publish, int publishing, double until,
-                       const volatile int64_t *gone, Py_ssize_t gone_stride, int64_t board_seq,
-                       int64_t *published_max)
+                       int64_t seq, int first, double until, const volatile int64_t *gone,
+                       Py_ssize_t gone_stride, int64_t board_seq)
 {
-    if (first) {
-        if (publishing)
-            __atomic_store_n(&flags[rank * stride + 1], publish, __ATOMIC_RELAXED);
+    if (first)
         __atomic_store_n(&flags[rank * stride], seq, __ATOMIC_RELEASE);
-    }
-    int status = commlib_wait_all(flags, stride, nranks, rank, seq, gone, gone_stride,
-                                  board_seq, until);
-    if (status != COMMLIB_WAIT_DONE)
-        return status;
-    int64_t most = 0;
-    for (int r = 0; r < nranks; ++r) {
-        int64_t value = __atomic_load_n(&flags[r * stride + 1], __ATOMIC_RELAXED);
-        if (value <= 0) {
-            most = 0;
-            break;
-        }
-        most = value > most ? value : most;
-    }
-    *published_max = most;
-    return COMMLIB_WAIT_DONE;
+    return commlib_wait_all(flags, stride, nranks, rank, seq, gone, gone_stride, board_seq,
+                            until);
 }
 
 int commlib_board_enter(volatile int64_t *words, Py_ssize_t stride, int nranks, int rank,

@@ -187,51 +187,47 @@ static double wait_until(PyObject *deadline, double slice)
 
 /* Python's view of a wait's status: -1 once the time slice (or the
  * deadline) passed, -2 - r when rank r left, `done` when every rank arrived. */
-static PyObject *wait_status(int status, long long done)
+static PyObject *wait_status(int status, long done)
 {
     if (status == COMMLIB_WAIT_DONE)
-        return PyLong_FromLongLong(done);
+        return PyLong_FromLong(done);
     if (status == COMMLIB_WAIT_LATER)
         return PyLong_FromLong(-1);
     return PyLong_FromLong(-2 - status);
 }
 
-/* wait_flags(flags, rank, nranks, stride, seq, publish, deadline, slice,
- * gone, gone_stride, board_seq, first) -> the largest value every rank
- * published (0 if one published none) once every rank reached `seq`; -1
- * when `slice` seconds (or the deadline, time.monotonic() seconds or None)
+/* wait_flags(flags, rank, nranks, stride, seq, first, deadline, slice, gone,
+ * gone_stride, board_seq) -> -3 once every rank reached `seq` (on the
+ * `first` slice of a wait this rank's `seq` is published first); -1 when
+ * `slice` seconds (or the deadline, time.monotonic() seconds or None)
  * passed first; -2 - r when rank r left (0 < gone[r * gone_stride] <=
- * board_seq; `gone` an int64 array or None). `flags`: int64 array of
- * nranks * stride elements; on the `first` slice of a wait this rank's
- * `seq` is published, after `publish` (an int, or None for none). The GIL
- * is released while waiting. See flag_wait.c. */
+ * board_seq; `gone` an int64 array or None). `flags`: int64 array of at
+ * least (nranks - 1) * stride + 1 elements. The GIL is released while
+ * waiting. See flag_wait.c. */
 static PyObject *py_wait_flags(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
 {
-    if (check_nargs("wait_flags", nargs, 12))
+    if (check_nargs("wait_flags", nargs, 11))
         return NULL;
     long rank = PyLong_AsLong(args[1]), nranks = PyLong_AsLong(args[2]);
     Py_ssize_t stride = PyLong_AsSsize_t(args[3]), gone_stride = PyLong_AsSsize_t(args[9]);
     long long seq = PyLong_AsLongLong(args[4]), board_seq = PyLong_AsLongLong(args[10]);
-    int publishing = args[5] != Py_None;
-    long long publish = publishing ? PyLong_AsLongLong(args[5]) : 0;
+    int first = PyObject_IsTrue(args[5]);
     double until = wait_until(args[6], PyFloat_AsDouble(args[7]));
-    int first = PyObject_IsTrue(args[11]);
     if (PyErr_Occurred())
         return NULL;
-    if (stride < 2 || nranks < 1 || rank < 0 || rank >= nranks || gone_stride < 1)
+    if (stride < 1 || nranks < 1 || rank < 0 || rank >= nranks || gone_stride < 1)
         return PyErr_Format(PyExc_ValueError, "commlib: wait_flags got bad ranks or strides");
-    volatile int64_t *flags = word_array(args[0], (nranks - 1) * stride + 2);
+    volatile int64_t *flags = word_array(args[0], (nranks - 1) * stride + 1);
     volatile int64_t *gone = args[8] == Py_None ? NULL
                              : word_array(args[8], (nranks - 1) * gone_stride + 1);
     if (flags == NULL || (args[8] != Py_None && gone == NULL))
         return PyErr_Format(PyExc_ValueError, "commlib: wait_flags got an unusable flag array");
-    int64_t most = 0;
     int status;
     Py_BEGIN_ALLOW_THREADS
-    status = commlib_wait_flags(flags, (int)rank, (int)nranks, stride, seq, first, publish,
-                                publishing, until, gone, gone_stride, board_seq, &most);
+    status = commlib_wait_flags(flags, (int)rank, (int)nranks, stride, seq, first, until, gone,
+                                gone_stride, board_seq);
     Py_END_ALLOW_THREADS
-    return wait_status(status, most);
+    return wait_status(status, -3);
 }
 
 /* board_enter(words, stride, nranks, rank, entered_at, gone_at, slot_at, seq,

@@ -38,14 +38,11 @@ int commlib_wait_all(const volatile int64_t *words, Py_ssize_t stride, int nrank
                      int64_t seq, double until);
 
 /* The shared-memory reducer's synchronisation: on the `first` slice of a
- * wait publish `publish` (when `publishing`) at flags[rank * stride + 1] and
- * then `seq` at flags[rank * stride]; wait for every rank's `seq`. On
- * COMMLIB_WAIT_DONE, *published_max is the largest value every rank
- * published (0 if one published none). */
+ * wait publish `seq` at flags[rank * stride] (release order), then wait for
+ * every rank's. */
 int commlib_wait_flags(volatile int64_t *flags, int rank, int nranks, Py_ssize_t stride,
-                       int64_t seq, int first, int64_t publish, int publishing, double until,
-                       const volatile int64_t *gone, Py_ssize_t gone_stride, int64_t board_seq,
-                       int64_t *published_max);
+                       int64_t seq, int first, double until, const volatile int64_t *gone,
+                       Py_ssize_t gone_stride, int64_t board_seq);
 
 /* The status board's entry into collective `seq`: publish this rank's
  * fingerprint slot (when `publishing`) and then `seq`, wait for every rank

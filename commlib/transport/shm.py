@@ -37,11 +37,11 @@ each element of the caller's arrays holding its input or its result (a
 rank writes its own share's result into its arrays between the two
 synchronisations), never a partial sum, and nothing is written after it.
 
-Stores (``stores``): with flags, the copies into the window and the result
+Stores (``stores``): with flags, the copies into the slots and the result
 use plain or streaming (non-temporal) stores. ``"auto"`` probes both when
-the reducer is made (:meth:`SharedMemoryReducer.probe_stores`) and then
-measures them on real calls (:mod:`.store_mode`; each rank publishes its
-busy time next to its sequence number), the same choice on every rank.
+the reducer is made (:meth:`SharedMemoryReducer.probe_stores`, about a
+millisecond) and keeps the winner, the same on every rank; ``"plain"`` or
+``"streaming"`` fixes it.
 """
 import platform
 import statistics
@@ -52,7 +52,6 @@ import numpy as np
 from .. import waiting
 from ..errors import ArgumentError, ArrayTypeError
 from ..ops import _native, hostcopy, hostreduce
-from .store_mode import StoreModeChooser
 
 
 def _mpi():
@@ -62,7 +61,7 @@ def _mpi():
 
 _UFUNCS = {"sum": np.add, "max": np.maximum, "min": np.minimum, "prod": np.multiply}
 _DTYPES = ("float16", "bfloat16", "float32", "float64", "int32", "int64", "uint8")
-_LINE = 64                # bytes per rank in the control region: sequence number, busy ns
+_LINE = 64                # bytes per rank in the control region: its sequence number
 _STORES = {"auto": None, "plain": False, "streaming": True}
 _ALIGN = 4096             # alignment of slots and the result region, bytes
 
@@ -116,10 +115,8 @@ class SharedMemoryReducer:
         self._comm = comm
         self._views = {}          # dtype -> (slots, result), arrays of that dtype
         self._seq = 0
-        # streaming stores need x86-64 (and the flags carry the busy times)
-        self.stores = StoreModeChooser(fixed=_STORES[stores] if sync == "flags" and x86
-                                       else False)
-        self._last = None         # (mode, bytes, busy ns) of the last call with the C loops
+        #: whether copies into shared memory use streaming stores (x86-64 only)
+        self.streaming = bool(_STORES[stores]) and x86
         control = self._control_bytes(self.size)
         total = self.bytes_needed(self.size, self.capacity_bytes)
         if memory.size < total:
@@ -130,8 +127,9 @@ class SharedMemoryReducer:
         self._result_at = control + self.size * self.capacity_bytes
         self._control = self._mem[:control].view(np.int64)
         # the probe is collective: only when every rank has the compiled loops
-        if self.stores.fixed is None and comm.allreduce(native, op=_mpi().LAND):
-            self.stores = StoreModeChooser(initial=self.probe_stores())
+        if (stores == "auto" and x86 and sync == "flags"
+                and comm.allreduce(native, op=_mpi().LAND)):
+            self.streaming = self.probe_stores()
 
     @staticmethod
     def _control_bytes(size):
@@ -172,43 +170,36 @@ class SharedMemoryReducer:
         return bool(cost[1] < 0.7 * cost[0])
 
     # -- synchronisation ---------------------------------------------------------
-    def _wait_all(self, seq, wait, publish=None):
-        """Publish this rank's sequence number ``seq`` (and before it, with
-        flags, ``publish``: its busy ns of the previous call) and wait until
-        every rank has published at least ``seq``. ``wait``: the
-        collective's :class:`~commlib.waiting.Wait` (deadline, and the status
-        board whose ranks leaving end the wait). Returns, with flags, the
-        largest busy time every rank published (0 if one published none)."""
+    def _wait_all(self, seq, wait):
+        """Publish this rank's sequence number ``seq`` and wait until every
+        rank has published at least ``seq``. ``wait``: the collective's
+        :class:`~commlib.waiting.Wait` (deadline, and the status board whose
+        ranks leaving end the wait)."""
         if self.sync == "barrier":
             request = self._comm.Ibarrier()
             waiting.poll(request.Test, wait)
-            return 0
+            return
         stride = _LINE // 8
         board = wait.board
         gone, gone_stride = board.gone_words if board is not None else (None, 1)
         ext = _native.module()
         flags = self._control
         if ext is None:
-            if publish is not None:
-                flags[self.rank * stride + 1] = publish
             flags[self.rank * stride] = seq
         first = True
         while True:
             if ext is not None:      # spins in C, without the GIL
-                found = ext.wait_flags(flags, self.rank, self.size, stride, seq, publish,
+                found = ext.wait_flags(flags, self.rank, self.size, stride, seq, first,
                                        wait.deadline, waiting.CHECK_EVERY_S, gone, gone_stride,
-                                       wait.seq, first)
+                                       wait.seq)
                 first = False
             else:
                 found = waiting.spin_py(flags[:self.size * stride:stride], seq,
                                         None if gone is None else
                                         gone[:self.size * gone_stride:gone_stride],
                                         wait.seq, self.rank, waiting.slice_end(wait.deadline))
-                if found == -3:
-                    published = flags[1::stride][:self.size]
-                    found = int(published.max()) if published.min() > 0 else 0
-            if found >= 0:
-                return found
+            if found == -3:
+                return
             if found <= -2:
                 board.check_peers(wait.seq, wait.what, [-2 - found])
             late = [r for r in range(self.size) if flags[r * stride] < seq]
@@ -276,20 +267,14 @@ class SharedMemoryReducer:
         lo, hi = count * rank // n, count * (rank + 1) // n
         slot, result = slots[rank][:count], result[:count]
         native = hostcopy.available()
-        streaming, clock = self.stores.mode, time.perf_counter_ns
-        start = clock()
+        streaming = self.streaming
         # this rank's own share: straight from and to the parts, or via its slot
         own = (lo, hi) if hostreduce.supports(dtype, op) else None
         if not (native and hostcopy.gather(parts, slot, own, streaming)):
             own = None
             hostcopy.gather_any(parts, slot)
-        busy = clock() - start
         self._seq += 2
-        slowest = self._wait_all(self._seq - 1, wait,
-                                 publish=self._last[2] if self._last else 0)
-        if slowest and self._last is not None:
-            self.stores.observe(self._last[0], self._last[1], slowest)
-        start = clock()
+        self._wait_all(self._seq - 1, wait)
         if own is not None:
             hostreduce.reduce_share(parts, slots, rank, result, lo, hi, op, scale, streaming)
         else:
@@ -300,14 +285,9 @@ class SharedMemoryReducer:
                     ufunc(out, slots[r][lo:hi], out=out)
                 if scale is not None:
                     out *= scale
-        busy += clock() - start
         self._wait_all(self._seq, wait)
-        start = clock()
         if not (native and hostcopy.scatter(result, parts, own)):
             hostcopy.scatter_any(result, parts)
-        busy += clock() - start
-        # only calls with the C loops are measured (0: not measured)
-        self._last = (streaming, count * dtype.itemsize, max(1, busy) if own is not None else 0)
         return True
 
     def close(self):
