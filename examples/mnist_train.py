@@ -285,16 +285,18 @@ def params_agree(comm, params):
 
 
 def parse_args(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--epochs", type=int, default=3)
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0],
+                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    parser.add_argument("--epochs", type=int, default=3, help="passes over the training set")
     parser.add_argument("--batch-size", type=int, default=32, help="images per worker per step")
     parser.add_argument("--lr", type=float, default=None,
-                        help="initial learning rate, decayed to 0 with a cosine "
-                             "(default: %s)" % ", ".join("%g for %s" % (v, k)
-                                                         for k, v in DEFAULT_LR.items()))
-    parser.add_argument("--momentum", type=float, default=0.9)
-    parser.add_argument("--model", choices=tuple(DEFAULT_LR), default="mlp")
-    parser.add_argument("--seed", type=int, default=0)
+                        help="initial learning rate, decayed to 0 with a cosine; None: %s"
+                             % ", ".join("%g for %s" % (v, k) for k, v in DEFAULT_LR.items()))
+    parser.add_argument("--momentum", type=float, default=0.9, help="SGD momentum")
+    parser.add_argument("--model", choices=tuple(DEFAULT_LR), default="mlp",
+                        help="a two-layer perceptron or a small convolutional network")
+    parser.add_argument("--seed", type=int, default=0,
+                        help="seed of the initial parameters and of the data order")
     parser.add_argument("--device", choices=("auto", "cpu", "gpu"), default="auto",
                         help="gpu: cupy arrays on the communicator's GPU; auto: gpu when "
                              "the communicator has one")
@@ -304,10 +306,9 @@ def parse_args(argv=None):
                         default="none", help="communication savings (see the module doc)")
     parser.add_argument("--ratio", type=float, default=0.01,
                         help="topk: fraction of each bucket sent; partial: fraction of the "
-                             "parameters averaged per step (default: %(default)s)")
+                             "parameters averaged per step")
     parser.add_argument("--threshold", type=float, default=0.01,
-                        help="threshold: magnitude above which a gradient is sent "
-                             "(default: %(default)s)")
+                        help="threshold: magnitude above which a gradient is sent")
     args = parser.parse_args(argv)
     if args.lr is None:
         args.lr = DEFAULT_LR[args.model]
