@@ -4,6 +4,7 @@ Checks that the table is printed, parses, and reports correct results;
 never asserts on timings.
 """
 import json
+import re
 
 from mpirun import ROOT, run_mpi
 
@@ -23,7 +24,7 @@ def parse_table(stdout):
 def test_allreduce_benchmark_smoke(tmp_path):
     out = tmp_path / "results.json"
     args = ["--cases", "flat,mnist_cnn,1000x256", "--sizes", "4K,64K",
-            "--repeats", "2", "--warmup", "1", "--max-bytes", "4M",
+            "--repeats", "2", "--warmup", "1", "--max-bytes", "4M", "--safety",
             "--json", str(out)]
     code = "import runpy; runpy.run_path(%r, run_name='__main__')" % str(SCRIPT)
     proc = run_mpi(2, code, timeout=120, args=args)
@@ -36,6 +37,12 @@ def test_allreduce_benchmark_smoke(tmp_path):
         assert row["check"] == "ok", row
         for column in NUMERIC:
             assert float(row[column]) > 0, (column, row)
+
+        # the costs are the columns' ratios (printed to 0.1 %, from unrounded times)
+        commlib, bare, neither = (float(row[c]) for c in (
+            "commlib ms", "no check ms", "no check, no watch dog ms"))
+        assert abs((commlib / bare - 1) * 100 - float(row["check cost %"])) < 1.0, row
+        assert abs((bare / neither - 1) * 100 - float(row["watch dog cost %"])) < 1.0, row
 
     results = json.loads(out.read_text())
     assert results["config"]["ranks"] == 2
@@ -71,4 +78,10 @@ def test_shared_memory_probe_smoke():
     rows = {r["stores"]: r for r in parse_table(proc.stdout)}
     assert set(rows) == {"plain", "streaming"}
     assert all(float(v) > 0 for r in rows.values() for k, v in r.items() if k != "stores")
-    assert "reference: a write nobody else reads" in proc.stdout
+    # the verdict line is the table's plain write-after-read over the reference
+    found = re.search(r"reference: a write nobody else reads: ([\d.]+) us; plain "
+                      r"write-after-read is ([\d.]+)x that", proc.stdout)
+    assert found, proc.stdout
+    reference, ratio = float(found.group(1)), float(found.group(2))
+    plain = float(rows["plain"]["write after the other read"])
+    assert abs(plain / reference - ratio) <= 0.05 * ratio + 0.1, (plain, reference, ratio)
