@@ -18,6 +18,16 @@ def unavailable_reason():
     return None
 
 
+def nccl_module():
+    """``cupy.cuda.nccl``, or BackendUnavailableError saying why it is not usable."""
+    reason = nccl_unavailable_reason()
+    if reason is not None:
+        from .errors import BackendUnavailableError
+        raise BackendUnavailableError("commlib: NCCL is not usable here: " + reason)
+    from cupy.cuda import nccl
+    return nccl
+
+
 def available():
     """True when cupy and a CUDA GPU can be used."""
     return unavailable_reason() is None

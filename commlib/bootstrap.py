@@ -11,6 +11,7 @@ import hashlib
 import os
 
 from . import consistency, shared_segment
+from ._cuda import nccl_module
 from .errors import ArgumentError, BackendUnavailableError, CommlibError, ConsistencyError
 
 NCCL_ID_BYTES = 128
@@ -22,23 +23,10 @@ ENV_SIZE = "COMMLIB_SIZE"
 ENV_LOCAL_RANK = "COMMLIB_LOCAL_RANK"
 ENV_LOCAL_SIZE = "COMMLIB_LOCAL_SIZE"
 
-#: (rank, size, local rank, local size) variables of common MPI launchers
-MPI_LAUNCHER_ENV = (
-    ("PMI_RANK", "PMI_SIZE", "MPI_LOCALRANKID", "MPI_LOCALNRANKS"),          # MPICH hydra
-    ("OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE",
-     "OMPI_COMM_WORLD_LOCAL_RANK", "OMPI_COMM_WORLD_LOCAL_SIZE"),            # Open MPI
-    ("PMIX_RANK", "PMIX_SIZE", "PMIX_LOCAL_RANK", "PMIX_LOCAL_SIZE"),
-    ("SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID", "SLURM_NTASKS_PER_NODE"),
-)
-
-
-def _nccl():
-    from ._cuda import nccl_unavailable_reason
-    reason = nccl_unavailable_reason()
-    if reason is not None:
-        raise BackendUnavailableError("commlib: NCCL is not usable here: " + reason)
-    from cupy.cuda import nccl
-    return nccl
+#: (rank, size) variables of common MPI launchers: MPICH's hydra, Open MPI,
+#: PMIx, Slurm
+MPI_LAUNCHER_ENV = (("PMI_RANK", "PMI_SIZE"), ("OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE"),
+                    ("PMIX_RANK", "PMIX_SIZE"), ("SLURM_PROCID", "SLURM_NTASKS"))
 
 
 class NcclId:
@@ -53,7 +41,7 @@ class NcclId:
 
     def __init__(self, data=None):
         if data is None:
-            raw = _nccl().get_unique_id()
+            raw = nccl_module().get_unique_id()
             data = raw if isinstance(raw, (bytes, bytearray)) else bytes(b & 0xFF for b in raw)
         data = bytes(data)
         if len(data) != NCCL_ID_BYTES:

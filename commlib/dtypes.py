@@ -14,6 +14,21 @@ FLOATING = ("float16", "bfloat16", "float32", "float64")
 #: reduction operators, as accepted by the ``op=`` argument.
 OPS = ("sum", "avg", "max", "min", "prod")
 
+#: what each reduction a transport performs means, as a numpy ufunc
+#: (averaging is "sum" and a scale, applied above the transports)
+UFUNCS = {"sum": np.add, "max": np.maximum, "min": np.minimum, "prod": np.multiply}
+
+_supported = {}
+
+
+def supported_fast(dtype):
+    """:func:`is_supported` for a numpy dtype object, cached (``dtype.name``
+    is slow to compute in a per-call path)."""
+    found = _supported.get(dtype)
+    if found is None:
+        found = _supported[dtype] = is_supported(dtype)
+    return found
+
 
 def name_of(dtype):
     """Canonical name of a numpy/cupy dtype (``"float32"``, ``"bfloat16"``)."""

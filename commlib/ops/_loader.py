@@ -9,6 +9,7 @@ import hashlib
 import os
 from pathlib import Path
 
+from .. import settings
 from ..errors import BackendUnavailableError
 
 _PACKAGE_DIR = Path(__file__).resolve().parent.parent
@@ -20,7 +21,7 @@ def kernel_dir():
     An installed package carries them in ``commlib/_kernels``; a source
     checkout keeps them in the top-level ``kernels/`` folder.
     """
-    override = os.environ.get("COMMLIB_KERNEL_DIR")
+    override = os.environ.get(settings.KERNEL_DIR)
     candidates = [Path(override)] if override else []
     candidates += [_PACKAGE_DIR / "_kernels", _PACKAGE_DIR.parent / "kernels"]
     for path in candidates:

@@ -24,9 +24,9 @@ from pathlib import Path
 
 import numpy as np
 
+from .. import settings
 from ..errors import ArrayTypeError, BackendUnavailableError
 
-ENV_NATIVE = "COMMLIB_NATIVE"
 SOURCES = Path(__file__).resolve().parent.parent / "native"
 #: no -ffast-math and no contraction into FMA: results match numpy's bit for bit
 CFLAGS = ["-O3", "-ffp-contract=off", "-shared", "-fPIC"]
@@ -38,7 +38,7 @@ _reason = None        # why it is unavailable
 
 
 def _cache_dirs():
-    override = os.environ.get("COMMLIB_CACHE_DIR")
+    override = os.environ.get(settings.CACHE_DIR)
     if override:
         return [Path(override)]
     xdg = os.environ.get("XDG_CACHE_HOME")
@@ -103,8 +103,8 @@ def module():
         with _lock:
             if _lib is None:
                 try:
-                    if os.environ.get(ENV_NATIVE, "1") == "0":
-                        raise BackendUnavailableError("commlib: %s=0" % ENV_NATIVE)
+                    if not settings.flag(settings.NATIVE, True):
+                        raise BackendUnavailableError("commlib: %s=0" % settings.NATIVE)
                     compiler = _compiler()
                     if compiler is None:
                         raise BackendUnavailableError("commlib: no C compiler (cc, gcc)")

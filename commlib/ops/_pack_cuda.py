@@ -16,8 +16,7 @@ import weakref
 import numpy as np
 
 from ..errors import ArgumentError, ArrayTypeError
-from .cast import FORMAT_CODES, check_counter, check_scale, format_of
-from .pack import copy_mode
+from .cast import FORMAT_CODES, check_counter, check_scale, copy_mode, format_of
 
 THREADS = 256
 CAST_CHUNK = 8192            # elements per block-sized chunk for casting kernels
@@ -40,7 +39,7 @@ def plan(direction, dtypes, sizes, addresses, bucket_dtype, bucket_address, mode
          accumulate=False):
     """Launches that move arrays of ``dtypes``/``sizes`` at ``addresses`` to
     (``direction="pack"``) or from (``"unpack"``) a bucket; ``mode`` is
-    ``"raw"`` or ``"cast"`` (see :func:`commlib.ops.pack.copy_mode`).
+    ``"raw"`` or ``"cast"`` (see :func:`commlib.ops.cast.copy_mode`).
     Empty arrays are skipped. Pure host code: no cupy needed."""
     bucket_dtype = np.dtype(bucket_dtype)
     offsets = np.concatenate(([0], np.cumsum(sizes, dtype=np.int64)))

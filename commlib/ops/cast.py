@@ -275,3 +275,18 @@ def _cast_cuda(x, out, src_fmt, dst_fmt, scale32, accumulate, counter):
     kernel = get_function("cast.cu", cast_kernel_name(src_fmt, dst_fmt, accumulate))
     grid, block = launch_config(x.size, CAST_THREADS, cast_items_per_thread(src_fmt, dst_fmt))
     kernel(grid, block, (x, out, np.int64(x.size), scale32, counter))
+
+
+def copy_mode(dtypes, bucket_dtype, scale=None, accumulate=False, counting=False):
+    """How arrays of ``dtypes`` are copied into (or out of) a bucket of
+    ``bucket_dtype``: ``"raw"`` (same dtype, no scale, nothing counted),
+    ``"cast"`` (every dtype a cast format) or ``"generic"`` (see
+    :mod:`commlib.ops.pack`)."""
+    bucket_dtype = np.dtype(bucket_dtype)
+    dtypes = [np.dtype(d) for d in dtypes]
+    if scale is None and not accumulate and not counting \
+            and all(d == bucket_dtype for d in dtypes):
+        return "raw"
+    if format_of(bucket_dtype) is not None and all(format_of(d) is not None for d in dtypes):
+        return "cast"
+    return "generic"

@@ -7,7 +7,7 @@ cached table of device pointers and offsets), not one copy per array.
 Optional ``scale`` multiplies while copying and a different bucket dtype
 casts (e.g. float32 gradients into a float16 bucket).
 
-Three modes, chosen by :func:`copy_mode` the same way on both paths:
+Three modes, chosen by :func:`commlib.ops.cast.copy_mode` the same way on both paths:
 
 * ``"raw"``: every dtype equals the bucket's, no scale, no accumulate, no
   counting: an exact copy (any dtype, integers included).
@@ -21,7 +21,7 @@ import numpy as np
 
 from ..errors import ArgumentError, ArrayTypeError
 from ._arrays import is_cupy
-from .cast import check_counter, check_scale, format_of, numpy_cast_into
+from .cast import check_counter, check_scale, copy_mode, format_of, numpy_cast_into
 
 
 def offsets_of(arrays):
@@ -29,19 +29,6 @@ def offsets_of(arrays):
     last entry is the total length."""
     sizes = [a.size for a in arrays]
     return np.concatenate(([0], np.cumsum(sizes, dtype=np.int64)))
-
-
-def copy_mode(dtypes, bucket_dtype, scale=None, accumulate=False, counting=False):
-    """``"raw"``, ``"cast"`` or ``"generic"`` (see the module docstring) for
-    arrays of ``dtypes`` and a bucket of ``bucket_dtype``."""
-    bucket_dtype = np.dtype(bucket_dtype)
-    dtypes = [np.dtype(d) for d in dtypes]
-    if scale is None and not accumulate and not counting \
-            and all(d == bucket_dtype for d in dtypes):
-        return "raw"
-    if format_of(bucket_dtype) is not None and all(format_of(d) is not None for d in dtypes):
-        return "cast"
-    return "generic"
 
 
 def pack(arrays, out, scale=None, *, nonfinite=None):

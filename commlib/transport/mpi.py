@@ -25,6 +25,7 @@ import atexit
 import numpy as np
 
 from .. import waiting
+from ..dtypes import UFUNCS
 from ..errors import BackendUnavailableError, TransportError
 from ..ops._arrays import array_module, is_cupy
 from ..ops.cast import numpy_cast_into
@@ -59,7 +60,6 @@ SHM_WINDOW_BYTES = 2 << 20
 _NATIVE = {"float32": "FLOAT", "float64": "DOUBLE", "int32": "INT32_T",
            "int64": "INT64_T", "uint8": "UINT8_T"}
 _NATIVE_OPS = {"sum": "SUM", "max": "MAX", "min": "MIN", "prod": "PROD"}
-_UFUNCS = {"sum": np.add, "max": np.maximum, "min": np.minimum, "prod": np.multiply}
 _NAMES = {"Iallreduce": "all_reduce", "Ibcast": "broadcast", "Ireduce": "reduce",
           "Iallgather": "all_gather", "Iallgatherv": "all_gatherv",
           "Ireduce_scatter_block": "reduce_scatter", "Ibarrier": "barrier"}
@@ -85,7 +85,7 @@ def _user_op(dtype, op, fmt=None):
     """An MPI.Op reducing 16-bit floats with the numpy ufunc for ``op``;
     ``fmt="bfloat16"``: uint16 bit patterns, widened to float32 and rounded
     back to nearest even (the cast kernels' numpy twin)."""
-    ufunc = _UFUNCS[op]
+    ufunc = UFUNCS[op]
 
     def reduce(inbuf, inoutbuf, datatype):
         a = np.frombuffer(inbuf, dtype=dtype)

@@ -16,7 +16,7 @@ import threading
 import time
 
 from .. import waiting
-from ..bootstrap import _nccl
+from .._cuda import nccl_module
 from ..consistency import label
 from ..errors import CollectiveTimeoutError, CommlibError
 from ..ops._arrays import is_cupy
@@ -78,11 +78,24 @@ class NcclWatch:
         except Exception:
             pass
 
-# ncclDataType_t and ncclRedOp_t values (stable across NCCL 2.x)
-_DTYPES = {"uint8": 1, "int32": 2, "int64": 4, "float16": 6, "float32": 7,
-           "float64": 8, "bfloat16": 9}
-_OPS = {"sum": 0, "prod": 1, "max": 2, "min": 3}
+#: names of cupy.cuda.nccl's ncclDataType_t and ncclRedOp_t constants
+_DTYPE_NAMES = {"uint8": "NCCL_UINT8", "int32": "NCCL_INT32", "int64": "NCCL_INT64",
+                "float16": "NCCL_FLOAT16", "float32": "NCCL_FLOAT32", "float64": "NCCL_FLOAT64",
+                "bfloat16": "NCCL_BFLOAT16"}
+_OP_NAMES = {"sum": "NCCL_SUM", "prod": "NCCL_PROD", "max": "NCCL_MAX", "min": "NCCL_MIN"}
+_DTYPES, _OPS = {}, {}      # filled from cupy.cuda.nccl when the first transport is made
 _codes = {}     # numpy dtype -> ncclDataType_t (dtype.name is slow to compute)
+
+
+def _load_codes(nccl):
+    """NCCL's data type and operator codes, from cupy's constants (bfloat16
+    is ncclBfloat16 = 9 where this cupy does not name it)."""
+    if not _DTYPES:
+        for name, constant in _DTYPE_NAMES.items():
+            found = getattr(nccl, constant, None)
+            if found is not None or name == "bfloat16":
+                _DTYPES[name] = 9 if found is None else found
+        _OPS.update({name: getattr(nccl, constant) for name, constant in _OP_NAMES.items()})
 
 
 def _code(dtype):
@@ -106,7 +119,8 @@ class NcclTransport(Transport):
         super().__init__(rank, size)
         import cupy
         self._cupy = cupy
-        nccl = _nccl()
+        nccl = nccl_module()
+        _load_codes(nccl)
         self.device = int(device)
         with cupy.cuda.Device(self.device):
             try:
@@ -173,7 +187,7 @@ class NcclTransport(Transport):
     def all_gatherv(self, sendbuf, recvbuf, counts, wait=waiting.FOREVER):
         """Grouped broadcasts, one per rank (NCCL has no all-gather-v)."""
         self.check_usable()
-        nccl = _nccl()
+        nccl = nccl_module()
         with self._device(sendbuf, False) as s, self._device(recvbuf, True) as r:
             dtype, stream = _code(s.dtype), self._stream().ptr
             nccl.groupStart()

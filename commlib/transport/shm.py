@@ -50,31 +50,19 @@ import time
 import numpy as np
 
 from .. import waiting
+from ..dtypes import UFUNCS, supported_fast
 from ..errors import ArgumentError, ArrayTypeError
 from ..ops import _native, hostcopy, hostreduce
 
 
 def _mpi():
-    from .mpi import mpi
-    return mpi()
+    from mpi4py import MPI      # the communicator handed in is an mpi4py one
+    return MPI
 
 
-_UFUNCS = {"sum": np.add, "max": np.maximum, "min": np.minimum, "prod": np.multiply}
-_DTYPES = ("float16", "bfloat16", "float32", "float64", "int32", "int64", "uint8")
 _LINE = 64                # bytes per rank in the control region: its sequence number
 _STORES = {"auto": None, "plain": False, "streaming": True}
 _ALIGN = 4096             # alignment of slots and the result region, bytes
-
-
-_supported_cache = {}
-
-
-def _supported(dtype):
-    """Whether ``dtype`` is reduced here (cached: ``dtype.name`` is slow)."""
-    found = _supported_cache.get(dtype)
-    if found is None:
-        found = _supported_cache[dtype] = dtype.name in _DTYPES
-    return found
 
 
 def _round_up(x, to):
@@ -250,10 +238,10 @@ class SharedMemoryReducer:
         None for no scaling). Returns False, touching nothing, when the
         reducer cannot take it (see :meth:`all_reduce`).
         """
-        ufunc = _UFUNCS.get(op)
+        ufunc = UFUNCS.get(op)
         if ufunc is None:
-            raise ArgumentError("commlib: op must be one of %s, got %r" % (sorted(_UFUNCS), op))
-        if not _supported(dtype) or count * dtype.itemsize > self.capacity_bytes:
+            raise ArgumentError("commlib: op must be one of %s, got %r" % (sorted(UFUNCS), op))
+        if not supported_fast(dtype) or count * dtype.itemsize > self.capacity_bytes:
             return False
         if self.size == 1 or count == 0:
             if scale is not None:
