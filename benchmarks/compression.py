@@ -61,16 +61,17 @@ class WireCounter:
 
     def __init__(self, transport):
         self.bytes = 0
-        for name in ("all_reduce", "all_gather", "all_gatherv", "all_reduce_staged"):
-            method = getattr(transport, name)
-            setattr(transport, name, self._wrap(method))
+        # (method, position of the buffer whose bytes travel)
+        for name, at in (("all_reduce", 0), ("all_gather", 0), ("all_gatherv", 0),
+                         ("all_reduce_parts", 1)):
+            setattr(transport, name, self._wrap(getattr(transport, name), at))
 
-    def _wrap(self, method):
-        def counted(buf, *args, **kwargs):
+    def _wrap(self, method, at):
+        def counted(*args, **kwargs):
             before = self.bytes
-            result = method(buf, *args, **kwargs)
+            result = method(*args, **kwargs)
             if self.bytes == before:     # not already counted by a nested collective
-                self.bytes += buf.nbytes
+                self.bytes += args[at].nbytes
             return result
         return counted
 

@@ -122,8 +122,9 @@ class Communicator:
     """
 
     def __init__(self, *, rank, size, local_rank, local_size, device=None,
-                 mpi_transport=None, nccl_transport=None, local_transport=None, board=None,
-                 segment=None, bucket_bytes=None, check=None, timeout=None):
+                 mpi_transport=None, shm_transport=None, nccl_transport=None,
+                 local_transport=None, board=None, segment=None, bucket_bytes=None, check=None,
+                 timeout=None):
         options = _options(bucket_bytes, check, timeout)
         if mpi_transport is None and nccl_transport is None and local_transport is None:
             raise ArgumentError("Communicator needs at least one transport")
@@ -131,7 +132,10 @@ class Communicator:
         self._local_rank, self._local_size = local_rank, local_size
         self._device = device
         self._mpi, self._nccl = mpi_transport, nccl_transport
-        self._local = local_transport
+        self._shm, self._local = shm_transport, local_transport
+        #: every transport, the one in front of another first
+        self._transports = [t for t in (shm_transport, nccl_transport, mpi_transport,
+                                        local_transport) if t is not None]
         self._bucket_bytes = options["bucket_bytes"]
         self._check = options["check"]
         self._timeout = options["timeout"]
@@ -163,6 +167,7 @@ class Communicator:
         differ between ranks, raise on every rank.
         """
         from .transport.mpi import MpiTransport, mpi
+        from .transport.shm import SharedMemoryTransport
         MPI = mpi()
         base = MPI.COMM_WORLD if mpi_comm is None else mpi_comm
         if base.Get_size() > 1:
@@ -206,13 +211,15 @@ class Communicator:
             shm = mine["shm"] and one_node and size > 1
             if one_node and size > 1:
                 segment = bootstrap.node_segment(
-                    comm, board_bytes + (MpiTransport.shared_bytes(size) if shm else 0))
+                    comm, board_bytes + (SharedMemoryTransport.bytes_needed(size) if shm else 0))
             if segment is not None:
                 board = _board.StatusBoard(segment.array[:board_bytes], rank, size)
                 board.join()
-            transport = MpiTransport(comm, shared=segment.array[board_bytes:]
-                                     if segment is not None and shm else None,
-                                     stores=mine["stores"])
+            transport = MpiTransport(comm)
+            shared = None
+            if segment is not None and shm:
+                shared = SharedMemoryTransport(transport, segment.array[board_bytes:],
+                                               stores=mine["stores"])
             if board is None and size > 1:
                 board = ExchangeBoard(transport, rank, size)
             nccl = None
@@ -226,8 +233,8 @@ class Communicator:
             comm.Free()
             raise
         return cls(rank=rank, size=size, local_rank=local_rank, local_size=local_size,
-                   device=device, mpi_transport=transport, nccl_transport=nccl, board=board,
-                   segment=segment, **options)
+                   device=device, mpi_transport=transport, shm_transport=shared,
+                   nccl_transport=nccl, board=board, segment=segment, **options)
 
     @classmethod
     def from_nccl_id(cls, nccl_id, rank, size, device=None, *, local_rank=None,
@@ -311,9 +318,12 @@ class Communicator:
 
     # -- plumbing ------------------------------------------------------------------
     def _transport(self, kind):
+        """The transport for arrays of ``kind``: cupy arrays over NCCL, else
+        MPI; numpy arrays through shared memory (one node), else MPI, else
+        NCCL (staged); a single process's own."""
         if kind == "cupy":
             return self._nccl or self._mpi or self._local
-        return self._mpi or self._nccl or self._local
+        return self._shm or self._mpi or self._nccl or self._local
 
     def _bucket_bytes_for(self, transport):
         return self._bucket_bytes or bucketing.DEFAULT_BUCKET_BYTES[transport.name]
@@ -374,9 +384,8 @@ class Communicator:
                 text = "%s: %s" % (type(exc).__name__, exc) if str(exc) else type(exc).__name__
                 self._board.leave(self._seq - 1, _board.GAVE_UP, text,
                                   blame=getattr(exc, "culprits", ()))
-            for transport in (self._mpi, self._nccl, self._local):
-                if transport is not None:
-                    transport.fail("%s: %s" % (type(exc).__name__, exc))
+            for transport in self._transports:
+                transport.fail("%s: %s" % (type(exc).__name__, exc))
 
     def _run(self, step, *args):
         """The data phase of a collective: any failure but an agreed one
@@ -523,11 +532,9 @@ class Communicator:
         scale = 1.0 / self._size if averaging else None
 
         def step(transport, buf, i, prepared):
-            if i is not None and root is None:
-                transport.all_reduce_staged(
-                    buf, reduce_op, scale, lambda: prepared.pack(items, i),
-                    lambda scale: prepared.unpack(items, i, scale), wait,
-                    prepared.arrays(items, i, buf) if prepared.kind == "numpy" else None)
+            if i is not None and root is None and transport.reduces_parts(buf):
+                transport.all_reduce_parts(prepared.arrays(items, i, buf), buf, reduce_op,
+                                           scale, wait)
                 return
             if i is not None:
                 prepared.pack(items, i)
@@ -677,9 +684,8 @@ class Communicator:
         self._closed = True
         _live.discard(self)
         self._fusion.clear()
-        for transport in (self._nccl, self._mpi, self._local):
-            if transport is not None:
-                transport.close()
+        for transport in self._transports:
+            transport.close()
         if self._segment is not None:
             self._board = None
             self._segment.close()

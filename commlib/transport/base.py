@@ -36,20 +36,17 @@ class Transport:
         is uint16 holding bfloat16 bit patterns (cupy has no bfloat16 dtype)."""
         raise NotImplementedError
 
-    def all_reduce_staged(self, buf, op, scale, pack, unpack, wait=FOREVER, parts=None):
-        """All-reduce a fused bucket: ``pack()`` fills ``buf`` (the bucket's
-        own 1-D buffer) from the arrays, ``unpack(scale)`` copies ``buf``
-        back into them times ``scale`` (float or None).
+    def reduces_parts(self, buf):
+        """Whether :meth:`all_reduce_parts` takes a fused bucket like ``buf``
+        (its 1-D buffer); the caller packs and unpacks otherwise."""
+        return False
 
-        ``parts``, when given, is the tuple of numpy arrays whose
-        concatenation the bucket is. This default packs, all-reduces ``buf``
-        and unpacks (the scale fused into the unpack); a transport that
-        reduces in its own memory (a shared-memory window) may instead copy
-        the parts there and back, never touching ``buf``.
-        """
-        pack()
-        self.all_reduce(buf, op, wait, owned=True)
-        unpack(scale)
+    def all_reduce_parts(self, parts, buf, op, scale, wait=FOREVER):
+        """All-reduce, in place, the concatenation of ``parts`` (the arrays
+        of a fused bucket, whose packed form would be ``buf``) times
+        ``scale`` (float or None), reading and writing the arrays where they
+        lie. Only where :meth:`reduces_parts` says so."""
+        raise NotImplementedError
 
     def broadcast(self, buf, root, wait=FOREVER, owned=False):
         raise NotImplementedError

@@ -13,12 +13,9 @@ time, and copy each piece back only once it completed (``owned=True``
 skips the staging for commlib's own buffers). Reductions of float16 and
 bfloat16, which MPI lacks, use user-defined operators computed with numpy.
 Errors MPI reports become :class:`~commlib.errors.TransportError`.
-
-When every rank is on one node and the communicator gives the transport
-shared memory, all-reduces of numpy buffers of at least ``SHM_MIN_BYTES``
-go through :class:`~commlib.transport.shm.SharedMemoryReducer` (two
-synchronisations per ``SHM_WINDOW_BYTES`` piece) instead of MPI's message
-path, and fused buckets are reduced there straight from their arrays.
+(On one node the communicator puts
+:class:`~commlib.transport.shm.SharedMemoryTransport` in front of this
+transport for numpy arrays.)
 """
 import atexit
 
@@ -50,12 +47,6 @@ def mpi():
     return _MPI
 
 
-#: smallest all-reduce (bytes) sent through the shared-memory reducer; below
-#: it MPI's latency is lower (benchmarks/allreduce.py)
-SHM_MIN_BYTES = 64 << 10
-#: bytes reduced per round in the shared-memory reducer (its slot size):
-#: pieces of 1-2 MiB stay cache-resident and were fastest from 4 to 64 MiB
-SHM_WINDOW_BYTES = 2 << 20
 
 _NATIVE = {"float32": "FLOAT", "float64": "DOUBLE", "int32": "INT32_T",
            "int64": "INT64_T", "uint8": "UINT8_T"}
@@ -138,33 +129,17 @@ class MpiTransport(Transport):
 
     ``mpi_comm`` is used as given (the communicator duplicates it) and freed
     by :meth:`close`; ``chunk_bytes`` caps one message and the staging
-    buffer. ``shared``: a zero-filled uint8 numpy array of shared memory of
-    at least :meth:`SharedMemoryReducer.bytes_needed
-    <commlib.transport.shm.SharedMemoryReducer.bytes_needed>` bytes when
-    every rank is on one node (the constructor is then collective), else
-    None. ``stores``: the reducer's stores (``auto``, ``plain``,
-    ``streaming``).
+    buffer.
     """
 
     name = "mpi"
 
-    def __init__(self, mpi_comm, chunk_bytes=4 << 20, shared=None, stores="auto"):
+    def __init__(self, mpi_comm, chunk_bytes=4 << 20):
         super().__init__(mpi_comm.Get_rank(), mpi_comm.Get_size())
         self.comm = mpi_comm
         self.chunk_bytes = int(chunk_bytes)
         self.cuda_aware = _cuda_aware()
         self._staging = {}        # array module -> uint8 buffer of chunk_bytes
-        self._shm = None
-        if shared is not None and self.size > 1:
-            from .shm import SharedMemoryReducer
-            self._shm = SharedMemoryReducer(mpi_comm, shared, capacity_bytes=SHM_WINDOW_BYTES,
-                                            stores=stores)
-
-    @staticmethod
-    def shared_bytes(size):
-        """Bytes of shared memory the reducer needs for ``size`` ranks."""
-        from .shm import SharedMemoryReducer
-        return SharedMemoryReducer.bytes_needed(size, SHM_WINDOW_BYTES)
 
     # -- staging -------------------------------------------------------------
     def _host(self, buf):
@@ -241,34 +216,11 @@ class MpiTransport(Transport):
     # -- collectives ---------------------------------------------------------
     def all_reduce(self, buf, op, wait=waiting.FOREVER, fmt=None, owned=False):
         h = self._host(buf)
-        if (self._shm is not None and fmt is None and h.nbytes >= SHM_MIN_BYTES
-                and self._shared(self._shm.all_reduce, h, op, wait)):
-            self._write_back(buf, h)
-            return
         mop, mtype = _mpi_op(h.dtype, op, fmt), _mpi_type(h.dtype)
         IN_PLACE = mpi().IN_PLACE
         self._in_place(h, owned or h is not buf, lambda piece: self._call(
             "Iallreduce", wait, IN_PLACE, [piece, mtype], mop))
         self._write_back(buf, h)
-
-    def _shared(self, method, *args):
-        """Run a shared-memory reducer ``method``; any failure there leaves
-        the transport unusable, as on MPI's path."""
-        self.check_usable()
-        try:
-            return method(*args)
-        except BaseException as exc:
-            self.fail("all_reduce failed (%s)" % type(exc).__name__)
-            raise
-
-    def all_reduce_staged(self, buf, op, scale, pack, unpack, wait=waiting.FOREVER, parts=None):
-        """Reduces the parts in the shared memory (no pack into ``buf``, no
-        unpack from it) when the bucket fits; else the default."""
-        if (self._shm is not None and parts is not None and buf.nbytes >= SHM_MIN_BYTES
-                and type(buf) is np.ndarray and self._shared(
-                    self._shm.all_reduce_parts, parts, buf.size, buf.dtype, op, scale, wait)):
-            return
-        super().all_reduce_staged(buf, op, scale, pack, unpack, wait)
 
     def broadcast(self, buf, root, wait=waiting.FOREVER, owned=False):
         h = self._host(buf)
@@ -315,12 +267,9 @@ class MpiTransport(Transport):
         self._call("Ibarrier", wait)
 
     def close(self):
-        """Drop the shared memory and free the MPI communicator; both are
-        local (MPICH frees a communicator without waiting for the others,
-        and after pending requests complete)."""
-        if self._shm is not None:
-            self._shm.close()
-            self._shm = None
+        """Free the MPI communicator: local (MPICH frees a communicator
+        without waiting for the others, and after pending requests
+        complete)."""
         comm, self.comm = self.comm, None
         if comm is not None:
             try:

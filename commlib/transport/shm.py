@@ -1,7 +1,13 @@
-"""Intra-node all-reduce through memory shared by the ranks of one node.
+"""The shared-memory transport: all-reduce through memory shared by the
+ranks of one node.
 
-When every rank of a communicator lives on one node, :class:`SharedMemoryReducer`
-all-reduces numpy arrays without MPI's message path, ``capacity_bytes`` at a
+When every rank of a communicator lives on one node, the communicator
+reduces numpy arrays with :class:`SharedMemoryTransport`: all-reduces of at
+least :data:`MIN_BYTES` (a fused bucket straight from its arrays) go through
+shared memory, everything else (smaller ones, bfloat16 wires, cupy arrays,
+the other collectives) to the MPI transport it was given.
+
+:class:`SharedMemoryReducer` does the all-reduce, ``capacity_bytes`` at a
 time: each rank copies its data into its own slot of the shared memory,
 the ranks synchronise, rank r reduces elements ``[r*N//n, (r+1)*N//n)`` of
 all slots (in rank order) into a shared result region, the ranks synchronise
@@ -53,6 +59,7 @@ from .. import waiting
 from ..dtypes import UFUNCS, supported_fast
 from ..errors import ArgumentError, ArrayTypeError
 from ..ops import _native, hostcopy, hostreduce
+from .base import Transport
 
 
 def _mpi():
@@ -60,6 +67,12 @@ def _mpi():
     return MPI
 
 
+#: smallest all-reduce (bytes) that goes through shared memory; below it
+#: MPI's latency is lower (benchmarks/allreduce.py)
+MIN_BYTES = 64 << 10
+#: bytes reduced per round (the slot size): pieces of 1-2 MiB stay
+#: cache-resident and were fastest from 4 to 64 MiB
+WINDOW_BYTES = 2 << 20
 _LINE = 64                # bytes per rank in the control region: its sequence number
 _STORES = {"auto": None, "plain": False, "streaming": True}
 _ALIGN = 4096             # alignment of slots and the result region, bytes
@@ -283,3 +296,82 @@ class SharedMemoryReducer:
         self._control = None
         self._views.clear()
         self._mem = None
+
+
+class SharedMemoryTransport(Transport):
+    """All-reduces of numpy buffers of at least :data:`MIN_BYTES` in shared
+    memory; the rest through ``fallback`` (the MPI transport over the same
+    ranks, which must all be on this node).
+
+    ``memory``: zero-filled shared uint8 numpy array of :meth:`bytes_needed`
+    bytes; ``stores``: ``"auto"``, ``"plain"`` or ``"streaming"``. The
+    constructor is collective (the store probe).
+    """
+
+    name = "shm"
+
+    def __init__(self, fallback, memory, stores="auto"):
+        super().__init__(fallback.rank, fallback.size)
+        self.fallback = fallback
+        self.reducer = SharedMemoryReducer(fallback.comm, memory, WINDOW_BYTES, stores=stores)
+
+    @staticmethod
+    def bytes_needed(size):
+        """Bytes of shared memory for ``size`` ranks."""
+        return SharedMemoryReducer.bytes_needed(size, WINDOW_BYTES)
+
+    def _takes(self, buf):
+        return type(buf) is np.ndarray and buf.nbytes >= MIN_BYTES and supported_fast(buf.dtype)
+
+    def _run(self, method, *args):
+        """Run a reducer ``method``; a failure leaves this transport unusable."""
+        self.check_usable()
+        try:
+            return method(*args)
+        except BaseException as exc:
+            self.fail("all_reduce failed (%s)" % type(exc).__name__)
+            raise
+
+    def all_reduce(self, buf, op, wait=waiting.FOREVER, fmt=None, owned=False):
+        if fmt is None and self._takes(buf):
+            self._run(self.reducer.all_reduce, buf, op, wait)
+        else:
+            self.fallback.all_reduce(buf, op, wait, fmt, owned)
+
+    def reduces_parts(self, buf):
+        """Buckets of one window at most (larger ones are packed and reduced
+        window by window)."""
+        return self._takes(buf) and buf.nbytes <= self.reducer.capacity_bytes
+
+    def all_reduce_parts(self, parts, buf, op, scale, wait=waiting.FOREVER):
+        if not self._run(self.reducer.all_reduce_parts, parts, buf.size, buf.dtype, op, scale,
+                         wait):
+            raise ArgumentError("commlib: the shared-memory transport cannot take a bucket of "
+                                "%d bytes of %s" % (buf.nbytes, buf.dtype))
+
+    def broadcast(self, buf, root, wait=waiting.FOREVER, owned=False):
+        self.fallback.broadcast(buf, root, wait, owned)
+
+    def reduce(self, buf, root, op, wait=waiting.FOREVER, owned=False):
+        self.fallback.reduce(buf, root, op, wait, owned)
+
+    def all_gather(self, sendbuf, recvbuf, wait=waiting.FOREVER):
+        self.fallback.all_gather(sendbuf, recvbuf, wait)
+
+    def all_gatherv(self, sendbuf, recvbuf, counts, wait=waiting.FOREVER):
+        self.fallback.all_gatherv(sendbuf, recvbuf, counts, wait)
+
+    def reduce_scatter(self, sendbuf, recvbuf, op, wait=waiting.FOREVER):
+        self.fallback.reduce_scatter(sendbuf, recvbuf, op, wait)
+
+    def barrier(self, wait=waiting.FOREVER):
+        self.fallback.barrier(wait)
+
+    def check_usable(self):
+        super().check_usable()
+        self.fallback.check_usable()
+
+    def close(self):
+        """Drop this rank's views of the shared memory (local)."""
+        self.reducer.close()
+        super().close()
