@@ -12,7 +12,7 @@ import os
 
 from . import consistency, shared_segment
 from ._cuda import nccl_module
-from .errors import ArgumentError, BackendUnavailableError, CommlibError, ConsistencyError
+from .errors import ArgumentError, CommlibError, ConsistencyError
 
 NCCL_ID_BYTES = 128
 

@@ -17,7 +17,6 @@ ABORT_ON_ERROR = "COMMLIB_ABORT_ON_ERROR"
 SHM = "COMMLIB_SHM"
 SHM_STORES = "COMMLIB_SHM_STORES"
 NATIVE = "COMMLIB_NATIVE"
-CACHE_DIR = "COMMLIB_CACHE_DIR"
 KERNEL_DIR = "COMMLIB_KERNEL_DIR"
 
 #: the watch dog's default deadline per collective, seconds: long enough for

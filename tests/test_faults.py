@@ -9,7 +9,6 @@ arrays untouched, and they stay so after the late peer has come and gone).
 The rank programs are in tests/fault_programs.py; rank 1 misbehaves.
 """
 import json
-import math
 import os
 import sys
 

@@ -1,18 +1,13 @@
 """commlib.ops.hostcopy: batched gather / scatter between many numpy arrays
 and one flat buffer, against numpy concatenation."""
-import os
-import subprocess
-import sys
-
 import numpy as np
 import pytest
 
 from commlib.errors import ArrayTypeError
 from commlib.ops import hostcopy
-from mpirun import ROOT
 
-pytestmark = pytest.mark.skipif(not hostcopy.available(),
-                                reason="no C compiler: %s" % hostcopy.unavailable_reason())
+pytestmark = pytest.mark.skipif(not hostcopy.available(), reason="the host loops are not "
+                                "built: %s" % hostcopy.unavailable_reason())
 
 
 def test_gather_then_scatter_round_trip_with_shapes_and_empty_arrays():
@@ -115,40 +110,3 @@ def test_flat_buffer_checks():
     with pytest.raises(ArrayTypeError):
         hostcopy.gather([np.ones(2)], readonly)
     assert hostcopy.scatter(readonly, [np.ones(2)])
-
-
-def _run(code, env):
-    return subprocess.run([sys.executable, "-c", code], env=dict(os.environ, **env,
-                          PYTHONPATH=str(ROOT)), capture_output=True, text=True, timeout=120)
-
-
-def test_compiles_into_a_fresh_cache(tmp_path):
-    out = _run("from commlib.ops import hostcopy; import numpy as np; a = np.arange(5.0); "
-               "o = np.zeros(5); assert hostcopy.gather([a], o) and (o == a).all(); "
-               "print(hostcopy.available())", {"COMMLIB_CACHE_DIR": str(tmp_path)})
-    assert out.returncode == 0 and out.stdout.strip() == "True", out.stderr
-    assert list(tmp_path.glob("native-*.so"))
-
-
-def test_unavailable_without_compiler_or_when_turned_off(tmp_path):
-    code = ("from commlib.ops import hostcopy; print(hostcopy.available()); "
-            "print(hostcopy.unavailable_reason())")
-    out = _run(code, {"COMMLIB_CACHE_DIR": str(tmp_path), "PATH": str(tmp_path), "CC": ""})
-    assert out.returncode == 0, out.stderr
-    assert out.stdout.split("\n")[0] == "False" and "compiler" in out.stdout
-    out = _run(code, {"COMMLIB_NATIVE": "0"})
-    assert out.stdout.split("\n")[0] == "False" and "COMMLIB_NATIVE" in out.stdout
-
-
-def test_native_sources_compile_without_warnings(tmp_path):
-    from commlib.ops import _native
-    compiler = _native._compiler()
-    if compiler is None:
-        pytest.skip("no C compiler")
-    import sysconfig
-    sources = sorted(str(p) for p in _native.SOURCES.glob("*.c"))
-    proc = subprocess.run([compiler, *_native.CFLAGS, "-Wall", "-Wextra", "-Werror",
-                           "-Wno-unused-parameter", "-I", sysconfig.get_paths()["include"],
-                           "-I", str(_native.SOURCES), "-o", str(tmp_path / "x.so"), *sources],
-                          capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 0, proc.stderr

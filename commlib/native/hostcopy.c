@@ -35,10 +35,10 @@ void commlib_copy(PyObject *arrays, Py_ssize_t itemsize, char *flat, int to_arra
     PyObject **items = PySequence_Fast_ITEMS(arrays);
     Py_ssize_t at = 0;
     for (Py_ssize_t i = 0; i < n; ++i) {
-        array_head *a = (array_head *)items[i];
-        Py_ssize_t bytes = array_bytes(a, itemsize);
-        copy_window(a->data, flat, at, bytes, 0, skip_begin, to_arrays, streaming);
-        copy_window(a->data, flat, at, bytes, skip_end, total, to_arrays, streaming);
+        Py_ssize_t bytes = array_bytes(items[i], itemsize);
+        char *data = array_data(items[i]);
+        copy_window(data, flat, at, bytes, 0, skip_begin, to_arrays, streaming);
+        copy_window(data, flat, at, bytes, skip_end, total, to_arrays, streaming);
         at += bytes;
     }
     streaming_fence(streaming && !to_arrays);

@@ -89,13 +89,13 @@ void commlib_reduce_share(PyObject *arrays, Py_ssize_t itemsize, int type, int o
     PyObject **items = PySequence_Fast_ITEMS(arrays);
     Py_ssize_t at = 0;
     for (Py_ssize_t i = 0; i < n && at < end; ++i) {
-        array_head *a = (array_head *)items[i];
-        Py_ssize_t bytes = array_bytes(a, itemsize);
+        Py_ssize_t bytes = array_bytes(items[i], itemsize);
+        char *data = array_data(items[i]);
         Py_ssize_t lo = at > begin ? at : begin, hi = at + bytes < end ? at + bytes : end;
         for (; lo < hi; lo += SCRATCH_BYTES) {
             Py_ssize_t piece = hi - lo < SCRATCH_BYTES ? hi - lo : SCRATCH_BYTES;
             Py_ssize_t len = piece / itemsize;
-            char *own = a->data + (lo - at);
+            char *own = data + (lo - at);
             combine(type, op, scratch, rank == 0 ? own : slots[0] + lo,
                     rank == 1 ? own : slots[1] + lo, len);
             for (int q = 2; q < nranks; ++q)

@@ -1,39 +1,39 @@
-/* The extension module `commlib_native`: argument checks in front of the
+/* The extension module `commlib._hostloops`: argument checks in front of the
  * host loops (hostcopy.c, hostreduce.c, flag_wait.c), called from
  * commlib/ops/hostcopy.py, commlib/ops/hostreduce.py, commlib/bucketing.py,
- * commlib/transport/shm.py and commlib/board.py. Built on first use by commlib/ops/_native.py.
+ * commlib/transport/shm.py and commlib/board.py. Built by the package build
+ * (setup.py), loaded by commlib/ops/_native.py.
  *
  * Every check runs before any memory is touched; a check that fails
  * returns -1 (the caller takes its numpy path or raises) and nothing is
  * written. */
 #include <time.h>
 
+#define COMMLIB_IMPORTS_NUMPY
 #include "native.h"
 
-static PyObject *ndarray_type;       /* numpy.ndarray, from init() */
 static PyObject *array_type_error;   /* commlib.errors.ArrayTypeError, from init() */
 
 #define MAX_STACK_RANKS 64
 
-/* Bytes of `o` when it is an exact ndarray of dtype object `descr`,
- * C-contiguous and (when `writing`) writeable; else -1. */
-static Py_ssize_t buffer_bytes(PyObject *o, PyObject *descr, Py_ssize_t itemsize, int writing)
+/* Bytes of `o` when it is a plain array (arrays.h) of dtype object
+ * `descr`; else -1. */
+static Py_ssize_t buffer_bytes(PyObject *o, PyArray_Descr *descr, Py_ssize_t itemsize,
+                               int writing)
 {
-    array_head *a = (array_head *)o;
-    if ((PyObject *)Py_TYPE(o) != ndarray_type || a->descr != descr
-            || !(a->flags & COMMLIB_C_CONTIGUOUS) || (writing && !(a->flags & COMMLIB_WRITEABLE)))
+    if (!plain_array(o, writing) || PyArray_DESCR((PyArrayObject *)o) != descr)
         return -1;
-    return array_bytes(a, itemsize);
+    return array_bytes(o, itemsize);
 }
 
 /* The dtype object of the first array of `arrays` (a tuple or list of at
  * least one exact ndarray), or NULL. */
-static PyObject *first_descr(PyObject *arrays)
+static PyArray_Descr *first_descr(PyObject *arrays)
 {
     if ((!PyTuple_Check(arrays) && !PyList_Check(arrays)) || PySequence_Fast_GET_SIZE(arrays) < 1)
         return NULL;
     PyObject *first = PySequence_Fast_ITEMS(arrays)[0];
-    return (PyObject *)Py_TYPE(first) == ndarray_type ? ((array_head *)first)->descr : NULL;
+    return PyArray_CheckExact(first) ? PyArray_DESCR((PyArrayObject *)first) : NULL;
 }
 
 static int check_nargs(const char *name, Py_ssize_t nargs, Py_ssize_t want)
@@ -44,17 +44,14 @@ static int check_nargs(const char *name, Py_ssize_t nargs, Py_ssize_t want)
     return -1;
 }
 
-/* init(ndarray, ArrayTypeError) */
+/* init(ArrayTypeError): the error class raised for unusable flat buffers. */
 static PyObject *py_init(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
 {
-    if (check_nargs("init", nargs, 2))
+    if (check_nargs("init", nargs, 1))
         return NULL;
     Py_INCREF(args[0]);
-    Py_INCREF(args[1]);
-    Py_XDECREF(ndarray_type);
     Py_XDECREF(array_type_error);
-    ndarray_type = args[0];
-    array_type_error = args[1];
+    array_type_error = args[0];
     Py_RETURN_NONE;
 }
 
@@ -74,22 +71,22 @@ static PyObject *py_copy(PyObject *self, PyObject *const *args, Py_ssize_t nargs
     int streaming = PyObject_IsTrue(args[6]);
     if (PyErr_Occurred())
         return NULL;
-    array_head *f = (array_head *)flat;
-    if ((PyObject *)Py_TYPE(flat) != ndarray_type || !(f->flags & COMMLIB_C_CONTIGUOUS))
+    if (!plain_array(flat, 0))
         return PyErr_Format(array_type_error,
                             "commlib: the flat buffer must be a C-contiguous numpy array");
-    if (!to_arrays && !(f->flags & COMMLIB_WRITEABLE))
+    if (!to_arrays && !plain_array(flat, 1))
         return PyErr_Format(array_type_error, "commlib: the flat buffer is read-only");
     if ((PyTuple_Check(arrays) || PyList_Check(arrays)) && PySequence_Fast_GET_SIZE(arrays) == 0)
         return PyLong_FromLong(0);
-    PyObject *descr = first_descr(arrays);
+    PyArray_Descr *descr = first_descr(arrays);
     if (descr == NULL || itemsize <= 0)
         return PyLong_FromLong(-1);
     Py_ssize_t capacity = buffer_bytes(flat, descr, itemsize, !to_arrays);
-    Py_ssize_t total = checked_total(arrays, ndarray_type, descr, itemsize, capacity, to_arrays);
+    Py_ssize_t total = checked_total(arrays, descr, itemsize, capacity, to_arrays);
     if (capacity < 0 || total < 0)
         return PyLong_FromLong(-1);
-    commlib_copy(arrays, itemsize, f->data, to_arrays, skip_begin, skip_end, total, streaming);
+    commlib_copy(arrays, itemsize, array_data(flat), to_arrays, skip_begin, skip_end, total,
+                 streaming);
     return PyLong_FromSsize_t(total);
 }
 
@@ -111,7 +108,7 @@ static PyObject *py_reduce_share(PyObject *self, PyObject *const *args, Py_ssize
     int streaming = PyObject_IsTrue(args[10]);
     if (PyErr_Occurred())
         return NULL;
-    PyObject *descr = first_descr(parts);
+    PyArray_Descr *descr = first_descr(parts);
     if (descr == NULL || !PyTuple_Check(slots) || type < 0 || type >= COMMLIB_T_COUNT || op < 0
             || op >= COMMLIB_OP_COUNT || itemsize <= 0 || itemsize > 8 || begin < 0
             || begin > end || begin % itemsize || end % itemsize)
@@ -119,7 +116,7 @@ static PyObject *py_reduce_share(PyObject *self, PyObject *const *args, Py_ssize
     Py_ssize_t nranks = PyTuple_GET_SIZE(slots);
     if (nranks < 2 || nranks > 1 << 20 || rank < 0 || rank >= nranks
             || buffer_bytes(result, descr, itemsize, 1) < end
-            || checked_total(parts, ndarray_type, descr, itemsize, PY_SSIZE_T_MAX, 1) < end)
+            || checked_total(parts, descr, itemsize, PY_SSIZE_T_MAX, 1) < end)
         return PyLong_FromLong(-1);
     char *stack[MAX_STACK_RANKS];
     char **pointers = nranks <= MAX_STACK_RANKS ? stack : PyMem_Malloc(nranks * sizeof(char *));
@@ -129,11 +126,11 @@ static PyObject *py_reduce_share(PyObject *self, PyObject *const *args, Py_ssize
     for (Py_ssize_t q = 0; q < nranks; ++q) {
         PyObject *slot = PyTuple_GET_ITEM(slots, q);
         ok &= q == rank || buffer_bytes(slot, descr, itemsize, 0) >= end;
-        pointers[q] = ((array_head *)slot)->data;
+        pointers[q] = PyArray_CheckExact(slot) ? array_data(slot) : NULL;
     }
     if (ok)
         commlib_reduce_share(parts, itemsize, (int)type, (int)op, pointers, (int)nranks, (int)rank,
-                             ((array_head *)result)->data, begin, end, scale, scaled, streaming);
+                             array_data(result), begin, end, scale, scaled, streaming);
     if (pointers != stack)
         PyMem_Free(pointers);
     return PyLong_FromSsize_t(ok ? end - begin : -1);
@@ -163,12 +160,13 @@ static PyObject *py_same_items(PyObject *self, PyObject *const *args, Py_ssize_t
  * 8-byte aligned); else NULL. */
 static volatile int64_t *word_array(PyObject *o, Py_ssize_t words)
 {
-    array_head *a = (array_head *)o;
-    if ((PyObject *)Py_TYPE(o) != ndarray_type || !(a->flags & COMMLIB_C_CONTIGUOUS)
-            || !(a->flags & COMMLIB_WRITEABLE) || ((uintptr_t)a->data & 7) || a->nd != 1
-            || a->strides[0] != (Py_ssize_t)sizeof(int64_t) || a->dimensions[0] < words)
+    if (!plain_array(o, 1))
         return NULL;
-    return (volatile int64_t *)a->data;
+    PyArrayObject *a = (PyArrayObject *)o;
+    if (((uintptr_t)PyArray_DATA(a) & 7) || PyArray_NDIM(a) != 1
+            || PyArray_STRIDES(a)[0] != (Py_ssize_t)sizeof(int64_t) || PyArray_DIMS(a)[0] < words)
+        return NULL;
+    return (volatile int64_t *)PyArray_DATA(a);
 }
 
 /* CLOCK_MONOTONIC seconds at which a wait returns to Python: `slice`
@@ -282,11 +280,12 @@ static PyMethodDef methods[] = {
 };
 
 static struct PyModuleDef definition = {
-    PyModuleDef_HEAD_INIT, "commlib_native", "commlib's compiled host loops", -1, methods,
+    PyModuleDef_HEAD_INIT, "commlib._hostloops", "commlib's compiled host loops", -1, methods,
     NULL, NULL, NULL, NULL,
 };
 
-PyMODINIT_FUNC PyInit_commlib_native(void)
+PyMODINIT_FUNC PyInit__hostloops(void)
 {
+    import_array();
     return PyModule_Create(&definition);
 }

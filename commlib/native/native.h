@@ -1,9 +1,10 @@
-/* The compiled host loops (one extension module, commlib/ops/_native.py).
+/* The compiled host loops (the extension module commlib._hostloops, loaded
+ * by commlib/ops/_native.py).
  * Each function trusts its arguments: module.c checks them. */
 #ifndef COMMLIB_NATIVE_H
 #define COMMLIB_NATIVE_H
 
-#include "array_head.h"
+#include "arrays.h"
 
 /* hostcopy.c */
 void commlib_copy(PyObject *arrays, Py_ssize_t itemsize, char *flat, int to_arrays,

@@ -1,123 +1,51 @@
-"""The compiled host loops: ``commlib/native/*.c`` built on first use into
-one CPython extension module, ``commlib_native``, and imported from there.
+"""The compiled host loops: ``commlib/native/*.c``, built by the package
+build into the extension module ``commlib._hostloops`` (``pip install .``;
+in a source checkout ``pip install -e .`` builds it in place).
 
-The sources are compiled with the system C compiler (``$CC``, else ``cc``,
-else ``gcc``) and the Python headers into a per-user cache
-(``$COMMLIB_CACHE_DIR``, else ``$XDG_CACHE_HOME/commlib``, else
-``~/.cache/commlib``, else a folder under the temporary directory), named by
-a digest of the sources, compiler and Python, so an edit recompiles. Without
-a compiler or headers :func:`module` returns None and callers keep their
-numpy path; ``COMMLIB_NATIVE=0`` turns it off too.
+:func:`module` returns the extension, or None when it is turned off
+(``COMMLIB_NATIVE=0``) or was not built (no C compiler when commlib was
+installed): callers then take their numpy path, which gives the same
+results more slowly. A missing build is said once, as a RuntimeWarning.
 """
-import hashlib
-import importlib.machinery
-import importlib.util
-import os
-import platform
-import shutil
-import subprocess
-import sys
-import sysconfig
-import tempfile
 import threading
-from pathlib import Path
-
-import numpy as np
+import warnings
 
 from .. import settings
-from ..errors import ArrayTypeError, BackendUnavailableError
-
-SOURCES = Path(__file__).resolve().parent.parent / "native"
-#: no -ffast-math and no contraction into FMA: results match numpy's bit for bit
-CFLAGS = ["-O3", "-ffp-contract=off", "-shared", "-fPIC"]
-MODULE = "commlib_native"
+from ..errors import ArrayTypeError
 
 _lock = threading.Lock()
 _lib = None           # the loaded module, False once loading failed
 _reason = None        # why it is unavailable
 
 
-def _cache_dirs():
-    override = os.environ.get(settings.CACHE_DIR)
-    if override:
-        return [Path(override)]
-    xdg = os.environ.get("XDG_CACHE_HOME")
-    home = (Path(xdg) if xdg else Path.home() / ".cache") / "commlib"
-    return [home, Path(tempfile.gettempdir()) / ("commlib-%d" % os.getuid())]
-
-
-def _compiler():
-    for name in (os.environ.get("CC"), "cc", "gcc"):
-        if name and shutil.which(name):
-            return shutil.which(name)
-    return None
-
-
-def _build(compiler):
-    """Path of the shared library, compiled if not cached."""
-    include = sysconfig.get_paths()["include"]
-    sources = sorted(SOURCES.glob("*.c"))
-    digest = hashlib.sha1()
-    for path in sorted(SOURCES.glob("*.[ch]")):
-        digest.update(path.name.encode() + path.read_bytes())
-    digest.update((compiler + include + sys.version + " ".join(CFLAGS)).encode())
-    name = "native-%s-%s%s" % (platform.machine(), digest.hexdigest()[:16],
-                               importlib.machinery.EXTENSION_SUFFIXES[0])
-    for folder in _cache_dirs():
-        target = folder / name
-        if target.is_file():
-            return target
-        try:
-            folder.mkdir(parents=True, exist_ok=True)
-            fd, tmp = tempfile.mkstemp(suffix=".tmp", dir=folder)
-            os.close(fd)
-        except OSError:
-            continue
-        try:
-            proc = subprocess.run([compiler, *CFLAGS, "-I", include, "-I", str(SOURCES),
-                                   "-o", tmp, *map(str, sources)],
-                                  capture_output=True, text=True, timeout=120)
-            if proc.returncode != 0:
-                raise BackendUnavailableError("commlib: compiling %s failed:\n%s"
-                                              % (SOURCES, proc.stderr))
-            os.replace(tmp, target)   # atomic: concurrent ranks may build at once
-            return target
-        finally:
-            if os.path.exists(tmp):
-                os.unlink(tmp)
-    raise BackendUnavailableError("commlib: no writable cache directory for %s" % name)
-
-
-def _import(path):
-    spec = importlib.util.spec_from_file_location(MODULE, str(path))
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    module.init(np.ndarray, ArrayTypeError)
-    return module
-
-
 def module():
-    """The extension module (compiled on first call), or None."""
+    """The extension module, or None."""
     global _lib, _reason
     if _lib is None:
         with _lock:
             if _lib is None:
-                try:
-                    if not settings.flag(settings.NATIVE, True):
-                        raise BackendUnavailableError("commlib: %s=0" % settings.NATIVE)
-                    compiler = _compiler()
-                    if compiler is None:
-                        raise BackendUnavailableError("commlib: no C compiler (cc, gcc)")
-                    _lib = _import(_build(compiler))
-                except (OSError, ImportError, subprocess.SubprocessError,
-                        BackendUnavailableError) as exc:
-                    _reason = str(exc)
-                    _lib = False
+                _lib, _reason = _load()
+                if _lib is False and _reason.startswith("commlib: the compiled"):
+                    warnings.warn(_reason, RuntimeWarning, stacklevel=3)
     return _lib or None
 
 
+def _load():
+    """(module or False, reason or None)."""
+    if not settings.flag(settings.NATIVE, True):
+        return False, "commlib: %s=0" % settings.NATIVE
+    try:
+        from .. import _hostloops
+    except ImportError as exc:
+        return False, ("commlib: the compiled host loops are not built (%s); numpy does their "
+                       "work, more slowly. Reinstall commlib where a C compiler is available "
+                       "(pip install ., or pip install -e . in a source checkout)" % exc)
+    _hostloops.init(ArrayTypeError)
+    return _hostloops, None
+
+
 def available():
-    """Whether the compiled loops can be used (compiles them on first call)."""
+    """Whether the compiled loops can be used."""
     return module() is not None
 
 

@@ -21,7 +21,7 @@ import numpy as np
 
 from ..errors import ArgumentError, ArrayTypeError
 from ._arrays import is_cupy
-from .cast import check_counter, check_scale, copy_mode, format_of, numpy_cast_into
+from .cast import check_counter, check_scale, copy_mode, numpy_cast_into
 
 
 def offsets_of(arrays):
