@@ -120,7 +120,26 @@ def watchdog(comm, what):
     os._exit(0)   # a peer is still inside a collective: skip MPI_Finalize
 
 
+def uncaught_exception():
+    """Rank 1 raises while the others wait in a collective."""
+    comm = commlib.init()
+    if comm.rank == 1:
+        raise RuntimeError("rank one failed")
+    comm.all_reduce(np.ones(4))   # would block forever without the abort hook
+
+
+def exit_nonzero():
+    """Rank 1 leaves with sys.exit(3) while the others wait in a collective."""
+    comm = commlib.Communicator.from_mpi(backend="mpi")
+    if comm.rank == 1:
+        sys.exit(3)
+    comm.all_reduce(np.ones(4))
+    print("not reached", flush=True)
+
+
 def main(which):
+    if which in ("uncaught_exception", "exit_nonzero"):
+        return globals()[which]()
     if which == "arguments":
         argument_errors(commlib.Communicator.from_mpi())
     elif which == "consistency":
@@ -134,3 +153,7 @@ def main(which):
     elif which == "barrier_timeout":
         watchdog(commlib.init(), "barrier")
     print("errors %s ok" % which)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])

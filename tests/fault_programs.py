@@ -298,12 +298,24 @@ def mpi_error(comm):
     attempt(rank, "broadcast", lambda: unchecked.broadcast(x), [x])
 
 
+def dropped(comm):
+    """1,500 communicators made and dropped without close(): MPI's
+    communicators and the shared memory are released with them."""
+    for _ in range(1500):
+        dropped = commlib.Communicator.from_mpi()
+        x = np.ones(4)
+        dropped.all_reduce(x)
+        assert x[0] == comm.size
+    left = [f for f in os.listdir("/dev/shm") if f.startswith("commlib-")]
+    report(rank=comm.rank, what="dropped", left=len(left))
+
+
 SCENARIOS = {name: fn for name, fn in globals().items()
              if callable(fn) and name in (
                  "stall", "stall_large", "stall_unchecked", "die_by_exception",
                  "exception_in_with", "sys_exit", "close_early", "uneven_steps", "mismatches",
                  "bad_input", "nonfinite", "tampered", "partial_objects", "init_error",
-                 "interrupt", "mpi_error")}
+                 "interrupt", "mpi_error", "dropped")}
 
 
 def main(which, *args):

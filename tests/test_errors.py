@@ -2,7 +2,6 @@
 import os
 import pickle
 import sys
-from pathlib import Path
 
 import pytest
 
@@ -50,35 +49,17 @@ def test_barrier_timeout():
 
 
 def test_uncaught_exception_on_one_rank_ends_the_job():
-    code = """
-        import numpy as np, commlib
-        comm = commlib.init()
-        if comm.rank == 1:
-            raise RuntimeError("rank one failed")
-        comm.all_reduce(np.ones(4))   # would block forever without the abort hook
-    """
-    proc = run_mpi(3, code, timeout=30, expect_fail=True)
+    proc = run_mpi(3, CODE, args=["uncaught_exception"], timeout=30, expect_fail=True)
     assert "rank one failed" in proc.stderr
 
 
 def test_sys_exit_on_one_rank_under_python_m_mpi4py_ends_the_job():
     """What the README recommends for bare mpiexec: a nonzero sys.exit on one
     rank aborts the job instead of leaving its peer blocked in a collective."""
-    code = """
-import sys
-import numpy as np
-import commlib
-comm = commlib.Communicator.from_mpi(backend="mpi")
-if comm.rank == 1:
-    sys.exit(3)
-comm.all_reduce(np.ones(4))
-print("not reached")
-"""
-    script = Path(os.environ.get("PYTEST_TMPDIR", "/tmp")) / ("commlib_exit_%d.py" % os.getpid())
-    script.write_text(code)
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
-    proc = run_bounded([mpiexec(), "-n", "2", sys.executable, "-m", "mpi4py", script], 30, env=env)
-    script.unlink()
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(
+        [str(ROOT), str(ROOT / "tests"), os.environ.get("PYTHONPATH", "")]))
+    proc = run_bounded([mpiexec(), "-n", "2", sys.executable, "-m", "mpi4py",
+                        ROOT / "tests" / "error_checks.py", "exit_nonzero"], 30, env=env)
     assert proc.returncode != 0 and "not reached" not in proc.stdout
 
 
