@@ -32,7 +32,8 @@ from .ops import pack as _pack
 from .ops._arrays import address, array_module
 
 #: default bucket size per transport, in bytes (see benchmarks/allreduce.py)
-DEFAULT_BUCKET_BYTES = {"mpi": 1 << 20, "shm": 1 << 20, "nccl": 25 << 20, "local": 25 << 20}
+DEFAULT_BUCKET_BYTES = {"mpi": 1 << 20, "shm": 1 << 20, "nccl": 25 << 20, "local": 25 << 20,
+                        "threads": 1 << 20}
 
 
 class Bucket(NamedTuple):

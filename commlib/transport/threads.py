@@ -1,0 +1,102 @@
+"""An in-process transport: N ranks as N threads of one process.
+
+It exists to test the communicator's own logic (fusion, averaging, the
+consistency check, compression bookkeeping, closing) quickly and without
+``mpiexec``; the real transports keep their multi-process tests. Every
+collective is a rendezvous of the N threads around a table of their
+contributions (:class:`ThreadGroup`); results are computed with numpy in
+rank order, as the other transports compute them. The group also holds the
+memory of the ranks' status board.
+"""
+import threading
+import time
+
+import numpy as np
+
+from .. import board, waiting
+from ..dtypes import UFUNCS
+from ..ops.cast import numpy_cast_into
+from .base import Transport
+
+
+class ThreadGroup:
+    """``size`` ranks, one thread each, of one process."""
+
+    def __init__(self, size):
+        self.size = size
+        #: memory of the ranks' status board (zero-filled)
+        self.board_memory = np.zeros(size * board.LINE_BYTES, np.uint8)
+        self._barrier = threading.Barrier(size)
+        self._table = [None] * size
+
+    def exchange(self, rank, value, wait):
+        """Every rank's ``value``, as a list by rank (a rendezvous of all
+        ranks; gives up at ``wait``'s deadline)."""
+        self._table[rank] = value
+        self._meet(wait)
+        values = list(self._table)
+        self._meet(wait)          # nobody writes the table before everyone read it
+        return values
+
+    def _meet(self, wait):
+        timeout = None if wait.deadline is None else max(0.0, wait.deadline - time.monotonic())
+        try:
+            self._barrier.wait(timeout)
+        except threading.BrokenBarrierError:
+            raise wait.timeout() from None
+
+
+def _reduce(values, op, fmt=None):
+    """``op`` over ``values`` in rank order; ``fmt="bfloat16"``: uint16 bit
+    patterns, widened to float32 and rounded back after each step."""
+    ufunc = UFUNCS[op]
+    acc = values[0].copy()
+    with np.errstate(all="ignore"):
+        for value in values[1:]:
+            if fmt is None:
+                ufunc(acc, value, out=acc)
+                continue
+            wide, other = np.empty(acc.size, np.float32), np.empty(acc.size, np.float32)
+            numpy_cast_into(acc, wide)
+            numpy_cast_into(value, other)
+            numpy_cast_into(ufunc(wide, other), acc)
+    return acc
+
+
+class ThreadTransport(Transport):
+    """Rank ``rank`` of ``group`` (numpy buffers)."""
+
+    name = "threads"
+
+    def __init__(self, group, rank):
+        super().__init__(rank, group.size)
+        self.group = group
+
+    def _all(self, buf, wait):
+        self.check_usable()
+        return self.group.exchange(self.rank, np.array(buf, copy=True), wait)
+
+    def all_reduce(self, buf, op, wait=waiting.FOREVER, fmt=None, owned=False):
+        buf[...] = _reduce(self._all(buf, wait), op, fmt)
+
+    def broadcast(self, buf, root, wait=waiting.FOREVER, owned=False):
+        buf[...] = self._all(buf, wait)[root]
+
+    def reduce(self, buf, root, op, wait=waiting.FOREVER, owned=False):
+        result = _reduce(self._all(buf, wait), op)
+        if self.rank == root:
+            buf[...] = result
+
+    def all_gather(self, sendbuf, recvbuf, wait=waiting.FOREVER):
+        recvbuf[...] = np.concatenate(self._all(sendbuf, wait))
+
+    def all_gatherv(self, sendbuf, recvbuf, counts, wait=waiting.FOREVER):
+        recvbuf[...] = np.concatenate(self._all(sendbuf, wait))
+
+    def reduce_scatter(self, sendbuf, recvbuf, op, wait=waiting.FOREVER):
+        block = recvbuf.size
+        recvbuf[...] = _reduce(self._all(sendbuf, wait), op)[self.rank * block:
+                                                              (self.rank + 1) * block]
+
+    def barrier(self, wait=waiting.FOREVER):
+        self._all(np.zeros(0), wait)
