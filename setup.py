@@ -50,7 +50,8 @@ setup(
     long_description_content_type="text/markdown",
     license="Apache-2.0",
     python_requires=">=3.9",
-    packages=["commlib", "commlib.compression", "commlib.ops", "commlib.transport"],
+    packages=["commlib", "commlib.compression", "commlib.ops", "commlib.optim",
+              "commlib.transport"],
     ext_modules=[host_loops()],
     install_requires=["numpy>=1.22"],
     extras_require={

@@ -14,6 +14,8 @@ from .errors import (ArgumentError, ArrayTypeError, BackendUnavailableError, Clo
                      CollectiveTimeoutError, CommlibError, ConsistencyError,
                      DeviceMismatchError, NonFiniteError, PayloadError, PeerError,
                      TransportError)
+from . import optim
+from .optim import DistributedOptimizer, broadcast_parameters, check_parameters, partition
 
 __version__ = "0.1.0"
 
@@ -48,7 +50,9 @@ def init(**options):
     return Communicator.from_mpi(**options)
 
 
-__all__ = ["Communicator", "NcclId", "init", "flat_arrays", "compression", "errors", "ArgumentError", "ArrayTypeError",
+__all__ = ["Communicator", "NcclId", "init", "flat_arrays", "compression", "errors",
+           "optim", "DistributedOptimizer", "broadcast_parameters", "check_parameters",
+           "partition", "ArgumentError", "ArrayTypeError",
            "BackendUnavailableError", "ClosedError", "CollectiveTimeoutError",
            "CommlibError", "ConsistencyError", "DeviceMismatchError", "NonFiniteError",
            "PayloadError", "PeerError", "TransportError"]

@@ -1,0 +1,90 @@
+"""Checkpoints of a :class:`~commlib.optim.DistributedOptimizer`: its
+training state (update count, parameters, the rule's buffers) as a dict of
+numpy arrays, restored on every rank from one rank's copy, and saved to /
+loaded from ``.npz`` files."""
+from collections.abc import Mapping
+
+import numpy as np
+
+from ..errors import ArgumentError
+from ..ops._arrays import is_cupy
+
+
+def host_copies(arrays):
+    """``{name: numpy copy}`` of ``{name: numpy or cupy array}``."""
+    return {k: (v.get() if is_cupy(v) else np.array(v, copy=True)) for k, v in arrays.items()}
+
+
+def _fit(template, given):
+    """Copy the arrays of mapping ``given`` into the numpy arrays of
+    ``template`` (same names, shapes and dtypes; raw bytes of the same width,
+    as ``.npz`` files store bfloat16, are taken as the template's dtype).
+    Returns None, or the text of what does not fit."""
+    if not isinstance(given, Mapping):
+        return "expected a dict of arrays (from state_dict()), got %s" % type(given).__name__
+    missing, unexpected = sorted(set(template) - set(given)), sorted(set(given) - set(template))
+    if missing or unexpected:
+        return "names differ from this optimizer's: missing %s, unexpected %s" % (
+            missing, unexpected)
+    values = {}
+    for name, target in template.items():
+        value = np.asarray(given[name])
+        if value.dtype.kind == "V" and value.dtype.itemsize == target.dtype.itemsize:
+            value = value.view(target.dtype)
+        if value.shape != target.shape or value.dtype != target.dtype:
+            return "%s has shape %s and dtype %s, this optimizer's has shape %s and dtype %s" % (
+                name, value.shape, value.dtype, target.shape, target.dtype)
+        values[name] = value
+    for name, value in values.items():
+        template[name][...] = value
+    return None
+
+
+def _restore(opt, read, root):
+    """Every rank: ``read()`` on ``root`` gives the state dict (its errors,
+    and a dict that does not fit, raise ArgumentError on every rank); it is
+    broadcast and copied into the optimizer's live arrays."""
+    comm, live = opt.comm, opt.live_state()
+    template = host_copies(live)
+    problem = None
+    if comm.rank == root:
+        try:
+            problem = _fit(template, read())
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            problem = "%s: %s" % (type(exc).__name__, exc)
+    flag = np.array([problem is not None], np.int32)
+    comm.all_reduce(flag, op="max")
+    if flag[0]:
+        raise ArgumentError("rank %d: load_state_dict: rank %d's state does not fit%s"
+                            % (comm.rank, root, ": " + problem if problem else ""),
+                            culprits=(root,))
+    names = sorted(template)
+    comm.broadcast([template[k] for k in names], root=root)
+    for name in names:
+        target, value = live[name], template[name]
+        if is_cupy(target):
+            target.set(value)
+        else:
+            target[...] = value
+
+
+def load_state_dict(opt, state_dict, root=0):
+    """Collective: restore ``root``'s ``state_dict`` (from
+    ``opt.state_dict()``; the other ranks' is ignored) into ``opt`` on every
+    rank."""
+    _restore(opt, lambda: state_dict, root)
+
+
+def save(path, opt):
+    """Write ``opt.state_dict()`` to the ``.npz`` file ``path`` (not
+    collective: call it on one rank)."""
+    np.savez(path, **opt.state_dict())
+
+
+def load(path, opt, root=0):
+    """Collective: ``root`` reads the ``.npz`` file ``path`` (written by
+    :func:`save`) and every rank's ``opt`` takes its state."""
+    def read():
+        with np.load(path, allow_pickle=False) as f:
+            return {k: f[k] for k in f.files}
+    _restore(opt, read, root)
