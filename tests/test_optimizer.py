@@ -1,0 +1,228 @@
+"""commlib.optim: the DistributedOptimizer's results on real MPI jobs of 1 to
+4 ranks against numpy references (tests/optimizer_programs.py), and its
+argument checks, partition and rules in this process (ranks as threads,
+tests/inprocess.py)."""
+import math
+
+import numpy as np
+import pytest
+
+import commlib
+from commlib.compression import Partial
+from commlib.errors import ArgumentError
+from commlib.optim import SGD, Adam
+from inprocess import run_ranks
+from mpirun import run_mpi
+
+SIZES = [1, 2, 3, 4]
+CODE = "import optimizer_programs\noptimizer_programs.main()\n"
+
+
+def run_checks(n, checks, *args, timeout=180):
+    proc = run_mpi(n, CODE, timeout=timeout, args=[checks, *args])
+    assert all("rank %d ok" % r in proc.stdout for r in range(n)), proc.stdout
+
+
+@pytest.mark.parametrize("n", SIZES)
+def test_rules_match_numpy_reference_on_mean_gradient(n):
+    run_checks(n, "rules,step_grads")
+
+
+@pytest.mark.parametrize("n", SIZES)
+def test_softmax_regression_on_shards_equals_one_process(n):
+    run_checks(n, "model,model_accumulate")
+
+
+@pytest.mark.parametrize("n", [1, 3, 4])
+def test_accumulation_equals_one_step_on_the_mean(n):
+    run_checks(n, "accumulate")
+
+
+@pytest.mark.parametrize("n", SIZES)
+def test_singa_half_partial_sparse_updates(n):
+    run_checks(n, "half,partial,sparse")
+
+
+@pytest.mark.parametrize("n", SIZES)
+def test_broadcast_and_check_parameters(n):
+    run_checks(n, "parameters")
+
+
+@pytest.mark.parametrize("n", [1, 2, 3])
+def test_state_dict_save_load_continue_training(n, tmp_path):
+    run_checks(n, "state", str(tmp_path))
+
+
+# -- partition ------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("size", SIZES)
+@pytest.mark.parametrize("n", [0, 1, 2, 3, 7, 10, 13, 1001])
+def test_partition_covers_every_item_once_or_equal_shards(size, n):
+    shards = [commlib.partition(n, r, size, drop_remainder=False) for r in range(size)]
+    items = np.concatenate([np.arange(n)[s] for s in shards])
+    assert items.tolist() == list(range(n))
+    lengths = [len(range(n)[s]) for s in shards]
+    assert max(lengths) - min(lengths) <= 1 and lengths == sorted(lengths, reverse=True)
+    equal = [range(n)[commlib.partition(n, r, size)] for r in range(size)]
+    assert all(len(s) == n // size for s in equal)
+    flat = [i for s in equal for i in s]
+    assert flat == list(range(n // size * size))       # contiguous, in rank order
+
+
+@pytest.mark.parametrize("args, fragment", [
+    ((-1, 0, 2), "n must be >= 0"), ((5, 2, 2), "0 <= rank < size"),
+    ((5, 0, 0), "0 <= rank < size"), ((5.0, 0, 2), "n must be an int"),
+    ((5, True, 2), "rank must be an int")])
+def test_partition_rejects_bad_arguments(args, fragment):
+    with pytest.raises(ArgumentError, match=fragment):
+        commlib.partition(*args)
+
+
+# -- argument checks --------------------------------------------------------------------------
+
+def errors_of(n, body):
+    """``body(comm)`` on n thread ranks: the text of the ArgumentError each
+    rank raised (AssertionError when one did not raise)."""
+    def run(comm):
+        try:
+            body(comm)
+        except ArgumentError as exc:
+            return str(exc)
+        raise AssertionError("rank %d: no ArgumentError" % comm.rank)
+    return run_ranks(n, run)
+
+
+def params_of(xp=np):
+    return commlib.flat_arrays([(3, 4), (5,)], xp=xp)
+
+
+def opt_of(comm, **kw):
+    return commlib.DistributedOptimizer(comm, params_of(), SGD(0.1), **kw)
+
+
+@pytest.mark.parametrize("n", [1, 2])
+@pytest.mark.parametrize("make, fragments", [
+    (lambda c: commlib.DistributedOptimizer(c, [], SGD(0.1)), ["params", "empty"]),
+    (lambda c: commlib.DistributedOptimizer(c, np.zeros(3), SGD(0.1)), ["params"]),
+    (lambda c: commlib.DistributedOptimizer(c, params_of(), "sgd"), ["rule"]),
+    (lambda c: opt_of(c, accumulate=0), ["accumulate", "got 0"]),
+    (lambda c: opt_of(c, accumulate=1.5), ["accumulate"]),
+    (lambda c: opt_of(c, accumulate=True), ["accumulate"]),
+    (lambda c: opt_of(c, overlap="yes"), ["overlap"]),
+    (lambda c: opt_of(c, bucket_bytes=0), ["bucket_bytes"]),
+    (lambda c: opt_of(c, compression="zip"), ["compression='zip'"]),
+    (lambda c: opt_of(c).step([np.zeros((3, 4), np.float32)]), ["grads", "list of 2"]),
+    (lambda c: opt_of(c).step(np.zeros(3)), ["grads", "list of 2"]),
+    (lambda c: opt_of(c).step([np.zeros((3, 4), np.float32), np.zeros(6, np.float32)]),
+     ["grads[1]", "shape (6,)", "params[1]", "shape (5,)"]),
+    (lambda c: opt_of(c).step([np.zeros((3, 4), np.float64), np.zeros(5, np.float32)]),
+     ["grads[0]", "float64", "params[0]", "float32"]),
+    (lambda c: opt_of(c).grad_ready(2), ["grad_ready", "[0, 2)", "got 2"]),
+    (lambda c: opt_of(c).grad_ready(-1), ["grad_ready", "got -1"]),
+    (lambda c: [opt.grad_ready(1) for opt in [opt_of(c, overlap=False)] for _ in range(2)],
+     ["grad_ready(1)", "already"]),
+    (lambda c: setattr(opt_of(c), "lr", -0.1), ["lr", ">= 0", "-0.1"]),
+    (lambda c: setattr(opt_of(c), "lr", float("nan")), ["lr", "nan"]),
+    (lambda c: setattr(opt_of(c), "lr", "0.1"), ["lr", "'0.1'"]),
+    (lambda c: setattr(commlib.DistributedOptimizer(c, params_of(), lambda p, g: None),
+                       "lr", 0.1), ["lr", "no learning rate"]),
+    (lambda c: [(opt.step(), opt.state_dict()) for opt in [opt_of(c, accumulate=2)]],
+     ["state_dict", "1 of 2 micro-batches"]),
+])
+def test_argument_errors_name_the_argument_and_rank(n, make, fragments):
+    for rank, text in enumerate(errors_of(n, make)):
+        assert ("rank %d:" % rank) in text, text
+        for fragment in fragments:
+            assert fragment in text, (fragment, text)
+
+
+def test_a_rejected_step_changes_nothing():
+    def body(comm):
+        opt = opt_of(comm)
+        before = [p.copy() for p in opt.params]
+        with pytest.raises(ArgumentError):
+            opt.step([np.ones((3, 4), np.float32), np.ones(4, np.float32)])
+        assert all(np.array_equal(p, b) for p, b in zip(opt.params, before))
+        assert opt.steps == 0
+        opt.step([np.ones((3, 4), np.float32), np.ones(5, np.float32)])
+        return [p.copy() for p in opt.params], [b - 0.1 for b in before]
+    for got, want in run_ranks(2, body):
+        for g, w in zip(got, want):
+            np.testing.assert_allclose(g, w, rtol=1e-6)
+
+
+@pytest.mark.parametrize("make, fragment", [
+    (lambda: SGD(-1), "SGD: lr"), (lambda: SGD(math.inf), "SGD: lr"),
+    (lambda: SGD(0.1, momentum=-0.5), "momentum"), (lambda: SGD(0.1, nesterov=True),
+                                                    "nesterov=True needs momentum"),
+    (lambda: SGD(0.1, nesterov=1), "nesterov must be True or False"),
+    (lambda: SGD(0.1, weight_decay=-1), "weight_decay"),
+    (lambda: Adam(betas=(0.9, 1.0)), "betas[1]"), (lambda: Adam(betas=0.9), "betas"),
+    (lambda: Adam(eps=-1e-8), "eps"), (lambda: Adam(lr=None), "Adam: lr")])
+def test_rules_reject_bad_hyperparameters(make, fragment):
+    with pytest.raises(ArgumentError) as info:
+        make()
+    assert fragment in str(info.value)
+
+
+def test_lr_may_change_between_steps_and_zero_stops_training():
+    def body(comm):
+        opt = opt_of(comm)
+        opt.lr = 0
+        opt.step([np.ones((3, 4), np.float32), np.ones(5, np.float32)])
+        zero = [p.copy() for p in opt.params]
+        opt.rule.lr = 0.5
+        opt.step([np.ones((3, 4), np.float32), np.ones(5, np.float32)])
+        return zero, [p.copy() for p in opt.params], opt.lr
+    for zero, after, lr in run_ranks(2, body):
+        assert all((z == 0).all() for z in zero) and all((a == -0.5).all() for a in after)
+        assert lr == 0.5
+
+
+def test_grads_are_flat_views_like_params_per_dtype():
+    def body(comm):
+        params = [np.zeros(3, np.float32), np.zeros((2, 2)), np.zeros(4, np.float32),
+                  np.zeros((), np.float16)]
+        opt = commlib.DistributedOptimizer(comm, params, SGD(0.1))
+        return [(g.shape, g.dtype, g.base is not None, (g == 0).all()) for g in opt.grads], \
+            opt.grads[0].base is opt.grads[2].base
+    (layout, shared), = run_ranks(1, body)
+    assert [(s, d) for s, d, _, _ in layout] == [((3,), np.float32), ((2, 2), np.float64),
+                                                  ((4,), np.float32), ((), np.float16)]
+    assert all(view and zero for _, _, view, zero in layout) and shared
+
+
+def test_partial_compression_makes_step_a_partial_update():
+    """compression=Partial(f): step() updates locally and averages a window
+    of the parameters, the same as update_partial(fraction=f)."""
+    def body(comm):
+        runs = []
+        for use_step in (True, False):
+            params = [np.zeros(8, np.float32), np.zeros(2, np.float32)]
+            if not use_step:
+                params.append(np.zeros(1, np.float32))       # a layout (window count) of its own
+            opt = commlib.DistributedOptimizer(
+                comm, params, SGD(1.0), compression=Partial(0.5) if use_step else None)
+            g = [np.full(p.shape, comm.rank + 1.0, np.float32) for p in params]
+            opt.step(g) if use_step else opt.update_partial(g, fraction=0.5)
+            runs.append(np.concatenate(params))
+        return runs
+    for rank, (stepped, updated) in enumerate(run_ranks(2, body)):
+        # 10 values, windows of 5: the first five are the average -1.5, the rest -(rank+1)
+        want = np.array([-1.5] * 5 + [-(rank + 1.0)] * 5, np.float32)
+        assert np.array_equal(stepped, want), stepped
+        # 11 values, windows of 6
+        want = np.array([-1.5] * 6 + [-(rank + 1.0)] * 5, np.float32)
+        assert np.array_equal(updated, want), updated
+
+
+def test_stats_count_steps_time_and_bytes():
+    def body(comm):
+        opt = opt_of(comm)
+        for _ in range(3):
+            opt.step([np.ones((3, 4), np.float32), np.ones(5, np.float32)])
+        return opt.stats
+    for stats in run_ranks(2, body):
+        assert stats["steps"] == 3 and stats["comm_seconds"] > 0
+        if hasattr(commlib, "CommStats"):
+            assert stats["bytes_sent"] == 3 * 17 * 4, stats
