@@ -1,0 +1,362 @@
+"""Cooperative host build of ``kernels/*.cu`` (see ``tests/cuda_host/``).
+
+``build()`` compiles every kernel source with g++ against
+``tests/cuda_host/coop_cuda.h`` into one ctypes library (objects cached per
+session by content, so a patched copy of one source recompiles only what
+changed) and returns a :class:`HostKernels`, which launches any kernel by
+name with every CUDA thread a fiber. :class:`HostCupy` stands in for cupy
+(arrays in host memory with red zones, ``RawKernel`` launches through the
+host build) so the real wrappers in ``commlib.ops`` run end to end.
+"""
+import atexit
+import collections
+import concurrent.futures
+import ctypes
+import hashlib
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import types
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parent.parent
+KERNELS = ROOT / "kernels"
+HOST_DIR = Path(__file__).resolve().parent / "cuda_host"
+GXX = shutil.which("g++")
+OBJCOPY = shutil.which("objcopy")
+INSTRUMENT = ["-fsanitize=kernel-address", "--param", "asan-instrumentation-with-call-threshold=0",
+              "--param", "asan-stack=0", "--param", "asan-globals=0"]
+CXXFLAGS = ["-std=c++17", "-O1", "-fPIC", "-ffp-contract=off", "-fno-strict-aliasing",
+            "-fno-exceptions", "-Werror", "-I", str(HOST_DIR)]
+
+_session_dir = None
+_libraries = {}
+
+
+class KernelFault(AssertionError):
+    """The host build reported errors (out-of-bounds or misaligned access,
+    barrier or warp-collective misuse, deadlock, endless spin)."""
+
+
+class Schedule(collections.namedtuple("Schedule", "name order resident policy p_yield seed")):
+    """How a launch is run. order: blocks start ascending (0), descending (1)
+    or in a seeded random order (2); resident: blocks running at once (1:
+    one after another); policy: threads of a block run round robin (0), in
+    reverse (1) or at random (2); p_yield: chance that a shared/global access,
+    atomic or fence switches to another thread (1.0: every access, close to
+    lockstep)."""
+    __slots__ = ()
+
+
+ALL = 1 << 20  # every block of the grid resident
+SCHEDULES = (
+    Schedule("ascending", 0, 1, 0, 0.0, 1),
+    Schedule("descending", 1, 1, 1, 0.0, 2),
+    Schedule("random", 2, 1, 2, 0.02, 3),
+    Schedule("concurrent", 2, ALL, 2, 0.05, 4),
+    Schedule("lockstep", 0, ALL, 0, 1.0, 5),
+)
+
+
+class _Region(ctypes.Structure):
+    _fields_ = [("lo", ctypes.c_uint64), ("hi", ctypes.c_uint64), ("name", ctypes.c_char_p)]
+
+
+class _Config(ctypes.Structure):
+    _fields_ = [("order", ctypes.c_int), ("resident", ctypes.c_int), ("policy", ctypes.c_int),
+                ("p_yield", ctypes.c_double), ("seed", ctypes.c_uint64),
+                ("spin_limit", ctypes.c_longlong), ("op_limit", ctypes.c_longlong)]
+
+
+def kernel_names(source, text):
+    """Kernels of ``kernels/<source>``: the wrappers' lists for the macro-made
+    cast and pack kernels, the ``extern "C" __global__`` definitions otherwise."""
+    from commlib.ops import _pack_cuda, cast
+    if source == "cast.cu":
+        return cast.KERNEL_NAMES
+    if source == "pack.cu":
+        return _pack_cuda.KERNEL_NAMES
+    return tuple(re.findall(r'extern "C" __global__ void(?: __launch_bounds__\([^)]*\))?\s+(\w+)\(',
+                            text))
+
+
+def _work_dir():
+    global _session_dir
+    if _session_dir is None:
+        _session_dir = Path(tempfile.mkdtemp(prefix="coop-cuda-"))
+        atexit.register(shutil.rmtree, _session_dir, True)
+    return _session_dir
+
+
+def _compile(unit, obj, flags, kernel_unit):
+    """Compile ``unit``; a kernel unit's .bss (its __shared__ statics, nothing
+    else) becomes section coop_shared, which the runtime swaps per block."""
+    if obj.exists():
+        return None
+    tmp = obj.with_suffix(".tmp.o")
+    steps = [[GXX, *flags, "-c", str(unit), "-o", str(tmp)]]
+    if kernel_unit:
+        steps.append([OBJCOPY, "--rename-section", ".bss=coop_shared", str(tmp)])
+    for cmd in steps:
+        res = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+        if res.returncode != 0:
+            return "%s:\n%s" % (unit.name, res.stderr[-6000:])
+    tmp.rename(obj)
+    return None
+
+
+def build(patches=None):
+    """The host build of ``kernels/`` with ``patches`` applied to a copy:
+    ``{file name: [(old, new), ...]}`` text substitutions (each ``old`` must
+    occur). Cached per session and per patch set."""
+    if GXX is None or OBJCOPY is None:
+        raise RuntimeError("g++ and objcopy are needed on PATH")
+    key = repr(sorted((patches or {}).items()))
+    if key in _libraries:
+        return _libraries[key]
+    work = _work_dir()
+    texts = {p.name: p.read_text() for p in sorted(KERNELS.glob("*.cu*"))}
+    for name, subs in (patches or {}).items():
+        for old, new in subs:
+            if old not in texts[name]:
+                raise ValueError("%s: patch text %r not found" % (name, old))
+            texts[name] = texts[name].replace(old, new)
+    digest = hashlib.sha1(key.encode()).hexdigest()[:12]
+    src = work / ("src-" + digest)
+    src.mkdir(exist_ok=True)
+    for name, text in texts.items():
+        (src / name).write_text(text)
+    header = (HOST_DIR / "coop_cuda.h").read_text()
+    headers = "".join(texts[n] for n in sorted(texts) if n.endswith(".cuh"))
+    jobs = []
+    runtime = HOST_DIR / "coop_runtime.cpp"
+    runtime_key = hashlib.sha1((header + runtime.read_text()).encode()).hexdigest()
+    jobs.append((runtime, work / ("runtime-%s.o" % runtime_key[:16]), CXXFLAGS, False))
+    for name in sorted(n for n in texts if n.endswith(".cu")):
+        regs = "".join("COOP_REGISTER(%s)\n" % k for k in kernel_names(name, texts[name]))
+        unit_text = ('#include "coop_cuda.h"\nnamespace {\n#include "%s"\n}  // namespace\n%s'
+                     % (src / name, regs))
+        h = hashlib.sha1((header + headers + texts[name] + unit_text.replace(str(src), ""))
+                         .encode()).hexdigest()[:16]
+        unit = work / ("%s-%s.cpp" % (Path(name).stem, h))
+        unit.write_text(unit_text)
+        jobs.append((unit, work / ("%s-%s.o" % (Path(name).stem, h)), CXXFLAGS + INSTRUMENT, True))
+    with concurrent.futures.ThreadPoolExecutor(max_workers=len(jobs)) as pool:
+        errors = [e for e in pool.map(lambda j: _compile(*j), jobs) if e]
+    if errors:
+        raise RuntimeError("host build failed:\n" + "\n".join(errors))
+    lib = work / ("coop-%s.so" % digest)
+    res = subprocess.run([GXX, "-shared", "-Wl,-Bsymbolic", "-Wl,--no-undefined", "-o", str(lib)]
+                         + [str(job[1]) for job in jobs], capture_output=True, text=True,
+                         timeout=600)
+    if res.returncode != 0:
+        raise RuntimeError("host link failed:\n" + res.stderr[-6000:])
+    _libraries[key] = HostKernels(ctypes.CDLL(str(lib)))
+    return _libraries[key]
+
+
+def _address(a):
+    return a.__array_interface__["data"][0]
+
+
+class HostKernels:
+    """Kernels of one host build, launched by name."""
+
+    def __init__(self, lib):
+        self.lib = lib
+        lib.coop_launch.argtypes = [ctypes.c_char_p, ctypes.c_uint, ctypes.c_uint,
+                                    ctypes.POINTER(ctypes.c_uint64), ctypes.c_int,
+                                    ctypes.POINTER(_Region), ctypes.c_int,
+                                    ctypes.POINTER(_Config)]
+        lib.coop_errors.restype = ctypes.c_char_p
+        lib.coop_signature.restype = ctypes.c_char_p
+        lib.coop_signature.argtypes = [ctypes.c_char_p]
+        lib.coop_kernels.restype = ctypes.c_char_p
+        self.names = frozenset(lib.coop_kernels().decode().split())
+
+    def signature(self, name):
+        sig = self.lib.coop_signature(name.encode())
+        if sig is None:
+            raise KeyError("no kernel %r in the host build" % name)
+        return sig.decode()
+
+    def launch(self, name, grid, block, args, schedule=SCHEDULES[0], regions=(),
+               spin_limit=2_000_000, op_limit=400_000_000):
+        """Run kernel ``name`` over ``grid`` blocks of ``block`` threads (ints
+        or 1-tuples). Array arguments (numpy arrays or their subclasses) pass
+        their address and become the regions the kernel may touch, with the
+        extra ``regions`` ((lo, hi, name) byte ranges). Raises KernelFault
+        with the host build's messages."""
+        grid = int(grid[0] if isinstance(grid, tuple) else grid)
+        block = int(block[0] if isinstance(block, tuple) else block)
+        sig = self.signature(name)
+        if len(args) != len(sig):
+            raise TypeError("%s takes %d arguments, got %d" % (name, len(sig), len(args)))
+        slots = (ctypes.c_uint64 * max(1, len(sig)))()
+        spans = list(regions)
+        for i, (kind, a) in enumerate(zip(sig, args)):
+            if kind == "p":
+                if not isinstance(a, np.ndarray):
+                    raise TypeError("%s argument %d: expected an array, got %r" % (name, i, a))
+                slots[i] = _address(a)
+                spans.append((_address(a), _address(a) + a.nbytes, "argument %d" % i))
+            elif kind == "f":
+                if not isinstance(a, np.float32):
+                    raise TypeError("%s argument %d: expected np.float32, got %r" % (name, i, a))
+                slots[i] = int(np.asarray(a).view(np.uint32))
+            else:
+                if isinstance(a, (np.ndarray, float, np.floating)):
+                    raise TypeError("%s argument %d: expected an integer, got %r" % (name, i, a))
+                slots[i] = int(a) & 0xFFFFFFFFFFFFFFFF
+        names = [s[2].encode() for s in spans]
+        table = (_Region * max(1, len(spans)))(
+            *[_Region(lo, hi, n) for (lo, hi, _), n in zip(spans, names)])
+        cfg = _Config(schedule.order, min(schedule.resident, 1 << 20), schedule.policy,
+                      schedule.p_yield, schedule.seed, spin_limit, op_limit)
+        rc = self.lib.coop_launch(name.encode(), grid, block, slots, len(sig), table, len(spans),
+                                  ctypes.byref(cfg))
+        if rc != 0:
+            raise KernelFault("%s [%s schedule, grid %d x %d]: %s"
+                              % (name, schedule.name, grid, block,
+                                 self.lib.coop_errors().decode(errors="replace") or rc))
+
+
+# ---------------------------------------------------------------- cupy stand-in
+
+RED_ZONE = 512  # bytes of padding on each side of an allocation
+
+
+def _pack_segments(kernel, table, nseg):
+    """(lo, hi, name) byte ranges of the arrays a pack.cu segment table names."""
+    m = re.match(r"(un)?pack_(?:raw(\d)|(\w+?)_(\w+?)(?:_acc)?)$", kernel)
+    if m.group(2):
+        unit = int(m.group(2))
+    else:
+        fmt = m.group(4) if m.group(1) else m.group(3)
+        unit = 4 if fmt == "f32" else 2
+    t = np.asarray(table).view(np.int64)
+    return [(int(t[s]), int(t[s]) + unit * int(t[2 * nseg + s]), "segment %d" % s)
+            for s in range(nseg)]
+
+
+class HostCupy:
+    """A ``cupy`` module for the wrappers: ``ndarray`` (numpy subclass in host
+    memory, allocations 256-byte aligned between red zones), ``empty``,
+    ``zeros``, ``asarray``, ``cuda`` (one device, ``sm_count`` SMs) and
+    ``RawKernel`` launches through ``kernels`` under ``schedule``. Each
+    launch is logged in ``launches`` as (name, grid, block, args)."""
+
+    def __init__(self, kernels, schedule=SCHEDULES[0], sm_count=2):
+        self.kernels = kernels
+        self.schedule = schedule
+        self.sm_count = sm_count
+        self.launches = []
+        self.module = self._make_module()
+
+    def _make_module(self):
+        host = self
+
+        class ndarray(np.ndarray):
+            @property
+            def data(self):
+                return types.SimpleNamespace(ptr=_address(self))
+
+            @property
+            def device(self):
+                return _Device(0)
+
+            def get(self):
+                return np.array(self)
+
+        ndarray.__module__ = "cupy"
+
+        def empty(shape, dtype=np.float32):
+            dtype = np.dtype(dtype)
+            n = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+            raw = np.full(n + 2 * RED_ZONE + 256, 0xFB, np.uint8)
+            start = RED_ZONE + (-(_address(raw) + RED_ZONE)) % 256
+            return raw[start:start + n].view(dtype).reshape(shape).view(ndarray)
+
+        def zeros(shape, dtype=np.float32):
+            a = empty(shape, dtype)
+            a[...] = 0
+            return a
+
+        def asarray(a, dtype=None):
+            src = np.asarray(a, dtype=dtype)
+            out = empty(src.shape, src.dtype)
+            out[...] = src
+            return out
+
+        class RawKernel:
+            def __init__(self, code=None, name=None, **kwargs):
+                self.name = name
+
+            def __call__(self, grid, block, args, shared_mem=0, **kwargs):
+                if shared_mem:
+                    raise NotImplementedError("dynamic shared memory is not modelled")
+                regions = []
+                if re.match(r"(un)?pack_", self.name):
+                    regions = _pack_segments(self.name, args[0], int(args[1]))
+                host.launches.append((self.name, grid, block, args))
+                host.kernels.launch(self.name, grid, block, args, host.schedule, regions)
+
+        class _Stream:
+            def synchronize(self):
+                pass
+
+        props = {"multiProcessorCount": self.sm_count, "maxThreadsPerMultiProcessor": 2048,
+                 "name": b"cooperative host build", "major": 0, "minor": 0}
+        cuda = types.SimpleNamespace(
+            Device=_Device, get_current_stream=lambda: _Stream(),
+            runtime=types.SimpleNamespace(getDevice=lambda: 0, getDeviceCount=lambda: 1,
+                                          getDeviceProperties=lambda i: dict(props)))
+        mod = types.ModuleType("cupy")
+        mod.__dict__.update(ndarray=ndarray, empty=empty, zeros=zeros, asarray=asarray,
+                            RawKernel=RawKernel, cuda=cuda, __version__="coop-host",
+                            asnumpy=np.array)
+        for t in ("float16", "float32", "float64", "int8", "int16", "int32", "int64", "uint8",
+                  "uint16", "uint32", "uint64", "bool_"):
+            setattr(mod, t, getattr(np, t))
+        self.props = props
+        return mod
+
+    def get_function(self, source, name, options=()):
+        if name not in self.kernels.names:
+            raise KeyError("%s: no kernel %r in the host build" % (source, name))
+        return self.module.RawKernel(None, name)
+
+    def install(self, monkeypatch):
+        """Make ``import cupy`` and commlib's kernel loader use this stand-in
+        for the rest of the test (``monkeypatch`` undoes it)."""
+        from commlib.ops import _loader, _pack_cuda
+        monkeypatch.setitem(sys.modules, "cupy", self.module)
+        monkeypatch.setattr(_loader, "get_function", self.get_function)
+        monkeypatch.setattr(_loader, "_device_props", lambda device_id: self.props)
+        # the pack wrapper caches device tables and launch plans by address
+        monkeypatch.setattr(_pack_cuda, "_tables", collections.OrderedDict())
+        monkeypatch.setattr(_pack_cuda, "_prepared", type(_pack_cuda._prepared)(
+            _pack_cuda.TABLE_CACHE_SIZE))
+        monkeypatch.setattr(_pack_cuda, "_dummy_counters", {})
+        return self.module
+
+
+class _Device:
+    def __init__(self, id=0):
+        self.id = int(id)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+    def use(self):
+        pass
+
+    def synchronize(self):
+        pass
