@@ -10,6 +10,9 @@ from . import compression, errors
 from .bootstrap import NcclId
 from .bucketing import flat_arrays
 from .communicator import Communicator
+from .overlap import BackwardReducer
+from .stats import CommStats
+from .work import Work
 from .errors import (ArgumentError, ArrayTypeError, BackendUnavailableError, ClosedError,
                      CollectiveTimeoutError, CommlibError, ConsistencyError,
                      DeviceMismatchError, NonFiniteError, PayloadError, PeerError,
@@ -51,6 +54,7 @@ def init(**options):
 
 
 __all__ = ["Communicator", "NcclId", "init", "flat_arrays", "compression", "errors",
+           "Work", "CommStats", "BackwardReducer",
            "optim", "DistributedOptimizer", "broadcast_parameters", "check_parameters",
            "partition", "ArgumentError", "ArrayTypeError",
            "BackendUnavailableError", "ClosedError", "CollectiveTimeoutError",

@@ -37,8 +37,10 @@ from .board_exchange import ExchangeBoard
 from .bootstrap import NcclId
 from .errors import (ArgumentError, BackendUnavailableError, ClosedError, CommlibError,
                      ConsistencyError, NonFiniteError, PayloadError)
-from .ops._arrays import array_module
+from .ops._arrays import array_module, is_cupy
+from .stats import CommStats, CountingTransport
 from .waiting import Wait
+from .work import GpuOrder, Progress
 
 _ABORT_DRAIN_S = 0.25   # seconds between printing the traceback and MPI_Abort
 #: errors a collective raises alike on every rank, after which it stays usable
@@ -136,6 +138,13 @@ class Communicator:
         #: every transport, the one in front of another first
         self._transports = [t for t in (shm_transport, nccl_transport, mpi_transport,
                                         local_transport) if t is not None]
+        self._stats = CommStats()
+        #: what collectives call: each transport behind a front counting its bytes
+        self._counted = {id(t): CountingTransport(t, self._stats) for t in self._transports}
+        self._progress = None     # the queue of asynchronous collectives, made on first use
+        self._side = None         # the side stream of asynchronous GPU collectives
+        #: run asynchronous collectives on a thread (None: decide, see _threaded())
+        self.async_threaded = None
         self._bucket_bytes = options["bucket_bytes"]
         self._check = options["check"]
         self._timeout = options["timeout"]
@@ -316,14 +325,22 @@ class Communicator:
         """The watch dog's deadline per collective, in seconds (None: off)."""
         return self._timeout
 
+    @property
+    def stats(self):
+        """This rank's :class:`commlib.CommStats`: bytes handed to the
+        transports, collectives entered, seconds blocked in them."""
+        return self._stats
+
     # -- plumbing ------------------------------------------------------------------
     def _transport(self, kind):
         """The transport for arrays of ``kind``: cupy arrays over NCCL, else
         MPI; numpy arrays through shared memory (one node), else MPI, else
         NCCL (staged); a single process's own."""
         if kind == "cupy":
-            return self._nccl or self._mpi or self._local
-        return self._shm or self._mpi or self._nccl or self._local
+            found = self._nccl or self._mpi or self._local
+        else:
+            found = self._shm or self._mpi or self._nccl or self._local
+        return self._counted[id(found)]
 
     def _bucket_bytes_for(self, transport):
         return self._bucket_bytes or bucketing.DEFAULT_BUCKET_BYTES[transport.name]
@@ -336,6 +353,63 @@ class Communicator:
                               "earlier failure: %s" % (self._rank, name, self._failure),
                               culprits=getattr(self._failure, "culprits", ()))
 
+    def _issue(self, name, run, args, async_op=False, arrays=None):
+        """Execute collective ``name`` (``run(*args)``, on ``arrays``): inline
+        when nothing is queued, else after the queued ones; ``async_op``:
+        queue it and return its Work."""
+        if async_op is not True and async_op is not False:
+            raise ArgumentError("rank %d: %s: async_op must be True or False, got %r"
+                                % (self._rank, name, async_op))
+        progress = self._progress
+        if not async_op and (progress is None or progress.idle()):
+            start = time.perf_counter()
+            try:
+                return run(*args)
+            finally:
+                self._stats.add_blocked(time.perf_counter() - start)
+        self._usable(name)
+        if progress is None:
+            progress = self._progress = self._start_progress()
+        gpu = self._gpu_order(arrays)
+        call = (lambda: run(*args)) if gpu is None else (lambda: gpu.run(lambda: run(*args)))
+        work = progress.submit(call, arrays, gpu)
+        return work if async_op else work.wait()
+
+    def _start_progress(self):
+        me = weakref.ref(self)
+
+        def interrupted(exc):
+            comm = me()
+            if comm is not None and comm._failure is None:
+                comm._fail(exc)
+
+        return Progress(self._stats, self._threaded(), interrupted,
+                        name="commlib-progress-rank%d" % self._rank)
+
+    def _threaded(self):
+        """Whether asynchronous collectives run on a progress thread: unless
+        :attr:`async_threaded` says otherwise, when there is no MPI
+        transport or MPI provides ``MPI_THREAD_MULTIPLE`` (else they run
+        deferred, when waited for)."""
+        if self.async_threaded is not None:
+            return bool(self.async_threaded)
+        if self._mpi is None:
+            return True
+        from .transport.mpi import mpi
+        MPI = mpi()
+        return MPI.Query_thread() >= MPI.THREAD_MULTIPLE
+
+    def _gpu_order(self, arrays):
+        """A GpuOrder when ``arrays`` (an array or a list) hold cupy arrays."""
+        items = arrays if isinstance(arrays, (list, tuple)) else [arrays]
+        if self._device is None or arrays is None or not any(is_cupy(a) for a in items):
+            return None
+        import cupy
+        if self._side is None:
+            with cupy.cuda.Device(self._device):
+                self._side = cupy.cuda.Stream(non_blocking=True)
+        return GpuOrder(cupy, self._device, self._side)
+
     def _begin(self, name, params, checks, layout=lambda: ([], None), timeout=None):
         """Start collective ``name``: run ``checks()`` (returns the array
         kind; raises CommlibError for bad arguments), then, when the check is
@@ -345,6 +419,7 @@ class Communicator:
         replaces the watch dog's deadline. Returns (kind, wait) or raises,
         on every rank alike when the check is on."""
         self._usable(name)
+        self._stats.add_collective()
         error = kind = None
         try:
             kind = checks()
@@ -461,20 +536,29 @@ class Communicator:
         return found
 
     # -- collectives -----------------------------------------------------------------
-    def all_reduce(self, arrays, op="sum", division=False, compression=None):
+    def all_reduce(self, arrays, op="sum", division=False, compression=None, async_op=False):
         """Reduce ``arrays`` (one array or a list) over all ranks, in place.
 
         ``op``: ``"sum"``, ``"avg"``, ``"max"``, ``"min"`` or ``"prod"``;
         ``division=True`` divides the sum by ``size`` (same as ``"avg"``).
         ``compression``: None, ``"fp16"`` or ``"bf16"`` (float32 arrays
         travel as float16 / bfloat16, see :mod:`commlib.compression.half`) or a
-        :class:`~commlib.compression.Compression`. Returns ``arrays``.
+        :class:`~commlib.compression.Compression`. Returns ``arrays``; with
+        ``async_op=True`` a :class:`commlib.Work` at once, whose ``wait()``
+        returns them (see :mod:`commlib.work`): the arrays belong to it
+        until then, and every error, argument errors included, raises from
+        ``wait()``.
         """
-        return self._reduce("all_reduce", arrays, None, op, division, compression)
+        return self._issue("all_reduce", self._reduce, ("all_reduce", arrays, None, op,
+                                                        division, compression),
+                           async_op, arrays)
 
     def broadcast(self, arrays, root=0):
         """Copy ``arrays`` of rank ``root`` into every rank's ``arrays``, in place.
         Returns ``arrays``."""
+        return self._issue("broadcast", self._broadcast, (arrays, root), arrays=arrays)
+
+    def _broadcast(self, arrays, root):
         is_root = self._rank == root
         items, key, prepared = [], None, None
 
@@ -503,7 +587,8 @@ class Communicator:
     def reduce(self, arrays, root=0, op="sum", division=False):
         """Reduce ``arrays`` into rank ``root``'s arrays, in place; other
         ranks' arrays are left unchanged. Returns ``arrays``."""
-        return self._reduce("reduce", arrays, root, op, division)
+        return self._issue("reduce", self._reduce, ("reduce", arrays, root, op, division),
+                           arrays=arrays)
 
     def _reduce(self, name, arrays, root, op, division, compression=None):
         """all_reduce (``root=None``: every rank receives) or reduce to ``root``."""
@@ -555,6 +640,9 @@ class Communicator:
     def all_gather(self, array):
         """Every rank's ``array``, stacked: a new array of shape
         ``(size, *array.shape)``, same kind and dtype."""
+        return self._issue("all_gather", self._all_gather, (array,), arrays=array)
+
+    def _all_gather(self, array):
         def checks():
             self._one_array("all_gather", array)
             return self._array_checks([array], writeable=False)
@@ -573,6 +661,9 @@ class Communicator:
         """Reduce ``array`` (flattened) over all ranks and return this rank's
         block: a new 1-D array of ``array.size // size`` elements (block r
         goes to rank r). ``array.size`` must be a multiple of ``size``."""
+        return self._issue("reduce_scatter", self._reduce_scatter, (array, op), arrays=array)
+
+    def _reduce_scatter(self, array, op):
         averaging = op == "avg"
 
         def checks():
@@ -604,6 +695,9 @@ class Communicator:
         """Every rank's 1-D ``array`` (lengths may differ), concatenated in
         rank order. Returns ``(values, counts)``: a new 1-D array and the
         int64 numpy array of per-rank lengths."""
+        return self._issue("all_gatherv", self._all_gatherv, (array,), arrays=array)
+
+    def _all_gatherv(self, array):
         def checks():
             self._one_array("all_gatherv", array)
             kind = self._array_checks([array], writeable=False)
@@ -630,6 +724,9 @@ class Communicator:
         """Block until every rank has called barrier. ``timeout`` (seconds)
         replaces the watch dog's deadline for this call; every rank must
         pass the same."""
+        return self._issue("barrier", self._barrier, (timeout,))
+
+    def _barrier(self, timeout):
         own = None
         if timeout is not None:
             try:
@@ -662,8 +759,10 @@ class Communicator:
     def _close(self, reason):
         if self._closed:
             return
-        board, failed = self._board, self._failure is not None
         try:
+            if self._progress is not None:
+                self._progress.drain()        # outstanding asynchronous collectives
+            board, failed = self._board, self._failure is not None
             if board is not None and not failed:
                 board.leave(self._seq, reason)
                 deadline = None if self._timeout is None else time.monotonic() + self._timeout
@@ -683,6 +782,8 @@ class Communicator:
         """Free this rank's resources; never waits for the other ranks."""
         self._closed = True
         _live.discard(self)
+        if not self._quiesce():
+            return        # a collective still runs on the progress thread: keep its memory
         self._fusion.clear()
         for transport in self._transports:
             transport.close()
@@ -690,6 +791,19 @@ class Communicator:
             self._board = None
             self._segment.close()
             self._segment = None
+
+    def _quiesce(self):
+        """End the progress thread: queued collectives fail with ClosedError,
+        the one executing is interrupted (as by Ctrl-C). Returns whether it
+        is idle (it stops within milliseconds, its waits return to Python
+        often)."""
+        progress = self._progress
+        if progress is None:
+            return True
+        progress.stop()
+        progress.cancel_queued(ClosedError("rank %d: the communicator was closed before this "
+                                           "collective started" % self._rank))
+        return progress.interrupt()
 
     def __enter__(self):
         return self

@@ -10,6 +10,7 @@ deadline passed or a peer left or died (Python runs signal handlers between
 polls too, so Ctrl-C ends a wait).
 """
 import os
+import threading
 import time
 
 from .errors import CollectiveTimeoutError
@@ -19,6 +20,39 @@ from .errors import CollectiveTimeoutError
 CHECK_EVERY_S = 0.02
 _POLLS_PER_CLOCK = 64
 _SPINS = 2000             # polls of a word before each further poll yields the CPU
+#: relaxed waits: polls back to back before sleeping, the first and the
+#: longest sleep between polls (seconds)
+RELAXED_SPINS = 32
+RELAXED_SLEEP_S = (2e-5, 5e-4)
+_thread = threading.local()
+
+
+def set_relaxed(flag):
+    """Make this thread's waits relaxed (``flag`` True): after a few polls
+    they sleep between polls, with backoff, instead of spinning, so a
+    progress thread leaves the CPU (and the GIL) to the thread computing."""
+    _thread.relaxed = bool(flag)
+
+
+def relaxed():
+    """Whether this thread's waits are relaxed (see :func:`set_relaxed`)."""
+    return getattr(_thread, "relaxed", False)
+
+
+class Backoff:
+    """Sleeps of a relaxed wait: none for the first :data:`RELAXED_SPINS`
+    calls, then from ``RELAXED_SLEEP_S[0]`` doubling to ``[1]`` seconds."""
+
+    __slots__ = ("_calls", "_sleep")
+
+    def __init__(self):
+        self._calls, self._sleep = 0, RELAXED_SLEEP_S[0]
+
+    def pause(self):
+        self._calls += 1
+        if self._calls > RELAXED_SPINS:
+            time.sleep(self._sleep)
+            self._sleep = min(self._sleep * 2, RELAXED_SLEEP_S[1])
 
 
 class Wait:
@@ -61,13 +95,20 @@ FOREVER = Wait()
 
 def poll(done, wait):
     """Call ``done()`` until it returns True, checking ``wait`` every
-    :data:`CHECK_EVERY_S` seconds."""
+    :data:`CHECK_EVERY_S` seconds; relaxed (:func:`relaxed`) with sleeps
+    between polls."""
     clock = time.monotonic
     next_check = clock() + CHECK_EVERY_S
     polls = 0
+    backoff = Backoff() if relaxed() else None
     while not done():
         polls += 1
-        if polls % _POLLS_PER_CLOCK == 0 and clock() >= next_check:
+        if backoff is not None:
+            backoff.pause()
+            if clock() >= next_check:
+                wait.check()
+                next_check = clock() + CHECK_EVERY_S
+        elif polls % _POLLS_PER_CLOCK == 0 and clock() >= next_check:
             wait.check()
             next_check = clock() + CHECK_EVERY_S
 

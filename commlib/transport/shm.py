@@ -188,11 +188,14 @@ class SharedMemoryReducer:
         if ext is None:
             flags[self.rank * stride] = seq
         first = True
+        # relaxed (a progress thread): one short spin per call, sleeps between
+        backoff = waiting.Backoff() if waiting.relaxed() else None
+        next_check = time.monotonic() + waiting.CHECK_EVERY_S
         while True:
             if ext is not None:      # spins in C, without the GIL
                 found = ext.wait_flags(flags, self.rank, self.size, stride, seq, first,
-                                       wait.deadline, waiting.CHECK_EVERY_S, gone, gone_stride,
-                                       wait.seq)
+                                       0.0 if backoff else wait.deadline,
+                                       waiting.CHECK_EVERY_S, gone, gone_stride, wait.seq)
                 first = False
             else:
                 found = waiting.spin_py(flags[:self.size * stride:stride], seq,
@@ -203,6 +206,11 @@ class SharedMemoryReducer:
                 return
             if found <= -2:
                 board.check_peers(wait.seq, wait.what, [-2 - found])
+            if backoff is not None:
+                backoff.pause()
+                if time.monotonic() < next_check:
+                    continue
+                next_check = time.monotonic() + waiting.CHECK_EVERY_S
             late = [r for r in range(self.size) if flags[r * stride] < seq]
             wait.check(late)
 

@@ -1,0 +1,133 @@
+"""Overlapping the gradient all-reduce with the backward pass:
+:class:`BackwardReducer`, PyTorch DDP's reducer for custom loops.
+
+The backward pass produces gradients from the last layer to the first.
+The reducer groups the gradient arrays into buckets of consecutive arrays
+taken in that (reverse) order, one dtype per bucket, up to ``bucket_bytes``;
+as soon as every array of a bucket is final (:meth:`BackwardReducer.ready`)
+and every earlier bucket has started, the bucket's asynchronous all-reduce
+starts, so the communication of the last layers runs while the first
+layers still compute. Buckets start strictly in bucket order on every rank,
+so the ranks issue the same collectives in the same order however their
+``ready`` calls interleave.
+"""
+import numbers
+
+from .errors import ArgumentError
+from .ops._arrays import is_cupy
+
+
+def backward_buckets(grads, bucket_bytes):
+    """Lists of indices into ``grads`` (arrays with ``dtype`` and ``nbytes``):
+    consecutive arrays from the last to the first, a new bucket whenever the
+    dtype changes or the next array would take it past ``bucket_bytes``
+    (an array larger than that is a bucket of its own). Each bucket's
+    indices are ascending, so views of one buffer (:func:`commlib.flat_arrays`)
+    stay consecutive and are reduced where they lie."""
+    buckets, current, dtype, filled = [], [], None, 0
+    for i in range(len(grads) - 1, -1, -1):
+        a = grads[i]
+        if current and (a.dtype != dtype or filled + a.nbytes > bucket_bytes):
+            buckets.append(current[::-1])
+            current, filled = [], 0
+        current.append(i)
+        dtype, filled = a.dtype, filled + a.nbytes
+    if current:
+        buckets.append(current[::-1])
+    return buckets
+
+
+class BackwardReducer:
+    """Bucketed asynchronous all-reduce of ``grads`` over ``comm`` during
+    the backward pass.
+
+    ``grads``: list of persistent gradient arrays (numpy or cupy, in
+    parameter order) that the backward pass writes into each step.
+    ``bucket_bytes`` (bytes; default the communicator's ``bucket_bytes``,
+    else its transport's default, see :mod:`commlib.bucketing`), ``op`` and
+    ``compression`` as for :meth:`Communicator.all_reduce`.
+
+    Each step: :meth:`ready` for every index as its gradient becomes final,
+    then :meth:`wait`. Results are bit-identical to
+    ``comm.all_reduce([grads[j] for j in bucket], op=op, compression=compression)``
+    called bucket by bucket, for ``bucket`` in :attr:`buckets`.
+    """
+
+    def __init__(self, comm, grads, bucket_bytes=None, op="avg", compression=None):
+        rank = comm.rank
+        if not isinstance(grads, (list, tuple)):
+            raise ArgumentError("rank %d: BackwardReducer: grads must be a list of arrays, got "
+                                "%s" % (rank, type(grads).__name__))
+        for i, a in enumerate(grads):
+            if not (hasattr(a, "dtype") and hasattr(a, "nbytes")):
+                raise ArgumentError("rank %d: BackwardReducer: grads[%d] is not an array: %s"
+                                    % (rank, i, type(a).__name__))
+        if bucket_bytes is None:
+            kind = "cupy" if grads and is_cupy(grads[0]) else "numpy"
+            bucket_bytes = comm._bucket_bytes_for(comm._transport(kind))
+        elif (isinstance(bucket_bytes, bool) or not isinstance(bucket_bytes, numbers.Integral)
+              or bucket_bytes < 1):
+            raise ArgumentError("rank %d: BackwardReducer: bucket_bytes must be a positive int "
+                                "(bytes), got %r" % (rank, bucket_bytes))
+        self.comm, self.grads = comm, list(grads)
+        self.op, self.compression = op, compression
+        self.bucket_bytes = int(bucket_bytes)
+        self._buckets = backward_buckets(self.grads, self.bucket_bytes)
+        self._lists = [[self.grads[j] for j in b] for b in self._buckets]   # reused each step
+        self._bucket_of = [0] * len(self.grads)
+        for k, bucket in enumerate(self._buckets):
+            for j in bucket:
+                self._bucket_of[j] = k
+        self._reset()
+
+    @property
+    def buckets(self):
+        """The buckets, in the order they start: lists of indices into grads
+        (ascending within a bucket; the first bucket holds the last arrays)."""
+        return [list(b) for b in self._buckets]
+
+    def _reset(self):
+        self._is_ready = bytearray(len(self.grads))
+        self._missing = [len(b) for b in self._buckets]
+        self._works = []
+
+    def ready(self, i):
+        """``grads[i]`` holds its final value for this step; starts every
+        bucket, in order, whose arrays are all ready."""
+        rank = self.comm.rank
+        if isinstance(i, bool) or not isinstance(i, numbers.Integral) \
+                or not 0 <= i < len(self.grads):
+            raise ArgumentError("rank %d: BackwardReducer.ready: index must be an int in "
+                                "[0, %d), got %r" % (rank, len(self.grads), i))
+        if self._is_ready[i]:
+            raise ArgumentError("rank %d: BackwardReducer.ready(%d) called twice in one step"
+                                % (rank, i))
+        self._is_ready[i] = 1
+        self._missing[self._bucket_of[i]] -= 1
+        self._start(lambda k: self._missing[k] == 0)
+
+    def _start(self, may_start):
+        """Start the next buckets in order while ``may_start(k)``."""
+        works = self._works
+        while len(works) < len(self._buckets) and may_start(len(works)):
+            works.append(self.comm.all_reduce(self._lists[len(works)], op=self.op,
+                                              compression=self.compression, async_op=True))
+
+    def wait(self):
+        """Start the buckets not started yet (in order), wait for every one
+        and return ``grads``, reduced in place; ready for the next step.
+        Raises the first bucket's error (after waiting for all of them)."""
+        self._start(lambda k: True)
+        works = self._works
+        self._reset()
+        error = None
+        for work in works:
+            try:
+                work.wait()
+            except BaseException as exc:
+                if isinstance(exc, KeyboardInterrupt):
+                    raise
+                error = error or exc
+        if error is not None:
+            raise error
+        return self.grads

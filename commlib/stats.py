@@ -1,0 +1,84 @@
+"""What a communicator has done: :class:`CommStats` (``comm.stats``) and
+:class:`CountingTransport`, the thin front through which the communicator
+hands every buffer to a transport, counting its bytes.
+
+``bytes_sent`` counts the payload this rank handed to its transports, after
+compression: for every transport call, the bytes of the buffer it was given
+to contribute (an all-reduce's buffer, a broadcast's buffer on every rank, a
+gather's send buffer; a barrier counts 0). What travels on the wire
+depends on the transport's algorithm (a ring all-reduce sends about
+``2 (n-1)/n`` times that); the count is the same on every transport.
+"""
+import threading
+
+
+class CommStats:
+    """Counters of one communicator, since it was made or since :meth:`reset`.
+
+    ``bytes_sent`` (int, bytes, see the module docstring), ``collectives``
+    (int: collectives entered, sync or async, including failed ones),
+    ``blocked_seconds`` (float: wall time the calling thread spent inside
+    blocking collective calls and :meth:`commlib.Work.wait`). Updated from
+    the communicator's progress thread too; reads are never torn.
+    """
+
+    __slots__ = ("bytes_sent", "collectives", "blocked_seconds", "_lock")
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self.reset()
+
+    def reset(self):
+        """Set every counter to zero."""
+        with self._lock:
+            self.bytes_sent, self.collectives, self.blocked_seconds = 0, 0, 0.0
+
+    def snapshot(self):
+        """The counters as a dict (a copy)."""
+        with self._lock:
+            return {"bytes_sent": self.bytes_sent, "collectives": self.collectives,
+                    "blocked_seconds": self.blocked_seconds}
+
+    def add_bytes(self, nbytes):
+        with self._lock:
+            self.bytes_sent += int(nbytes)
+
+    def add_collective(self):
+        with self._lock:
+            self.collectives += 1
+
+    def add_blocked(self, seconds):
+        with self._lock:
+            self.blocked_seconds += seconds
+
+    def __repr__(self):
+        return "CommStats(%s)" % ", ".join("%s=%r" % kv for kv in self.snapshot().items())
+
+
+class CountingTransport:
+    """``transport`` with every collective's send bytes added to ``stats``;
+    everything else (``name``, ``rank``, ``reduces_parts``, ...) is the
+    transport's own."""
+
+    def __init__(self, transport, stats):
+        self.transport, self.stats = transport, stats
+        self.name, self.rank, self.size = transport.name, transport.rank, transport.size
+
+    def __getattr__(self, name):
+        return getattr(self.transport, name)
+
+
+def _counting(name, at=0):
+    """A CountingTransport method forwarding ``name``; argument ``at`` is
+    the buffer whose bytes are counted."""
+    def call(self, *args, **kwargs):
+        self.stats.add_bytes(args[at].nbytes)
+        return getattr(self.transport, name)(*args, **kwargs)
+    call.__name__ = name
+    return call
+
+
+for _name in ("all_reduce", "broadcast", "reduce", "all_gather", "all_gatherv",
+              "reduce_scatter"):
+    setattr(CountingTransport, _name, _counting(_name))
+CountingTransport.all_reduce_parts = _counting("all_reduce_parts", at=1)

@@ -1,0 +1,339 @@
+"""Asynchronous collectives (commlib.Work), comm.stats and the
+BackwardReducer: the front-end logic with ranks as threads
+(tests/inprocess.py), then real MPI ranks (rank programs in
+tests/async_programs.py) for results, order, errors and faults."""
+import json
+
+import numpy as np
+import pytest
+
+import commlib
+from commlib.compression import TopK
+from commlib.errors import ArgumentError, ClosedError, ConsistencyError
+from commlib.overlap import backward_buckets
+from inprocess import run_ranks
+from mpirun import run_mpi
+from test_frontend import inputs, reference
+
+SIZES = [1, 2, 3, 4]
+OPS = ["sum", "max", "min", "prod", "avg"]
+LENGTHS = [0, 1, 3, 7, 255, 1000, 70001]
+
+
+def bits_equal(a, b):
+    return a.dtype == b.dtype and a.shape == b.shape and a.tobytes() == b.tobytes()
+
+
+# -- in process: ranks as threads -------------------------------------------------------
+
+@pytest.mark.parametrize("n", SIZES)
+@pytest.mark.parametrize("threaded", [True, False])
+def test_async_equals_reference_and_sync(n, threaded):
+    cases = [(d, op) for d in ("float32", "float64", "int32", "float16") for op in OPS
+             if not (op == "avg" and d == "int32")]
+
+    def body(comm):
+        comm.async_threaded = threaded
+        works, got_sync = [], []
+        for seed, (dtype, op) in enumerate(cases):
+            mine = inputs(comm.rank, dtype, LENGTHS, op, seed)
+            works.append((comm.all_reduce(mine, op=op, async_op=True), mine))
+        for seed, (dtype, op) in enumerate(cases):
+            twin = inputs(comm.rank, dtype, LENGTHS, op, seed)
+            got_sync.append(comm.all_reduce(twin, op=op))      # queued after the async ones
+        assert all(w.done() for w, _ in works)
+        return [w.wait() for w, _ in works], got_sync, [m for _, m in works]
+
+    results = run_ranks(n, body, bucket_bytes=4096)
+    for seed, (dtype, op) in enumerate(cases):
+        want = reference([inputs(r, dtype, LENGTHS, op, seed) for r in range(n)], op, n)
+        for r in range(n):
+            waited, sync, given = (results[r][i][seed] for i in range(3))
+            assert waited is given
+            for a, s, w in zip(waited, sync, want):
+                assert bits_equal(a, w) and bits_equal(a, s), (n, dtype, op, r)
+
+
+def test_sync_call_runs_after_outstanding_async_ones():
+    def body(comm):
+        x = [np.full(1000, comm.rank + 1.0, np.float32)]
+        work = comm.all_reduce(x, async_op=True)
+        gathered = comm.all_gather(np.array([comm.rank], np.int64))
+        return work.done(), gathered, x[0][0], work.wait() is x, work.wait() is x
+
+    for done, gathered, value, again, twice in run_ranks(3, body):
+        assert done and again and twice and value == 6.0
+        assert gathered.reshape(-1).tolist() == [0, 1, 2]
+
+
+def test_deferred_work_runs_when_waited_for():
+    def body(comm):
+        comm.async_threaded = False
+        x = [np.full(10, comm.rank + 1.0, np.float32)]
+        y = [np.full(10, comm.rank + 1.0, np.float32)]
+        wx = comm.all_reduce(x, async_op=True)
+        wy = comm.all_reduce(y, op="max", async_op=True)
+        before = (wx.done(), wy.done(), float(x[0][0]))
+        wy.wait()                                     # runs wx first
+        return before, wx.done(), x[0][0], y[0][0]
+
+    for rank, (before, x_done, x, y) in enumerate(run_ranks(2, body)):
+        assert before == (False, False, rank + 1.0)  # nothing ran before the wait
+        assert x_done and x == 3.0 and y == 2.0
+
+
+def test_close_waits_for_work_dropped_without_wait():
+    def body(comm):
+        x = [np.full(70001, comm.rank + 1.0, np.float32)]
+        work = comm.all_reduce(x, async_op=True)
+        comm.close()
+        return work.done(), x[0][0]
+
+    assert run_ranks(2, body) == [(True, 3.0), (True, 3.0)]
+
+
+def test_mismatched_async_call_raises_from_wait_and_stays_usable():
+    def body(comm):
+        x = [np.ones(5 if comm.rank else 6, np.float32)]
+        work = comm.all_reduce(x, async_op=True)
+        with pytest.raises(ConsistencyError) as info:
+            work.wait()
+        with pytest.raises(ConsistencyError):     # every wait raises it
+            work.wait()
+        assert x[0].tolist() == [1.0] * x[0].size
+        y = comm.all_reduce([np.ones(4, np.float32)], async_op=True).wait()
+        return info.value.culprits, y[0].tolist()
+
+    for culprits, y in run_ranks(2, body):
+        assert list(culprits) and y == [2.0] * 4
+
+
+def test_async_op_must_be_a_bool_and_closed_communicators_refuse():
+    def body(comm):
+        with pytest.raises(ArgumentError, match="rank %d.*async_op" % comm.rank):
+            comm.all_reduce([np.ones(3, np.float32)], async_op="yes")
+        comm.close()
+        with pytest.raises(ClosedError):
+            comm.all_reduce([np.ones(3, np.float32)], async_op=True)
+        return True
+
+    assert run_ranks(2, body) == [True, True]
+
+
+def test_stats_count_bytes_collectives_and_blocked_time():
+    def body(comm):
+        stats = comm.stats
+        stats.reset()
+        comm.all_reduce([np.ones(1001, np.float32), np.ones(7, np.float64)], async_op=True).wait()
+        dense = stats.bytes_sent
+        comm.all_reduce([np.ones(1001, np.float32)], compression="fp16")
+        half = stats.bytes_sent - dense
+        comm.all_gather(np.ones(5, np.int32))
+        comm.barrier()
+        snap = stats.snapshot()
+        stats.reset()
+        return dense, half, snap, stats.snapshot()
+
+    for dense, half, snap, zero in run_ranks(3, body):
+        assert dense == 1001 * 4 + 7 * 8 and half == 1001 * 2
+        assert snap["bytes_sent"] == dense + half + 20 and snap["collectives"] == 4
+        assert snap["blocked_seconds"] > 0
+        assert zero == {"bytes_sent": 0, "collectives": 0, "blocked_seconds": 0.0}
+
+
+def test_backward_buckets_layout():
+    arrays = [np.zeros(10, np.float32), np.zeros(10, np.float32), np.zeros(3, np.float64),
+              np.zeros(100, np.float32), np.zeros(5, np.float32), np.zeros(5, np.float32),
+              np.zeros(5, np.float32)]
+    # reverse order, one dtype per bucket, at most bucket_bytes unless alone
+    assert backward_buckets(arrays, 80) == [[4, 5, 6], [3], [2], [0, 1]]
+    assert backward_buckets(arrays, 44) == [[5, 6], [4], [3], [2], [1], [0]]
+    assert backward_buckets(arrays, 1 << 20) == [[3, 4, 5, 6], [2], [0, 1]]
+    assert backward_buckets([], 100) == []
+
+
+@pytest.mark.parametrize("n", [1, 2, 3])
+def test_reducer_any_ready_order_equals_sync_per_bucket(n):
+    shapes = [(3, 5), (1000,), (7,), (64, 64), (1,), (301,), (2, 2)]
+    strategy = TopK(0.25)
+
+    def body(comm):
+        grads = commlib.flat_arrays(shapes, "float32")
+        red = commlib.BackwardReducer(comm, grads, bucket_bytes=4200, compression=strategy)
+        out, want = [], []
+        given = []
+        rng = np.random.default_rng(comm.rank)
+        for step in range(3):
+            for j, g in enumerate(grads):
+                g[...] = np.random.default_rng([step, comm.rank, j]).standard_normal(g.shape)
+            given.append([g.copy() for g in grads])
+            for j in rng.permutation(len(grads)):
+                red.ready(int(j))
+            out.append([g.copy() for g in red.wait()])
+        return red.buckets, out, given
+
+    results = run_ranks(n, body)
+    buckets = results[0][0]
+    assert [j for b in buckets for j in reversed(b)] == list(range(len(shapes) - 1, -1, -1))
+
+    def sync_body(comm):
+        grads = commlib.flat_arrays(shapes, "float32")
+        out = []
+        for step in range(3):
+            for g, v in zip(grads, results[comm.rank][2][step]):
+                g[...] = v
+            for b in buckets:
+                comm.all_reduce([grads[j] for j in b], op="avg", compression=strategy)
+            out.append([g.copy() for g in grads])
+        return out
+
+    sync = run_ranks(n, sync_body)
+    for r in range(n):
+        assert results[r][0] == buckets
+        for step in range(3):
+            for a, s, w in zip(results[r][1][step], sync[r][step], sync[0][step]):
+                assert bits_equal(a, s) and bits_equal(a, w), (r, step)
+
+
+def test_reducer_rejects_bad_calls():
+    def body(comm):
+        grads = [np.ones(4, np.float32), np.ones(4, np.float32)]
+        red = commlib.BackwardReducer(comm, grads, bucket_bytes=16)
+        red.ready(1)
+        with pytest.raises(ArgumentError, match=r"rank %d.*ready\(1\) called twice"
+                           % comm.rank):
+            red.ready(1)
+        for bad in (2, -1, 1.0, True):
+            with pytest.raises(ArgumentError, match="rank %d" % comm.rank):
+                red.ready(bad)
+        got = red.wait()
+        red.ready(1)                               # a new step
+        red.wait()
+        with pytest.raises(ArgumentError, match="bucket_bytes"):
+            commlib.BackwardReducer(comm, grads, bucket_bytes=0)
+        with pytest.raises(ArgumentError, match=r"grads\[1\]"):
+            commlib.BackwardReducer(comm, [grads[0], 3])
+        return [g[0] for g in got]
+
+    assert run_ranks(2, body) == [[1.0, 1.0]] * 2
+
+
+# -- real MPI ranks ------------------------------------------------------------------------
+
+CODE = "import sys, async_programs\nasync_programs.main(*sys.argv[1:])\n"
+DEADLINE = 2.0
+
+
+def run(n, scenario, timeout=120, expect_fail=False, env=None):
+    """Records by rank of ``scenario`` on ``n`` ranks: {rank: {what: record}}."""
+    proc = run_mpi(n, CODE, timeout=timeout, args=(scenario,), expect_fail=expect_fail,
+                   env=env)
+    records = {}
+    for line in proc.stdout.splitlines():
+        if line.startswith("ASYNC "):
+            record = json.loads(line[len("ASYNC "):])
+            records.setdefault(record["rank"], {})[record["what"]] = record
+    return records, proc
+
+
+def all_ok(records, n):
+    assert sorted(records) == list(range(n)), records
+    for r in range(n):
+        assert "ok" in records[r], records[r]
+
+
+@pytest.mark.parametrize("n", SIZES)
+def test_mpi_results_every_op_large_and_empty(n):
+    records, _ = run(n, "results", timeout=180)
+    all_ok(records, n)
+
+
+@pytest.mark.parametrize("n", [2, 3])
+def test_mpi_compression_async_equals_sync(n):
+    all_ok(run(n, "compression")[0], n)
+
+
+@pytest.mark.parametrize("n", [2, 4])
+def test_mpi_reducer(n):
+    records, _ = run(n, "reducer", timeout=180)
+    all_ok(records, n)
+    assert len({json.dumps(records[r]["buckets"]["buckets"]) for r in range(n)}) == 1
+
+
+@pytest.mark.parametrize("n", [1, 3])
+def test_mpi_order_of_mixed_calls(n):
+    records, _ = run(n, "order")
+    all_ok(records, n)
+
+
+def test_mpi_done_progresses_without_wait():
+    records, _ = run(2, "progress")
+    all_ok(records, 2)
+    waiter = records[0]["progress"]
+    assert waiter["early"] is False            # the peer had not issued yet
+    assert waiter["waited"] >= 0.8             # done() turned True only once it had
+    assert waiter["longest"] < 0.01            # done() never blocks
+    assert waiter["issued"] < 0.1
+
+
+def test_mpi_mismatch_and_bad_argument_name_the_rank():
+    records, _ = run(2, "mismatch")
+    all_ok(records, 2)
+    for r in range(2):
+        rec = records[r]["mismatch"]
+        assert rec["culprits"] == [1] and "float32(1002,)" in rec["message"], rec
+    records, _ = run(2, "bad_argument")
+    all_ok(records, 2)
+    assert records[1]["bad_argument"]["error"] == "ArrayTypeError"
+    rec = records[0]["bad_argument"]
+    assert rec["error"] == "ConsistencyError" and rec["culprits"] == [1], rec
+    assert "rank 1 rejected its arguments" in rec["message"]
+
+
+def test_mpi_stats():
+    records, _ = run(2, "stats")
+    all_ok(records, 2)
+    for r in range(2):
+        rec = records[r]["stats"]
+        for n, dense, half in rec["counts"]:
+            assert dense == 4 * n and half == 2 * n, rec
+        assert rec["snapshot"]["collectives"] == 2 and rec["snapshot"]["bytes_sent"] == 20
+    assert records[0]["stats"]["snapshot"]["blocked_seconds"] >= 0.4     # waited for rank 1
+
+
+def test_mpi_deferred_without_thread_multiple():
+    records, _ = run(2, "deferred")
+    all_ok(records, 2)
+    assert records[0]["deferred"]["early"] is False
+
+
+def test_mpi_stalled_peer_raises_from_wait():
+    records, _ = run(2, "stall", timeout=DEADLINE * 4 + 60,
+                     env={"COMMLIB_WATCHDOG_TIMEOUT": str(DEADLINE)})
+    all_ok(records, 2)
+    rec = records[0]["failed"]
+    assert rec["error"] == "CollectiveTimeoutError" and rec["culprits"] == [1], rec
+    assert rec["seconds"] <= DEADLINE + 5 and rec["untouched"], rec
+    assert records[1]["failed"]["error"] == "PeerError", records[1]
+    for r in range(2):
+        assert not records[r]["after"]["written_after"] and records[r]["later"]["error"] == \
+            "ClosedError", records[r]
+
+
+def test_mpi_crashed_peer_raises_from_wait():
+    records, _ = run(2, "crash", timeout=DEADLINE * 4 + 60, expect_fail=True,
+                     env={"COMMLIB_WATCHDOG_TIMEOUT": str(DEADLINE)})
+    rec = records[0]["failed"]
+    assert rec["error"] == "PeerError" and rec["culprits"] == [1], rec
+    assert rec["seconds"] <= DEADLINE + 5 and rec["untouched"], rec
+    assert "breaks down" in rec["message"]
+
+
+def test_mpi_ctrl_c_while_waiting():
+    records, _ = run(2, "interrupt", timeout=60)
+    all_ok(records, 2)
+    mine, peer = records[0]["interrupt"], records[1]["interrupt"]
+    assert mine["error"] == "KeyboardInterrupt" and mine["seconds"] < 1.4, mine
+    assert peer["error"] == "PeerError" and peer["culprits"] == [0], peer
+    assert mine["untouched"] and peer["untouched"]
+    assert mine["later"] == "ClosedError" and peer["later"] == "ClosedError"
