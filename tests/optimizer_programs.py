@@ -3,7 +3,7 @@ real MPI ranks against numpy references written here, independently of
 commlib.optim (float64 arithmetic on every rank's inputs, which each rank
 regenerates from their seeds, or gathers with plain mpi4py).
 
-    mpiexec -n N python -c "import optimizer_programs as p; p.main()" CHECK[,CHECK...] [DIR]
+    mpiexec -n N python -c "import optimizer_programs as p; p.main()" CHECK[,CHECK...] DIR
 
 Each check raises AssertionError on a wrong result (ending the job); every
 rank prints "rank R ok" at the end.
@@ -452,10 +452,12 @@ def check_state(comm, directory):
 
 
 def check_overlap(comm):
-    """overlap=True (buckets started by grad_ready in backward order, in
-    rank-dependent orders, some never marked) gives bit-identical
-    parameters to overlap=False, per step, for several compressions."""
-    for compression in (None, "fp16", lambda: commlib.compression.TopK(0.2)):
+    """overlap=True (buckets started by grad_ready, in rank-dependent
+    orders, some never marked) gives bit-identical parameters to
+    overlap=False, per step, for several compressions and with
+    accumulation."""
+    cases = [(None, 1), ("fp16", 1), (lambda: commlib.compression.TopK(0.2), 1), (None, 3)]
+    for compression, accumulate in cases:
         runs = []
         for overlap in (True, False):
             c = new_comm()
@@ -463,21 +465,23 @@ def check_overlap(comm):
             strategy = compression() if callable(compression) else compression
             opt = commlib.DistributedOptimizer(c, params, SGD(0.1, momentum=0.9),
                                                compression=strategy, overlap=overlap,
-                                               bucket_bytes=128)
+                                               bucket_bytes=128, accumulate=accumulate)
+            assert len(opt._reducer_for(opt.compression).buckets) > 2
             history = []
-            for step in range(4):
+            for step in range(4 * accumulate):
                 install(opt, grads_of(RANK, step))
                 if overlap:
                     order = np.random.default_rng([step, RANK, 5]).permutation(len(params))
                     for i in order[: len(order) - step % 2]:
                         opt.grad_ready(int(i))
-                opt.step()
-                history.append([p.copy() for p in params])
+                if opt.step():
+                    history.append([p.copy() for p in params])
             c.close()
             runs.append(history)
+        assert len(runs[0]) == len(runs[1]) == 4
         for step, (x, y) in enumerate(zip(*runs)):
             for i, (p, q) in enumerate(zip(x, y)):
-                assert p.tobytes() == q.tobytes(), (compression, step, i)
+                assert p.tobytes() == q.tobytes(), (compression, accumulate, step, i)
 
 
 CHECKS = {"rules": check_rules, "step_grads": check_step_grads, "model": check_model,

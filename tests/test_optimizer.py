@@ -18,39 +18,22 @@ SIZES = [1, 2, 3, 4]
 CODE = "import optimizer_programs\noptimizer_programs.main()\n"
 
 
-def run_checks(n, checks, *args, timeout=180):
-    proc = run_mpi(n, CODE, timeout=timeout, args=[checks, *args])
+#: rank programs (optimizer_programs.CHECKS) and the world sizes they run at:
+#: rules against float64 references of the mean gradient, step(grads); a
+#: softmax regression on shards against one process on the whole batch
+#: (also accumulated); accumulation against one step on the mean; SINGA's
+#: half, partial and sparse updates; overlap against no overlap, bit for
+#: bit; parameter broadcast and check; checkpoints continued
+PROGRAMS = [("rules,step_grads", SIZES), ("model,model_accumulate", SIZES),
+            ("accumulate", [1, 3, 4]), ("half,partial,sparse", SIZES),
+            ("overlap", [2, 3, 4]), ("parameters", SIZES), ("state", [1, 2, 3])]
+
+
+@pytest.mark.parametrize("checks, n", [(c, n) for c, sizes in PROGRAMS for n in sizes],
+                         ids=["%s-%d" % (c, n) for c, sizes in PROGRAMS for n in sizes])
+def test_rank_programs_match_numpy_references(checks, n, tmp_path):
+    proc = run_mpi(n, CODE, timeout=180, args=[checks, str(tmp_path)])
     assert all("rank %d ok" % r in proc.stdout for r in range(n)), proc.stdout
-
-
-@pytest.mark.parametrize("n", SIZES)
-def test_rules_match_numpy_reference_on_mean_gradient(n):
-    run_checks(n, "rules,step_grads")
-
-
-@pytest.mark.parametrize("n", SIZES)
-def test_softmax_regression_on_shards_equals_one_process(n):
-    run_checks(n, "model,model_accumulate")
-
-
-@pytest.mark.parametrize("n", [1, 3, 4])
-def test_accumulation_equals_one_step_on_the_mean(n):
-    run_checks(n, "accumulate")
-
-
-@pytest.mark.parametrize("n", SIZES)
-def test_singa_half_partial_sparse_updates(n):
-    run_checks(n, "half,partial,sparse")
-
-
-@pytest.mark.parametrize("n", SIZES)
-def test_broadcast_and_check_parameters(n):
-    run_checks(n, "parameters")
-
-
-@pytest.mark.parametrize("n", [1, 2, 3])
-def test_state_dict_save_load_continue_training(n, tmp_path):
-    run_checks(n, "state", str(tmp_path))
 
 
 # -- partition ------------------------------------------------------------------------------
@@ -216,13 +199,76 @@ def test_partial_compression_makes_step_a_partial_update():
         assert np.array_equal(updated, want), updated
 
 
-def test_stats_count_steps_time_and_bytes():
+@pytest.mark.parametrize("compression, itemsize", [(None, 4), ("fp16", 2)])
+def test_stats_count_steps_time_and_bytes_after_compression(compression, itemsize):
     def body(comm):
-        opt = opt_of(comm)
+        opt = opt_of(comm, compression=compression)
         for _ in range(3):
             opt.step([np.ones((3, 4), np.float32), np.ones(5, np.float32)])
+        comm.all_reduce(np.ones(100))               # not the optimizer's
         return opt.stats
     for stats in run_ranks(2, body):
         assert stats["steps"] == 3 and stats["comm_seconds"] > 0
-        if hasattr(commlib, "CommStats"):
-            assert stats["bytes_sent"] == 3 * 17 * 4, stats
+        assert stats["bytes_sent"] == 3 * 17 * itemsize, stats
+
+
+def test_a_started_overlapped_update_must_finish_with_step():
+    """After grad_ready started the buckets with the constructor's
+    compression, update_half is refused without touching anything, and
+    step() completes the update."""
+    def body(comm):
+        opt = opt_of(comm, bucket_bytes=16)
+        for g in opt.grads:
+            g[...] = comm.rank + 1.0
+        opt.grad_ready(1)
+        opt.grad_ready(0)
+        with pytest.raises(ArgumentError, match="finish it with step"):
+            opt.update_half()
+        assert opt.steps == 0 and opt.step() is True
+        return [p.copy() for p in opt.params]
+    for params in run_ranks(2, body):
+        assert all((p == -0.15).all() for p in params), params
+
+
+class RecordingReducer:
+    """Stands in for the optimizer's BackwardReducer: what grads[i] held
+    when ready(i) was called, and the wait() calls."""
+
+    def __init__(self, grads):
+        self.grads, self.readies, self.waits = grads, [], 0
+
+    def ready(self, i):
+        self.readies.append((i, self.grads[i].copy()))
+
+    def wait(self):
+        self.waits += 1
+        return self.grads
+
+
+@pytest.mark.parametrize("overlap", [True, False])
+def test_grad_ready_hands_the_reducer_final_means_on_the_last_micro_batch(overlap):
+    """The reducer (whose asynchronous all-reduce reads the array) sees
+    grads[i] only once it is the mean of the micro-batches, and only on
+    the last micro-batch; without overlap it is only waited for."""
+    def body(comm):
+        opt = opt_of(comm, accumulate=2, overlap=overlap)
+        spy = opt._reducers[None] = RecordingReducer(opt.grads)
+        a = [np.full((3, 4), 1.0, np.float32), np.full(5, 2.0, np.float32)]
+        b = [np.full((3, 4), 3.0, np.float32), np.full(5, 6.0, np.float32)]
+        install = lambda gs: [g.__setitem__(Ellipsis, x) for g, x in zip(opt.grads, gs)]
+        install(a)
+        opt.grad_ready(1)
+        opt.grad_ready(0)
+        assert opt.step() is False and not spy.readies and spy.waits == 0
+        install(b)
+        opt.grad_ready(1)
+        readies = list(spy.readies)
+        assert opt.step() is True and spy.waits == 1
+        return readies, [g.copy() for g in opt.grads]
+    (readies, grads), = run_ranks(1, body)
+    if overlap:
+        assert len(readies) == 1 and readies[0][0] == 1
+        assert (readies[0][1] == 4.0).all()
+    else:
+        assert readies == []
+    assert (grads[0] == 2.0).all() and (grads[1] == 4.0).all()

@@ -12,6 +12,7 @@ from ..bucketing import flat_arrays
 from ..compression import Partial, Threshold, TopK
 from ..errors import ArgumentError
 from ..ops._arrays import array_module, is_cupy
+from ..overlap import BackwardReducer
 from . import parameters, state
 from .rules import check_number
 
@@ -38,29 +39,6 @@ def _like(params):
     else:
         allocate()
     return out
-
-
-class _WholeList:
-    """Stand-in until commlib.overlap exists: one synchronous all-reduce of
-    the whole list at wait()."""
-
-    def __init__(self, comm, grads, strategy):
-        self.comm, self.grads, self.strategy = comm, grads, strategy
-
-    def ready(self, i):
-        pass
-
-    def wait(self):
-        return self.comm.all_reduce(self.grads, op="avg", compression=self.strategy)
-
-
-def _reducer(comm, grads, bucket_bytes, strategy):
-    try:
-        from ..overlap import BackwardReducer
-    except ImportError:
-        return _WholeList(comm, grads, strategy)
-    return BackwardReducer(comm, grads, bucket_bytes=bucket_bytes, op="avg",
-                           compression=strategy)
 
 
 class DistributedOptimizer:
@@ -156,20 +134,16 @@ class DistributedOptimizer:
     def _timed(self, fn, *args):
         """``fn(*args)`` (a collective), its time added to comm_seconds."""
         if self._window is None:
-            self._window = self._sent()
+            self._window = self.comm.stats.bytes_sent
         start = time.perf_counter()
         try:
             return fn(*args)
         finally:
             self._seconds += time.perf_counter() - start
 
-    def _sent(self):
-        stats = getattr(self.comm, "stats", None)      # until every communicator has stats
-        return 0 if stats is None else stats.bytes_sent
-
     def _close_window(self):
         if self._window is not None:
-            self._bytes += self._sent() - self._window
+            self._bytes += self.comm.stats.bytes_sent - self._window
             self._window = None
 
     # -- the training step ---------------------------------------------------------
@@ -220,6 +194,10 @@ class DistributedOptimizer:
         return self._step(grads, self.compression)
 
     def _step(self, grads, strategy):
+        if self._started and strategy is not self.compression:
+            raise ArgumentError(
+                "rank %d: grad_ready() started this update's all-reduce with compression=%r; "
+                "finish it with step()" % (self.comm.rank, self.compression))
         if grads is not None:
             self._take(grads)
         for i in range(len(self.params)):
@@ -233,7 +211,8 @@ class DistributedOptimizer:
         try:
             if isinstance(strategy, Partial):
                 self.rule(self.params, self.grads)
-                self._timed(self.comm.all_reduce, self.params, "avg", False, strategy)
+                self._timed(lambda: self.comm.all_reduce(self.params, op="avg",
+                                                         compression=strategy))
             else:
                 self._reduce(strategy)
                 self.rule(self.params, self.grads)
@@ -270,17 +249,14 @@ class DistributedOptimizer:
         name = None if strategy is None else strategy.name
         found = self._reducers.get(name)
         if found is None:
-            found = self._reducers[name] = _reducer(self.comm, self.grads, self.bucket_bytes,
-                                                    strategy)
+            found = self._reducers[name] = BackwardReducer(
+                self.comm, self.grads, bucket_bytes=self.bucket_bytes, op="avg",
+                compression=strategy)
         return found
 
     def _reduce(self, strategy):
         """Average self.grads over the ranks with ``strategy``, finishing
         the buckets grad_ready started."""
-        if self._started and strategy is not self.compression:
-            raise ArgumentError(
-                "rank %d: grad_ready() started this update's all-reduce with compression=%r; "
-                "finish it with step()" % (self.comm.rank, self.compression))
         self._timed(self._reducer_for(strategy).wait)
 
     # -- SINGA's DistOpt ------------------------------------------------------------
@@ -322,7 +298,10 @@ class DistributedOptimizer:
     # -- parameters and checkpoints -------------------------------------------------
     def broadcast_parameters(self, root=0):
         """Copy ``root``'s parameters into every rank's (collective)."""
-        return self._timed(parameters.broadcast_parameters, self.comm, self.params, root)
+        try:
+            return self._timed(parameters.broadcast_parameters, self.comm, self.params, root)
+        finally:
+            self._close_window()
 
     def check_parameters(self):
         """Raise ConsistencyError naming the ranks whose parameters differ
