@@ -272,3 +272,79 @@ def test_grad_ready_hands_the_reducer_final_means_on_the_last_micro_batch(overla
     else:
         assert readies == []
     assert (grads[0] == 2.0).all() and (grads[1] == 4.0).all()
+
+
+def test_a_non_finite_gradient_skips_the_update_on_every_rank():
+    """With fp16 compression an inf on one rank raises NonFiniteError on
+    every rank, the parameters and step count stay, and the next update
+    works (a loss scaler's skipped step)."""
+    def body(comm):
+        opt = opt_of(comm, compression="fp16", bucket_bytes=16)
+        before = [p.copy() for p in opt.params]
+        bad = [np.ones((3, 4), np.float32), np.ones(5, np.float32)]
+        if comm.rank == 1:
+            bad[0][1, 2] = np.inf
+        with pytest.raises(commlib.NonFiniteError) as info:
+            opt.step(bad)
+        assert info.value.culprits == (1,)
+        unchanged = all(np.array_equal(p, b) for p, b in zip(opt.params, before))
+        assert opt.step([np.full((3, 4), comm.rank + 1.0, np.float32),
+                         np.full(5, comm.rank + 1.0, np.float32)]) is True
+        return unchanged, opt.steps, [p.copy() for p in opt.params]
+    for unchanged, steps, params in run_ranks(2, body):
+        assert unchanged and steps == 1
+        assert all((p == np.float32(-0.1 * 1.5)).all() for p in params), params
+
+
+def test_checkpoint_of_bfloat16_parameters_round_trips(tmp_path):
+    """.npz files store bfloat16 as raw 2-byte records; load takes them
+    back as the parameters' dtype."""
+    ml_dtypes = pytest.importorskip("ml_dtypes", reason="bfloat16 on numpy needs ml_dtypes")
+
+    def body(comm):
+        params = [np.arange(6, dtype=np.float32).astype(ml_dtypes.bfloat16),
+                  np.ones(3, np.float32)]
+        opt = commlib.DistributedOptimizer(comm, params, SGD(0.5, momentum=0.9))
+        opt.step([np.ones(6, ml_dtypes.bfloat16), np.ones(3, np.float32)])
+        commlib.optim.save(str(tmp_path / "bf16.npz"), opt)
+        other = commlib.DistributedOptimizer(
+            comm, [np.zeros(6, ml_dtypes.bfloat16), np.zeros(3, np.float32)],
+            SGD(0.5, momentum=0.9))
+        commlib.optim.load(str(tmp_path / "bf16.npz"), other)
+        return opt.state_dict(), other.state_dict()
+    (want, got), = run_ranks(1, body)
+    assert sorted(want) == sorted(got)
+    for name in want:
+        assert want[name].dtype == got[name].dtype and want[name].tobytes() == got[name].tobytes()
+    assert want["params.0"].dtype == ml_dtypes.bfloat16 and want["steps"] == 1
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("make", [lambda: SGD(0.05, momentum=0.9, nesterov=True,
+                                              weight_decay=0.01), lambda: Adam(0.01)])
+def test_cupy_parameters_follow_the_numpy_rules(make, tmp_path):
+    """The rules on cupy arrays (one GPU, one rank) give the parameters the
+    same rules give on numpy; checkpoints and the parameter check on cupy."""
+    import cupy
+    comm = commlib.Communicator.single()
+    rng = np.random.default_rng(3)
+    host = [rng.standard_normal(s).astype(np.float32) for s in [(33, 7), (7,), (1001,)]]
+    gpu = commlib.flat_arrays([h.shape for h in host], xp=cupy)
+    for g, h in zip(gpu, host):
+        g.set(h)
+    on_host = commlib.DistributedOptimizer(comm, host, make())
+    on_gpu = commlib.DistributedOptimizer(comm, gpu, make())
+    for step in range(4):
+        grads = [rng.standard_normal(h.shape).astype(np.float32) for h in host]
+        on_host.step(grads)
+        on_gpu.step([cupy.asarray(g) for g in grads])
+    for g, h in zip(gpu, host):
+        np.testing.assert_allclose(g.get(), h, rtol=1e-5, atol=1e-6)
+    on_gpu.check_parameters()
+    commlib.optim.save(str(tmp_path / "gpu.npz"), on_gpu)
+    again = commlib.DistributedOptimizer(
+        comm, commlib.flat_arrays([h.shape for h in host], xp=cupy), make())
+    commlib.optim.load(str(tmp_path / "gpu.npz"), again)
+    for a, b in zip(again.params, gpu):
+        assert isinstance(a, cupy.ndarray) and bool((a == b).all())
+    comm.close()
