@@ -84,6 +84,18 @@ def kernel_names(source, text):
                             text))
 
 
+def _includes(name, texts):
+    """``name`` and the kernels/ headers it includes, directly or not."""
+    seen, todo = [], [name]
+    while todo:
+        n = todo.pop()
+        if n in seen or n not in texts:
+            continue
+        seen.append(n)
+        todo += re.findall(r'^\s*#\s*include\s*"([^"]+)"', texts[n], re.M)
+    return sorted(seen)
+
+
 def _work_dir():
     global _session_dir
     if _session_dir is None:
@@ -131,17 +143,18 @@ def build(patches=None):
     for name, text in texts.items():
         (src / name).write_text(text)
     header = (HOST_DIR / "coop_cuda.h").read_text()
-    headers = "".join(texts[n] for n in sorted(texts) if n.endswith(".cuh"))
     jobs = []
     runtime = HOST_DIR / "coop_runtime.cpp"
     runtime_key = hashlib.sha1((header + runtime.read_text()).encode()).hexdigest()
     jobs.append((runtime, work / ("runtime-%s.o" % runtime_key[:16]), CXXFLAGS, False))
     for name in sorted(n for n in texts if n.endswith(".cu")):
         regs = "".join("COOP_REGISTER(%s)\n" % k for k in kernel_names(name, texts[name]))
-        unit_text = ('#include "coop_cuda.h"\nnamespace {\n#include "%s"\n}  // namespace\n%s'
-                     % (src / name, regs))
-        h = hashlib.sha1((header + headers + texts[name] + unit_text.replace(str(src), ""))
-                         .encode()).hexdigest()[:16]
+        # CL_BLOCK_COLLECTIVES: whole blocks run here, so common.cuh's block-wide
+        # helpers take their device path
+        unit_text = ('#include "coop_cuda.h"\n#define CL_BLOCK_COLLECTIVES 1\nnamespace {\n'
+                     '#include "%s"\n}  // namespace\n%s' % (src / name, regs))
+        h = hashlib.sha1((header + "".join(texts[n] for n in _includes(name, texts))
+                          + unit_text.replace(str(src), "")).encode()).hexdigest()[:16]
         unit = work / ("%s-%s.cpp" % (Path(name).stem, h))
         unit.write_text(unit_text)
         jobs.append((unit, work / ("%s-%s.o" % (Path(name).stem, h)), CXXFLAGS + INSTRUMENT, True))
@@ -255,6 +268,7 @@ class HostCupy:
         self.schedule = schedule
         self.sm_count = sm_count
         self.launches = []
+        self.after_launch = None  # called as after_launch(name, args) after each launch
         self.module = self._make_module()
 
     def _make_module(self):
@@ -304,6 +318,8 @@ class HostCupy:
                     regions = _pack_segments(self.name, args[0], int(args[1]))
                 host.launches.append((self.name, grid, block, args))
                 host.kernels.launch(self.name, grid, block, args, host.schedule, regions)
+                if host.after_launch is not None:
+                    host.after_launch(self.name, args)
 
         class _Stream:
             def synchronize(self):

@@ -1,0 +1,494 @@
+"""Every kernel of kernels/*.cu run on the CPU with per-thread CUDA semantics
+(the cooperative host build, tests/cuda_host/) through the real wrappers of
+commlib.ops, against their numpy twins, under several block and thread
+schedules; and planted bugs in patched copies of the sources are caught.
+
+Each CUDA thread is a fiber: __syncthreads is a block barrier, warp
+intrinsics are rendezvous of the lanes in their mask, shared memory is per
+block (junk at block start), blocks run one after another in ascending,
+descending or random order or all at once with random interleaving (so a
+decoupled look-back spins on flags that other blocks are still computing),
+and every load and store is checked against the launch's arrays.
+"""
+import numpy as np
+import pytest
+
+import cuda_host_build as chb
+from cuda_host_build import SCHEDULES, KernelFault
+from commlib.ops import cast as cast_mod, pack as pack_mod, sparse as sparse_mod
+from commlib.ops import threshold as threshold_mod, topk as topk_mod
+from commlib.ops._select import TILE
+from test_ops_cast import STORE, adversarial
+
+pytestmark = pytest.mark.skipif(chb.GXX is None or chb.OBJCOPY is None,
+                                reason="g++ or objcopy not found on PATH")
+
+# lengths around tile (4096) and 16-byte vector boundaries
+LENGTHS = (1, 2, 5, TILE - 1, TILE, TILE + 1, 3 * TILE + 7)
+# topk.cu's workspace words (kernels/topk.cu, enum at the top)
+K_DONE, K_USE_BUF, K_FILL = 4, 5, 6
+
+
+@pytest.fixture(scope="module")
+def kernels():
+    return chb.build()
+
+
+@pytest.fixture
+def gpu(kernels, monkeypatch):
+    host = chb.HostCupy(kernels)
+    host.install(monkeypatch)
+    return host
+
+
+def schedules_for(i, count=2):
+    """``count`` schedules for case ``i``, rotating through all of them."""
+    return [SCHEDULES[(i + j) % len(SCHEDULES)] for j in range(count)]
+
+
+def on_device(gpu, a, off=0):
+    """A device copy of ``a`` starting ``off`` elements past a 256-byte boundary."""
+    base = gpu.module.zeros(a.size + off, a.dtype)
+    view = base[off:off + a.size]
+    view[...] = a
+    return view
+
+
+def same_bits(a, b, nan_equal=False):
+    a, b = np.asarray(a), np.asarray(b)
+    if a.shape != b.shape:
+        return False
+    if nan_equal and a.dtype.kind == "f":
+        both_nan = np.isnan(a) & np.isnan(b)
+        return bool(np.all(both_nan | (a.view(np.uint8).reshape(a.size, -1)
+                                       == b.view(np.uint8).reshape(b.size, -1)).all(axis=1)))
+    return np.array_equal(a.view(np.uint8), b.view(np.uint8))
+
+
+def selection_values(n, seed, kind="mixed"):
+    """float32 inputs for top-K / threshold: NaN (several payloads), +-inf,
+    ties, subnormals, +-0.0, or all |x| < 1 ("small"), all equal ("ties")."""
+    rng = np.random.default_rng(seed)
+    if kind == "ties":
+        return np.where(rng.random(n) < 0.5, -1.0, 1.0).astype(np.float32)
+    x = rng.standard_normal(n).astype(np.float32)
+    if kind == "small":
+        return (x / (np.abs(x).max() + 1) * 0.999).astype(np.float32)
+    specials = np.array([np.nan, -np.nan, np.inf, -np.inf, 0.0, -0.0, 1e-45, -1e-45,
+                         1.1754942e-38, 2.5, -2.5, 2.5, 3.0], np.float32)
+    pick = rng.random(n) < 0.15
+    x[pick] = rng.choice(specials, int(pick.sum()))
+    payload = rng.random(n) < 0.01
+    x[payload] = np.uint32(0x7F800123).view(np.float32)
+    return x
+
+
+# ---------------------------------------------------------------- top-K
+
+def check_topk(gpu, x, k, off=0, residual=None, roff=None):
+    """topk on the device (x at element offset off, residual at roff) against
+    the numpy twin; returns the workspace flags seen after each launch."""
+    seen = []
+    gpu.after_launch = lambda name, args: seen.append((name, np.array(next(
+        a for a in args if isinstance(a, np.ndarray) and a.dtype == np.uint32)[:16])))
+    gx = on_device(gpu, x, off)
+    gr = None if residual is None else on_device(gpu, residual, off if roff is None else roff)
+    idx, val = topk_mod.topk(gx, k, residual=gr)
+    res_t = None if residual is None else residual.copy()
+    want_idx, want_val = topk_mod.topk(x.copy(), k, residual=res_t)
+    assert np.array_equal(np.asarray(idx), want_idx), (x.size, k, off, gpu.schedule.name)
+    assert same_bits(val, want_val), (x.size, k, off, gpu.schedule.name)
+    if residual is not None:
+        assert same_bits(gr, res_t, nan_equal=True), (x.size, k, off, gpu.schedule.name)
+    gpu.after_launch = None
+    return seen
+
+
+def _paths(seen):
+    """Which way the selection went: after topk_hist1 the candidates were the
+    gathered buffer, the buffer filled by topk_filter, or the input; the
+    selection was settled by hist1, filter or refine."""
+    after = {name: ws for name, ws in seen}
+    h1 = next(ws for name, ws in seen if name.startswith("topk_hist1"))
+    where = "input" if not h1[K_USE_BUF] else ("filled" if h1[K_FILL] else "gathered")
+    if h1[K_DONE]:
+        settled = "hist1"
+    elif after["topk_filter"][K_DONE]:
+        settled = "filter"
+    else:
+        settled = "refine"
+    return where, settled
+
+
+def test_topk_lengths_offsets_and_k(gpu):
+    i = 0
+    for n in (0,) + LENGTHS:
+        x = selection_values(n, n)
+        for k in sorted({0, 1, 7, n // 3, n // 2, n - 1, n, n + 5}):
+            if k < 0:
+                continue
+            off = i % 4
+            for sched in schedules_for(i):
+                gpu.schedule = sched
+                check_topk(gpu, x, k, off)
+            i += 1
+
+
+def test_topk_every_candidate_path(gpu, monkeypatch):
+    """Force every path of kernels/topk.cu and check that each was taken."""
+    n = 3 * TILE + 7
+    rng = np.random.default_rng(11)
+    spread = (rng.standard_normal(n) * 1e-3).astype(np.float32)   # top 50 in distinct buckets
+    spread[rng.permutation(n)[:50]] = 2.0 ** np.arange(50)
+    mid = (1 + rng.permutation(n) % 512 * 2.0 ** -14).astype(np.float32)  # one top bucket
+    low = (1 + rng.permutation(n) % 512 * 2.0 ** -23).astype(np.float32)  # one 22-bit prefix
+    cases = [
+        ("normal", selection_values(n, 1), 100, None),
+        ("normal, low sample bound", selection_values(n, 2), 100, topk_mod.SAMPLES),
+        ("normal, high sample bound", selection_values(n, 3), 100, 1),
+        ("all ties", selection_values(n, 4, "ties"), 100, None),
+        ("all |x| < 1", selection_values(n, 5, "small"), 300, None),
+        ("distinct buckets", spread, 50, None),
+        ("middle digit", mid, 37, None),
+        ("low digit with ties", low, 1000, None),
+        ("no candidate buffer", selection_values(n, 6), n // 2, None),
+        ("no buffer, ties", low, n // 2 + 3, None),
+    ]
+    paths = set()
+    real_rank = topk_mod._sample_rank
+    for i, (what, x, k, rank) in enumerate(cases):
+        monkeypatch.setattr(topk_mod, "_sample_rank",
+                            real_rank if rank is None else (lambda n, k, r=rank: r))
+        for sched in schedules_for(i):
+            gpu.schedule = sched
+            path = _paths(check_topk(gpu, x, k, off=i % 4))
+            paths.add(path)
+    wanted = {("gathered", "refine"), ("filled", "refine"), ("input", "refine"),
+              ("gathered", "hist1"), ("input", "filter"), ("gathered", "filter")}
+    assert wanted <= paths, sorted(paths)
+
+
+def test_topk_with_residual(gpu):
+    for i, n in enumerate((1, TILE - 1, TILE + 1, 2 * TILE + 3)):
+        x = selection_values(n, 20 + i)
+        r = selection_values(n, 40 + i, "small")
+        for k in (1, max(1, n // 5), n // 2 + 1):
+            # same misalignment (vector pass), then a different one (scalar pass)
+            for off, roff in ((i % 4, i % 4), (1, 2)):
+                gpu.schedule = SCHEDULES[(i + k + off) % len(SCHEDULES)]
+                check_topk(gpu, x, k, off, r, roff)
+
+
+# ---------------------------------------------------------------- threshold
+
+def check_threshold(gpu, x, t, capacity=None, off=0):
+    gx = on_device(gpu, x, off)
+    idx, val, count = threshold_mod.threshold(gx, t, capacity=capacity)
+    want_idx, want_val, want_count = threshold_mod.threshold(x.copy(), t, capacity=capacity)
+    where = (x.size, t, capacity, off, gpu.schedule.name)
+    assert int(count) == int(want_count), where
+    m = min(int(want_count), idx.size)
+    assert np.array_equal(np.asarray(idx)[:m], want_idx[:m]), where
+    assert same_bits(np.asarray(val)[:m], want_val[:m]), where
+
+
+def test_threshold_lengths_offsets_thresholds(gpu):
+    i = 0
+    for n in LENGTHS:
+        x = selection_values(n, 100 + n)
+        for t in (0.0, 1e-45, 0.5, 2.5, 3e38, float("inf")):
+            for sched in schedules_for(i):
+                gpu.schedule = sched
+                check_threshold(gpu, x, t, off=i % 4)
+            i += 1
+
+
+def test_threshold_capacity_overflow_and_small_values(gpu):
+    n = 3 * TILE + 7
+    for i, (kind, t) in enumerate((("mixed", 0.5), ("small", 0.25), ("ties", 0.5))):
+        x = selection_values(n, 200 + i, kind)
+        hits = int(threshold_mod.threshold(x, t)[2])
+        for capacity in (0, 1, hits // 2, hits - 1, hits, hits + 3):
+            gpu.schedule = SCHEDULES[(i + capacity) % len(SCHEDULES)]
+            check_threshold(gpu, x, t, capacity, off=(i + capacity) % 4)
+
+
+# ---------------------------------------------------------------- scatter-add
+
+def check_scatter(gpu, dense, idx, val, alpha, segments, offs=(0, 0, 0)):
+    gd, gi, gv = (on_device(gpu, a, o) for a, o in zip((dense, idx, val), offs))
+    bad = sparse_mod.scatter_add(gd, gi, gv, alpha=alpha, segments=segments)
+    want = dense.copy()
+    want_bad = 0
+    lo = 0
+    for c in (segments or [idx.size]):   # the twin, one segment after another
+        want_bad += int(sparse_mod.scatter_add(want, idx[lo:lo + c], val[lo:lo + c],
+                                               alpha=alpha))
+        lo += c
+    where = (dense.size, idx.size, alpha, segments, gpu.schedule.name)
+    assert int(bad) == want_bad, where
+    assert same_bits(gd, want, nan_equal=True), where
+
+
+def sparse_sets(n_dense, sizes, seed):
+    """Indices unique within each segment (with -1 padding and out-of-range
+    entries), repeated across segments; values with specials."""
+    rng = np.random.default_rng(seed)
+    idx, val = [], []
+    for c in sizes:
+        i = rng.permutation(n_dense + 3)[:c].astype(np.int64) - 1  # -1 .. n_dense + 1
+        bad = rng.random(c) < 0.05
+        i[bad] = rng.choice([-2, -(2 ** 31), n_dense, 2 ** 31 - 1], int(bad.sum()))
+        idx.append(i.astype(np.int32))
+        val.append(selection_values(c, seed + c))
+    return np.concatenate(idx), np.concatenate(val)
+
+
+def test_scatter_add_segments_padding_and_bad_indices(gpu):
+    i = 0
+    for n_dense in (1, 7, TILE + 1, 3 * TILE + 7):
+        for sizes in ([min(n_dense, 1)], [min(n_dense, 5), 0, min(n_dense, 300)],
+                      [min(n_dense + 2, 2000)] * 3):
+            idx, val = sparse_sets(n_dense, sizes, i)
+            dense = selection_values(n_dense, 300 + i, "small")
+            for alpha in (1.0, -1.0, 0.375, 1e-40):
+                gpu.schedule = SCHEDULES[i % len(SCHEDULES)]
+                check_scatter(gpu, dense, idx, val, alpha, sizes, offs=(i % 4, (i + 1) % 4, i % 3))
+                i += 1
+
+
+def test_scatter_add_empty_and_all_padding(gpu):
+    dense = selection_values(33, 7)
+    check_scatter(gpu, dense, np.zeros(0, np.int32), np.zeros(0, np.float32), 1.0, None)
+    pad = np.full(300, -1, np.int32)
+    check_scatter(gpu, dense, pad, selection_values(300, 8), 2.0, [100, 200])
+
+
+# ---------------------------------------------------------------- cast and pack
+
+FMTS = ("float32", "float16", "bfloat16")
+CAST_LENGTHS = (0, 1, 3, 7, 8, 9, 31, 33, 1001, 9000)
+
+
+def check_cast(gpu, x, dst, scale, accumulate, xoff, ooff):
+    gx = on_device(gpu, x, xoff)
+    old = adversarial(dst, x.size, 99)
+    go = on_device(gpu, old, ooff)
+    counter = gpu.module.zeros((), np.int64)
+    cast_mod.cast(gx, dst, scale=scale, out=go, accumulate=accumulate, nonfinite=counter)
+    want = old.copy()
+    want_count = cast_mod.numpy_cast_into(x, want, np.float32(scale), accumulate)
+    where = (x.dtype, dst, x.size, scale, accumulate, xoff, ooff, gpu.schedule.name)
+    assert int(counter) == want_count, where
+    assert same_bits(go, want), where
+
+
+@pytest.mark.parametrize("src", FMTS)
+def test_cast_every_pair_offsets_and_lengths(gpu, src):
+    i = 0
+    for dst in FMTS:
+        for accumulate in (False, True):
+            for n in CAST_LENGTHS:
+                x = adversarial(src, n, i)
+                gpu.schedule = SCHEDULES[i % len(SCHEDULES)]
+                check_cast(gpu, x, dst, (1.0, 0.375, 3e5)[i % 3], accumulate, i % 8, (i // 8) % 8)
+                i += 1
+
+
+SHAPES = [(3, 5), (0,), (64,), (1,), (7, 3), (1000,), (17,), (8200,), (5,)]
+
+
+def check_pack(gpu, afmt, bfmt, scale, accumulate, flat_off, bucket_off, seed):
+    sizes = [int(np.prod(s)) for s in SHAPES]
+    total = sum(sizes)
+    flat = adversarial(afmt, total + 8, seed)
+    gflat = on_device(gpu, flat, flat_off)
+    arrays, garrays, lo = [], [], 0
+    for s, n in zip(SHAPES, sizes):
+        arrays.append(flat[lo:lo + n].reshape(s))
+        garrays.append(gflat[lo:lo + n].reshape(s))
+        lo += n
+    bucket = adversarial(bfmt, total + 5, seed + 1)
+    gbucket = on_device(gpu, bucket, bucket_off)
+    where = (afmt, bfmt, scale, accumulate, flat_off, bucket_off, gpu.schedule.name)
+    counter = gpu.module.zeros((), np.int64)
+    want_count = np.zeros((), np.int64)
+    pack_mod.pack(garrays, gbucket, scale, nonfinite=counter)
+    pack_mod.pack(arrays, bucket, scale, nonfinite=want_count)
+    assert int(counter) == int(want_count), where
+    assert same_bits(gbucket, bucket), where
+    # and back into the arrays (bucket values now the packed ones)
+    counter[...] = 0
+    want_count[...] = 0
+    pack_mod.unpack(gbucket, garrays, scale, accumulate, nonfinite=counter)
+    pack_mod.unpack(bucket, arrays, scale, accumulate, nonfinite=want_count)
+    assert int(counter) == int(want_count), where
+    assert same_bits(gflat, flat), where
+
+
+@pytest.mark.parametrize("afmt", FMTS)
+def test_pack_unpack_views_and_offsets(gpu, afmt):
+    i = 0
+    for bfmt in FMTS:
+        for scale, accumulate in ((None, False), (0.5, False), (2.0, True)):
+            gpu.schedule = SCHEDULES[i % len(SCHEDULES)]
+            check_pack(gpu, afmt, bfmt, scale, accumulate, i % 4, (i + 1) % 3, i)
+            i += 1
+
+
+def test_raw_pack_copies_bits(gpu):
+    for i, dtype in enumerate((np.int8, np.int16, np.float32, np.float64, np.complex128)):
+        rng = np.random.default_rng(i)
+        arrays = [rng.integers(0, 100, s).astype(dtype) for s in SHAPES]
+        garrays = [on_device(gpu, a.ravel(), 0).reshape(a.shape) for a in arrays]
+        total = sum(a.size for a in arrays)
+        gbucket = on_device(gpu, np.zeros(total + 3, dtype), i % 2)
+        gpu.schedule = SCHEDULES[i % len(SCHEDULES)]
+        pack_mod.pack(garrays, gbucket)
+        assert gpu.launches[-1][0].startswith("pack_raw")
+        assert np.array_equal(np.asarray(gbucket)[:total],
+                              np.concatenate([a.ravel() for a in arrays]))
+        outs = [gpu.module.zeros(a.shape, dtype) for a in arrays]
+        pack_mod.unpack(gbucket, outs)
+        for a, o in zip(arrays, outs):
+            assert np.array_equal(a, np.asarray(o))
+
+
+# ---------------------------------------------------------------- the checks themselves
+
+def test_out_of_bounds_and_misaligned_accesses_are_reported(kernels):
+    x = np.zeros(16, np.float32)
+    out = np.zeros(15, np.float32)   # one element short
+    counter = np.zeros((), np.uint64)
+    with pytest.raises(KernelFault, match=r"out-of-bounds 4-byte store at byte offset 60 of "
+                                          r"'argument 1' \(60 bytes\)"):
+        kernels.launch("cast_f32_f32", 1, 32, [x, out, np.int64(16), np.float32(1), counter])
+    ws = np.zeros(8, np.uint64)
+    idx, val = np.zeros(8, np.int32), np.zeros(8, np.float32)
+    count = np.zeros(1, np.int64)
+    with pytest.raises(KernelFault, match="misaligned 16-byte load"):
+        # claims x is 16-byte aligned (off 0) when it is not: float4 loads misaligned
+        y = np.zeros(4097, np.float32)[1:]
+        kernels.launch("threshold_select", 1, 256, [y, np.int64(4096), np.int32(0),
+                                                    np.float32(0), ws, idx, val,
+                                                    np.int64(8), count])
+
+
+def test_collective_and_barrier_misuse_is_reported(kernels):
+    # a block of 48 threads: warp 1 has 16 lanes, so full-mask collectives name
+    # lanes outside the block
+    dense = np.zeros(4, np.float32)
+    idx, val = np.zeros(4, np.int32), np.ones(4, np.float32)
+    bad = np.zeros((), np.uint64)
+    with pytest.raises(KernelFault, match="names lanes outside the block"):
+        kernels.launch("scatter_add", 1, 48, [dense, np.int64(4), idx, val, np.int64(0),
+                                              np.int64(4), np.float32(1), bad])
+
+
+def test_endless_spin_is_reported(kernels):
+    # a look-back whose predecessor tile never publishes: status of tile 0
+    # stays zero while block 0 starts at tile 1 (tile counter preset)
+    x = np.ones(2 * TILE, np.float32)
+    ws = np.zeros(4, np.uint64)
+    ws[0] = 1
+    idx, val = np.zeros(2 * TILE, np.int32), np.zeros(2 * TILE, np.float32)
+    count = np.zeros(1, np.int64)
+    with pytest.raises(KernelFault, match="spun more than"):
+        kernels.launch("threshold_select", 1, 256, [x, np.int64(2 * TILE), np.int32(0),
+                                                    np.float32(0), ws, idx, val,
+                                                    np.int64(2 * TILE), count],
+                       spin_limit=10000)
+
+
+# ---------------------------------------------------------------- planted bugs
+
+def _topk_ties(gpu):
+    n = TILE + 5
+    check_topk(gpu, selection_values(n, 1, "ties"), 100, off=1)
+    low = (1 + np.arange(n) % 700 * 2.0 ** -23).astype(np.float32)
+    check_topk(gpu, low, 1000, off=2)
+
+
+def _topk_no_buffer(gpu):
+    # k > n / 3: no candidate buffer, so topk_hist1 visits the input with no
+    # barrier between zero_bins and its first shared atomics
+    n = 3 * TILE + 7
+    check_topk(gpu, selection_values(n, 2), n // 2 + 1, off=3)
+
+
+def _threshold(gpu):
+    check_threshold(gpu, selection_values(3 * TILE + 7, 3), 0.5, off=1)
+
+
+def _scatter(gpu):
+    idx, val = sparse_sets(300, [200, 50], 4)
+    check_scatter(gpu, selection_values(300, 5), idx, val, 1.0, [200, 50])
+
+
+def _cast(gpu):
+    for n, xoff, ooff in ((9, 0, 0), (33, 1, 1), (1001, 2, 2)):
+        check_cast(gpu, adversarial("float32", n, n), "float16", 1.0, False, xoff, ooff)
+
+
+def _pack(gpu):
+    check_pack(gpu, "float32", "bfloat16", None, False, 0, 0, 6)
+
+
+SEQUENTIAL = [s for s in SCHEDULES if s.resident == 1]
+CONCURRENT = [s for s in SCHEDULES if s.resident > 1]
+# threads switch only at sync points or at random: in lockstep every thread
+# finishes zeroing its bins before any thread adds to them, as on a GPU warp
+NOT_LOCKSTEP = [s for s in SCHEDULES if s.p_yield < 1]
+
+# (id, file, original text, planted bug, workload, schedules that must catch it,
+#  schedules that must not)
+MUTATIONS = [
+    ("topk-tie-break", "topk.cu", "return h > prefix ? 1 : (h == prefix ? 2 : 0);",
+     "return h >= prefix ? 1 : 0;", _topk_ties, SCHEDULES, ()),
+    ("topk-zero-bins-no-barrier", "select_common.cuh",
+     "bins[b] = 0;\n  __syncthreads();", "bins[b] = 0;\n", _topk_no_buffer, NOT_LOCKSTEP, ()),
+    ("threshold-no-barrier-after-look-back", "select_common.cuh",
+     "pol.total(before + agg);\n    }\n  }\n  __syncthreads();",
+     "pol.total(before + agg);\n    }\n  }\n", _threshold, SCHEDULES, ()),
+    ("threshold-look-back-no-wait", "select_common.cuh",
+     "while ((s & ~kValueMask) == 0) {\n        __nanosleep(64);\n        s = st[t];\n      }",
+     "if ((s & ~kValueMask) == 0) s = kFlagAgg;", _threshold, CONCURRENT, SEQUENTIAL),
+    ("scatter-add-wrong-mask", "sparse.cu", "__shfl_xor_sync(0xffffffffu, nbad, d)",
+     "__shfl_xor_sync(0x0000ffffu, nbad, d)", _scatter, SCHEDULES, ()),
+    ("cast-vector-tail-off-by-one", "common.cuh", "nvec = (n - head) / V;",
+     "nvec = (n - head + V - 1) / V;", _cast, SCHEDULES, ()),
+    ("pack-segment-edge-off-by-one", "pack.cu", "if (first[mid] <= c) lo = mid;",
+     "if (first[mid] < c) lo = mid;", _pack, SCHEDULES, ()),
+]
+
+
+def outcome(gpu, workload):
+    """'fault: ...' (the host build reported), 'mismatch' (against the twin)
+    or 'ok'."""
+    try:
+        workload(gpu)
+    except KernelFault as e:
+        return "fault: " + str(e).split("\n")[0][:200]
+    except AssertionError:
+        return "mismatch"
+    return "ok"
+
+
+@pytest.mark.parametrize("mutation", MUTATIONS, ids=[m[0] for m in MUTATIONS])
+def test_planted_bug_is_caught(mutation, kernels, monkeypatch):
+    _, source, old, new, workload, catching, passing = mutation
+    for sched in SCHEDULES:            # the workload passes on the real sources
+        gpu = chb.HostCupy(kernels, sched)
+        gpu.install(monkeypatch)
+        assert outcome(gpu, workload) == "ok", sched.name
+    bad = chb.build({source: [(old, new)]})
+    results = {}
+    for sched in SCHEDULES:
+        gpu = chb.HostCupy(bad, sched)
+        gpu.install(monkeypatch)
+        results[sched.name] = outcome(gpu, workload)
+    print(mutation[0], results)
+    for sched in catching:
+        assert results[sched.name] != "ok", (sched.name, results)
+    for sched in passing:
+        assert results[sched.name] == "ok", (sched.name, results)
