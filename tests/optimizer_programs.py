@@ -413,7 +413,7 @@ def check_state(comm, directory):
     parameters: continuing gives bit-identical parameters to uninterrupted
     training; load_state_dict with rank 0's dict only; a dict that does not
     fit raises ArgumentError on every rank."""
-    path = os.path.join(directory, "opt.npz")
+    path = os.path.join(directory, "checkpoint")        # saved under exactly this name
     for make in (lambda: Adam(0.01, weight_decay=0.01), lambda: SGD(0.1, momentum=0.9),
                  lambda: user_rule):
         params = start()
@@ -422,6 +422,7 @@ def check_state(comm, directory):
             a.step(grads_of(RANK, step))
         if RANK == 0:
             commlib.optim.save(path, a)
+            assert sorted(os.listdir(directory)) == ["checkpoint"], os.listdir(directory)
         comm.barrier()
         fresh = [np.array(p + RANK + 1) for p in start()]
         b = commlib.DistributedOptimizer(comm, fresh, make())

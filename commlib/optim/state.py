@@ -2,6 +2,7 @@
 training state (update count, parameters, the rule's buffers) as a dict of
 numpy arrays, restored on every rank from one rank's copy, and saved to /
 loaded from ``.npz`` files."""
+import os
 from collections.abc import Mapping
 
 import numpy as np
@@ -76,9 +77,13 @@ def load_state_dict(opt, state_dict, root=0):
 
 
 def save(path, opt):
-    """Write ``opt.state_dict()`` to the ``.npz`` file ``path`` (not
-    collective: call it on one rank)."""
-    np.savez(path, **opt.state_dict())
+    """Write ``opt.state_dict()`` to the ``.npz`` file ``path`` (exactly
+    that name; written to ``path + ".tmp"`` and renamed, so a crash leaves
+    the previous file whole). Not collective: call it on one rank."""
+    path = os.fspath(path)
+    with open(path + ".tmp", "wb") as f:
+        np.savez(f, **opt.state_dict())
+    os.replace(path + ".tmp", path)
 
 
 def load(path, opt, root=0):
