@@ -20,21 +20,29 @@
 //   cl_mul(a, b), cl_add(a, b)                IEEE fp32 ops: never fused into an FMA,
 //                                             subnormals kept even under -ftz=true
 //   cl_ld(p), cl_st(p, v)                     scalar global load / store
-//   cl_ld16(p), cl_st16(p, v)                 16-byte (uint4) load / store; p 16-byte aligned
-//   cl_count_add(counter, c)                  atomically add c to *counter (skipped if c == 0)
+//   cl_ld16(p), cl_st16(p, v)                 16-byte (uint4) global load / store, one 128-bit
+//                                             instruction each (LDG.E.128 / STG.E.128);
+//                                             p 16-byte aligned, in global memory
+//   cl_count_add(counter, c)                  add every thread's c to *counter (may be null):
+//                                             called by all threads of the block (blockDim.x
+//                                             a multiple of 32), one global atomic per block
 //   Element formats (struct, member T = storage type):
 //     cl_f32, cl_f16, cl_bf16                 widen(T) -> float, narrow(float) -> T (canonical
 //                                             NaN), nonfinite(T) -> bool (inf or NaN)
 //     cl_raw<U>                               bit copy of U, no arithmetic
-//   cl_transform_range<S, D, ACC>(src, dst, n, scale, t, nt, count)
+//   cl_transform_range<S, D, ACC, I = cl_i64>(src, dst, n, scale, t, nt, count)
 //       Thread t of nt computes dst[i] = D::narrow(scale * S::widen(src[i])
 //       [+ D::widen(dst[i]) if ACC]) for i in [0, n); each element is done by
 //       exactly one thread. Uses 16-byte vectors when src and dst can both be
-//       16-byte aligned at a common element, scalar head/tail otherwise.
+//       16-byte aligned at a common element, scalar head/tail otherwise. I: the
+//       type of n, t and nt (int where n < 2^31 - nt, which saves registers).
 //       count += number of non-finite elements written.
 //   CL_CHECK_ACCESS(ptr, bytes, is_write)     hook run before every cl_ld/cl_st;
 //                                             define it before including to
 //                                             bounds-check a host build (default: nothing)
+//   CL_BLOCK_COLLECTIVES                      define it in a host build that runs whole
+//                                             blocks (__syncthreads, warp shuffles), so
+//                                             cl_count_add takes its device path there too
 #ifndef COMMLIB_COMMON_CUH
 #define COMMLIB_COMMON_CUH
 
@@ -174,20 +182,43 @@ CL_HD void cl_st(T* p, T v) {
   *p = v;
 }
 
+// Inline PTX: through a plain uint4 dereference the compiler splits a store
+// into four 32-bit ones where it cannot prove the pointer's alignment (a
+// pointer read from a table). A generic pointer into global memory is a valid
+// global address. The store clobbers memory, so nothing moves across it.
 CL_HD uint4 cl_ld16(const void* p) {
   CL_CHECK_ACCESS(p, 16, false);
+#ifdef __CUDA_ARCH__
+  uint4 v;
+  asm("ld.global.v4.u32 {%0, %1, %2, %3}, [%4];"
+      : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
+  return v;
+#else
   return *reinterpret_cast<const uint4*>(p);
+#endif
 }
 
 CL_HD void cl_st16(void* p, uint4 v) {
   CL_CHECK_ACCESS(p, 16, true);
+#ifdef __CUDA_ARCH__
+  asm volatile("st.global.v4.u32 [%0], {%1, %2, %3, %4};"
+               :: "l"(p), "r"(v.x), "r"(v.y), "r"(v.z), "r"(v.w) : "memory");
+#else
   *reinterpret_cast<uint4*>(p) = v;
+#endif
 }
 
 CL_HD void cl_count_add(cl_u64* counter, cl_u64 c) {
-  if (c == 0 || counter == nullptr) return;
-#ifdef __CUDA_ARCH__
-  atomicAdd(counter, c);
+  if (counter == nullptr) return;  // the same in every thread
+#if defined(__CUDA_ARCH__) || defined(CL_BLOCK_COLLECTIVES)
+  __shared__ cl_u64 block_sum;
+  if (threadIdx.x == 0) block_sum = 0;
+  __syncthreads();
+#pragma unroll
+  for (int d = 16; d > 0; d >>= 1) c += __shfl_xor_sync(0xffffffffu, c, d);
+  if ((threadIdx.x & 31u) == 0 && c != 0) atomicAdd(&block_sum, c);
+  __syncthreads();
+  if (threadIdx.x == 0 && block_sum != 0) atomicAdd(counter, block_sum);
 #else
   *counter += c;
 #endif
@@ -288,21 +319,21 @@ CL_HD void cl_transform_scalar(const typename S::T* src, typename D::T* dst, flo
   }
 }
 
-template <class S, class D, bool ACC>
+template <class S, class D, bool ACC, class I = cl_i64>
 CL_HD void cl_transform_range(const typename S::T* __restrict__ src,
-                              typename D::T* __restrict__ dst, cl_i64 n, float scale,
-                              cl_i64 t, cl_i64 nt, cl_u64& count) {
+                              typename D::T* __restrict__ dst, I n, float scale, I t, I nt,
+                              cl_u64& count) {
   typedef typename S::T ST;
   typedef typename D::T DT;
   static_assert(!(S::raw && D::raw && ACC), "bit copies cannot accumulate");
   constexpr int V = 16 / (sizeof(ST) < sizeof(DT) ? sizeof(ST) : sizeof(DT));
-  const cl_i64 head = cl_vec_head<sizeof(ST), sizeof(DT)>(src, dst, n);
-  const cl_i64 nvec = (n - head) / V;
-  for (cl_i64 i = t; i < head; i += nt)
+  const I head = (I)cl_vec_head<sizeof(ST), sizeof(DT)>(src, dst, n);
+  const I nvec = (n - head) / V;
+  for (I i = t; i < head; i += nt)
     cl_transform_scalar<S, D, ACC>(src + i, dst + i, scale, count);
-  for (cl_i64 j = t; j < nvec; j += nt)
+  for (I j = t; j < nvec; j += nt)
     cl_transform_vec<S, D, ACC>(src + head + j * V, dst + head + j * V, scale, count);
-  for (cl_i64 i = head + nvec * V + t; i < n; i += nt)
+  for (I i = head + nvec * V + t; i < n; i += nt)
     cl_transform_scalar<S, D, ACC>(src + i, dst + i, scale, count);
 }
 

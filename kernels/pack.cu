@@ -10,7 +10,8 @@
 // Each block takes chunks c = blockIdx.x, blockIdx.x + gridDim.x, ...; chunk c
 // belongs to the segment s with first[s] <= c < first[s + 1] (binary search)
 // and covers elements [(c - first[s]) * chunk, +chunk) of that array, so a
-// chunk never straddles two arrays. chunk must be a multiple of 16.
+// chunk never straddles two arrays. chunk must be a multiple of 16 and below
+// 2^31 - 256 (in-chunk indices are 32-bit).
 //
 // Kernels (table, nseg, chunk, bucket, scale, counter):
 //   pack_<a>_<b>         bucket[off + i] = round_b(scale * float(array[i]))
@@ -20,7 +21,8 @@
 //     non-finite counting (into *counter, may be null) as kernels/cast.cu.
 //   pack_raw<w>, unpack_raw<w>   bit copy in units of w in {1, 2, 4, 8} bytes;
 //     offsets and counts are in units; scale and counter are ignored.
-// Launch with a 1-D grid of 256-thread blocks; any grid size works.
+// Launch with a 1-D grid of 256-thread blocks; any grid size works. Every
+// kernel fits 8 blocks per SM (__launch_bounds__(256, 8): at most 32 registers).
 #include "common.cuh"
 
 // Binary search: the segment s in [0, nseg) with first[s] <= c < first[s + 1].
@@ -62,9 +64,9 @@ CL_HD void segments_thread(const cl_i64* table, cl_i64 nseg, cl_i64 chunk, const
       src = static_cast<const ST*>(bucket) + offset[s] + begin;
       dst = reinterpret_cast<DT*>(array) + begin;
     }
-    cl_transform_range<S, D, ACC>(src, dst, n, scale, t, nt, count);
+    cl_transform_range<S, D, ACC, int>(src, dst, (int)n, scale, (int)t, (int)nt, count);
   }
-  cl_count_add(counter, count);
+  if constexpr (!(S::raw && D::raw)) cl_count_add(counter, count);
 }
 
 // Each kernel NAME comes with NAME_thread(table, nseg, chunk, bucket, scale,
@@ -77,7 +79,7 @@ CL_HD void segments_thread(const cl_i64* table, cl_i64 nseg, cl_i64 chunk, const
     segments_thread<S, D, ACC, TO_BUCKET>(table, nseg, chunk, bucket, scale, counter,      \
                                           block, nblocks, t, nt);                          \
   }                                                                                        \
-  extern "C" __global__ void __launch_bounds__(256)                                        \
+  extern "C" __global__ void __launch_bounds__(256, 8)                                     \
       NAME(const cl_i64* __restrict__ table, cl_i64 nseg, cl_i64 chunk, const void* bucket, \
            float scale, cl_u64* counter) {                                                 \
     NAME##_thread(table, nseg, chunk, bucket, scale, counter, blockIdx.x, gridDim.x,       \

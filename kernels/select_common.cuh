@@ -25,6 +25,7 @@ typedef unsigned long long u64;
 
 constexpr int kWarp = 32;
 constexpr int kBlock = 256;
+constexpr int kMinBlocks = 3;  // blocks per SM kernels are built for: <= 85 registers
 constexpr int kWarps = kBlock / kWarp;
 constexpr int kRounds = kWarp / kWarps;  // rounds x warps == 32: one warp scans a tile's table
 constexpr int kVec = 4;
@@ -66,17 +67,18 @@ __device__ __forceinline__ void load_group(const Source& s, long long g, float (
                                            int (&id)[kVec]) {
   const long long p0 = g * kVec - s.off;
   if (VEC && p0 >= 0 && p0 + kVec <= s.n) {
-    const float4 q = *reinterpret_cast<const float4*>(s.val + p0);
-    v[0] = q.x;
-    v[1] = q.y;
-    v[2] = q.z;
-    v[3] = q.w;
+    // cl_ld16: a 128-bit global load also where val is a generic pointer
+    const uint4 q = cl_ld16(s.val + p0);
+    v[0] = __uint_as_float(q.x);
+    v[1] = __uint_as_float(q.y);
+    v[2] = __uint_as_float(q.z);
+    v[3] = __uint_as_float(q.w);
     if (s.idx != nullptr) {
-      const int4 w = *reinterpret_cast<const int4*>(s.idx + p0);
-      id[0] = w.x;
-      id[1] = w.y;
-      id[2] = w.z;
-      id[3] = w.w;
+      const uint4 w = cl_ld16(s.idx + p0);
+      id[0] = (int)w.x;
+      id[1] = (int)w.y;
+      id[2] = (int)w.z;
+      id[3] = (int)w.w;
     } else {
 #pragma unroll
       for (int e = 0; e < kVec; ++e) id[e] = (int)(p0 + e);
@@ -98,12 +100,12 @@ __device__ __forceinline__ void store_group(float* dst, long long n, int off, lo
                                             const float (&v)[kVec]) {
   const long long p0 = g * kVec - off;
   if (VEC && p0 >= 0 && p0 + kVec <= n) {
-    float4 q;
-    q.x = v[0];
-    q.y = v[1];
-    q.z = v[2];
-    q.w = v[3];
-    *reinterpret_cast<float4*>(dst + p0) = q;
+    uint4 q;
+    q.x = __float_as_uint(v[0]);
+    q.y = __float_as_uint(v[1]);
+    q.z = __float_as_uint(v[2]);
+    q.w = __float_as_uint(v[3]);
+    cl_st16(dst + p0, q);
   } else {
 #pragma unroll
     for (int e = 0; e < kVec; ++e) {
@@ -166,27 +168,32 @@ __device__ __forceinline__ void zero_bins(u32* bins) {
   __syncthreads();
 }
 
+// Called by every thread of every block after its last access to what
+// other blocks write: true (in every thread) in the block that finishes
+// last, which then sees everything the other blocks wrote. *exits counts the
+// blocks done (it is never reset here).
+__device__ bool last_block(u32* exits) {
+  __shared__ u32 last;
+  __threadfence();
+  __syncthreads();
+  if (threadIdx.x == 0) last = atomicAdd(exits, 1u) == gridDim.x - 1 ? 1u : 0u;
+  __syncthreads();
+  const bool is_last = last != 0;
+  if (is_last) __threadfence();
+  return is_last;
+}
+
 // Adds the block's shared histogram into `global`. Returns true (in every
 // thread) in the block that finishes last, which then sees every block's
 // contribution.
 template <int BINS>
 __device__ bool merge_bins(const u32* bins, u32* global, u32* ticket) {
-  __shared__ u32 last;
   __syncthreads();
   for (int b = threadIdx.x; b < BINS; b += kBlock) {
     const u32 c = bins[b];
     if (c != 0) atomicAdd(global + b, c);
   }
-  __threadfence();
-  __syncthreads();
-  if (threadIdx.x == 0) {
-    __threadfence();
-    last = atomicAdd(ticket, 1u) == gridDim.x - 1 ? 1u : 0u;
-  }
-  __syncthreads();
-  const bool is_last = last != 0;
-  if (is_last) __threadfence();
-  return is_last;
+  return last_block(ticket);
 }
 
 // Inclusive prefix sum over the lanes of a warp.

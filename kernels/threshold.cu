@@ -32,10 +32,18 @@ using namespace threshold_impl;
 
 // x: n floats misaligned by `off` elements; t >= 0. out_idx/out_val hold
 // `cap` entries; *count receives the number of qualifying elements.
-// ws: zero-filled, 1 + tiles u64 words (tile counter, look-back status).
-extern "C" __global__ void __launch_bounds__(kBlock, 4)
+// ws: 1 + tiles u64 words (tile and exit counters, look-back status), zero
+// on entry and zero again on return: the last block to finish clears what
+// the launch used, so a workspace kept per stream needs no memset per call.
+extern "C" __global__ void __launch_bounds__(kBlock, kMinBlocks)
 threshold_select(const float* x, long long n, int off, float t, u64* ws, int* out_idx,
                  float* out_val, long long cap, long long* count) {
   ThresholdPolicy pol{mag_key(t), out_idx, out_val, cap, count};
-  compact_all(Source{x, nullptr, n, off}, ws + 1, reinterpret_cast<u32*>(ws), 0u, pol);
+  const Source src{x, nullptr, n, off};
+  u32* counters = reinterpret_cast<u32*>(ws);  // [0] tiles handed out, [1] blocks finished
+  compact_all(src, ws + 1, counters, 0u, pol);
+  if (last_block(counters + 1)) {
+    const long long words = 1 + source_tiles(src);
+    for (long long i = threadIdx.x; i < words; i += kBlock) ws[i] = 0;
+  }
 }

@@ -245,7 +245,7 @@ using namespace topk_impl;
 // Sampling pass, one block: ws[kLow] = the rank-th largest magnitude key of
 // kSamples elements spaced evenly over x (of resid + x with has_resid; NaN
 // counts as 0). 1 <= rank <= kSamples.
-extern "C" __global__ void __launch_bounds__(kBlock)
+extern "C" __global__ void __launch_bounds__(kBlock, kMinBlocks)
 topk_sample(const float* x, const float* resid, int has_resid, long long n, u32* ws, u32 rank) {
   __shared__ u32 bins[256];
   __shared__ Pick pick;
@@ -279,7 +279,7 @@ topk_sample(const float* x, const float* resid, int has_resid, long long n, u32*
 // residual of the same length (ignored by topk_hist1); k: entries wanted;
 // cap: candidate buffer capacity (0: no sample, no buffer); ws: zero-filled
 // workspace.
-extern "C" __global__ void __launch_bounds__(kBlock)
+extern "C" __global__ void __launch_bounds__(kBlock, kMinBlocks)
 topk_hist1(const float* x, float* resid, long long n, int off, u32* ws, u32 k, u32 cap,
            int* cand_idx, float* cand_val) {
   hist1_body<false, true>(x, resid, n, off, ws, k, cap, cand_idx, cand_val);
@@ -287,21 +287,21 @@ topk_hist1(const float* x, float* resid, long long n, int off, u32* ws, u32 k, u
 
 // Pass 1 with error feedback: resid <- resid + x, selection on the sum.
 // x and resid share the misalignment `off`.
-extern "C" __global__ void __launch_bounds__(kBlock)
+extern "C" __global__ void __launch_bounds__(kBlock, kMinBlocks)
 topk_hist1_resid(const float* x, float* resid, long long n, int off, u32* ws, u32 k, u32 cap,
                  int* cand_idx, float* cand_val) {
   hist1_body<true, true>(x, resid, n, off, ws, k, cap, cand_idx, cand_val);
 }
 
 // Same, when x and resid are misaligned differently (scalar loads, off = 0).
-extern "C" __global__ void __launch_bounds__(kBlock)
+extern "C" __global__ void __launch_bounds__(kBlock, kMinBlocks)
 topk_hist1_resid_scalar(const float* x, float* resid, long long n, int off, u32* ws, u32 k,
                         u32 cap, int* cand_idx, float* cand_val) {
   hist1_body<true, false>(x, resid, n, off, ws, k, cap, cand_idx, cand_val);
 }
 
 // Pass 2 over `x` (the residual when error feedback is on) or the buffer.
-extern "C" __global__ void __launch_bounds__(kBlock)
+extern "C" __global__ void __launch_bounds__(kBlock, kMinBlocks)
 topk_filter(const float* x, long long n, int off, u32* ws, int* cand_idx, float* cand_val,
             u32 cap) {
   if (ws[kDone] != 0) return;
@@ -328,7 +328,7 @@ topk_filter(const float* x, long long n, int off, u32* ws, int* cand_idx, float*
 }
 
 // Pass 3 over the candidates.
-extern "C" __global__ void __launch_bounds__(kBlock)
+extern "C" __global__ void __launch_bounds__(kBlock, kMinBlocks)
 topk_refine(const float* x, long long n, int off, u32* ws, const int* cand_idx,
             const float* cand_val) {
   if (ws[kDone] != 0) return;
@@ -352,7 +352,7 @@ topk_refine(const float* x, long long n, int off, u32* ws, const int* cand_idx,
 // Final pass: out_idx/out_val receive k entries (selected ones in index
 // order, then index -1 / value 0). With has_resid, selected entries of
 // resid are zeroed.
-extern "C" __global__ void __launch_bounds__(kBlock)
+extern "C" __global__ void __launch_bounds__(kBlock, kMinBlocks)
 topk_compact(const float* x, long long n, int off, u32* ws, const int* cand_idx,
              const float* cand_val, float* resid, int has_resid, int* out_idx, float* out_val,
              u32 k) {

@@ -167,8 +167,9 @@ def _prepare(direction, arrays, bucket, scale, accumulate, counting, what):
                                    [a.data.ptr if a.size else 0 for a in arrays],
                                    bucket.dtype, bucket.data.ptr, p.mode, accumulate):
                     table, nchunks = _device_table(device, launch.segments, launch.chunk)
-                    grid, block = launch_config(nchunks * THREADS, THREADS)
-                    p.launches.append((get_function("pack.cu", launch.kernel), grid, block,
+                    kernel = get_function("pack.cu", launch.kernel)
+                    grid, block = launch_config(nchunks * THREADS, kernel, THREADS)
+                    p.launches.append((kernel, grid, block,
                                        table, np.int64(len(launch.segments)),
                                        np.int64(launch.chunk)))
         _prepared.put(key, arrays, p)

@@ -75,7 +75,8 @@ def tiles_of(n, off):
     return (n + off + TILE - 1) // TILE
 
 
-def grid_for(tiles, blocks_per_sm):
-    """Persistent grid: at most ``blocks_per_sm`` blocks per SM, one per tile."""
-    from ._loader import sm_count
-    return max(1, min(tiles, sm_count() * blocks_per_sm))
+def grid_for(tiles, kernel):
+    """Persistent grid of ``kernel``: one block per tile, at most the blocks
+    of BLOCK threads that are resident at once."""
+    from ._loader import persistent_grid
+    return persistent_grid(tiles, kernel, BLOCK)

@@ -273,7 +273,8 @@ def cast_items_per_thread(src_fmt, dst_fmt):
 def _cast_cuda(x, out, src_fmt, dst_fmt, scale32, accumulate, counter):
     from ._loader import get_function, launch_config
     kernel = get_function("cast.cu", cast_kernel_name(src_fmt, dst_fmt, accumulate))
-    grid, block = launch_config(x.size, CAST_THREADS, cast_items_per_thread(src_fmt, dst_fmt))
+    grid, block = launch_config(x.size, kernel, CAST_THREADS,
+                                cast_items_per_thread(src_fmt, dst_fmt))
     kernel(grid, block, (x, out, np.int64(x.size), scale32, counter))
 
 

@@ -83,7 +83,7 @@ def _scatter_add_numpy(dense, indices, values, alpha):
 
 def _scatter_add_cuda(dense, indices, values, alpha, counts):
     import cupy
-    from ._loader import get_function, sm_count
+    from ._loader import get_function, launch_config
     with dense.device:
         bad = cupy.zeros((), dtype=cupy.int64)
         kernel = get_function("sparse.cu", "scatter_add")
@@ -91,8 +91,8 @@ def _scatter_add_cuda(dense, indices, values, alpha, counts):
         start = 0
         for c in counts:
             if c:
-                grid = max(1, min(-(-c // _BLOCK), sm_count() * 16))
-                kernel((grid,), (_BLOCK,),
+                grid, block = launch_config(c, kernel, _BLOCK, waves=2)
+                kernel(grid, block,
                        (dense, n_dense, indices, values, np.int64(start), np.int64(c), alpha, bad))
             start += c
     return bad

@@ -2,9 +2,12 @@
 
 ``threshold(x, t)`` compacts all qualifying elements of a 1-D float32 array
 in ascending index order. With cupy input it is one pass of
-``kernels/threshold.cu`` (ordered compaction with decoupled look-back) and
-never synchronizes with the host; numpy input runs the numpy twin.
+``kernels/threshold.cu`` (ordered compaction with decoupled look-back), one
+launch and nothing else (its workspace, kept per stream, is left zeroed by
+the kernel itself), and never synchronizes with the host; numpy input runs
+the numpy twin.
 """
+import collections
 
 import numpy as np
 
@@ -74,10 +77,34 @@ def _threshold_cuda(x, tkey, capacity):
         count = cupy.empty((), dtype=cupy.int64)
         off = misalignment(x)
         tiles = tiles_of(n, off)
-        ws = cupy.zeros(tiles + 1, dtype=cupy.uint64)
+        ws = _workspace(x.device.id, tiles + 1)
         kernel = get_function("threshold.cu", "threshold_select")
         t32 = np.uint32(tkey).view(np.float32)
-        kernel((grid_for(tiles, 4),), (BLOCK,),
+        kernel(grid_for(tiles, kernel), (BLOCK,),
                (x, np.int64(n), np.int32(off), t32, ws, indices, values,
                 np.int64(capacity), count))
     return indices, values, count
+
+
+WORKSPACES = 16  # (device, stream) pairs whose workspace is kept
+_workspaces = collections.OrderedDict()  # (device, stream ptr) -> (stream, uint64 array)
+
+
+def _workspace(device_id, words):
+    """A zero-filled uint64 workspace of at least ``words`` words for the
+    current stream: threshold_select leaves it zeroed, so launches on one
+    stream (which run in order) share it; other streams get their own. The
+    stream object is held so its handle is not reused while it is cached."""
+    import cupy
+    stream = cupy.cuda.get_current_stream()
+    key = (device_id, getattr(stream, "ptr", 0))
+    hit = _workspaces.get(key)
+    if hit is not None and hit[1].size >= words:
+        _workspaces.move_to_end(key)
+        return hit[1]
+    ws = cupy.zeros(max(words, 2 * hit[1].size if hit else 0), dtype=cupy.uint64)
+    _workspaces[key] = (stream, ws)
+    _workspaces.move_to_end(key)
+    while len(_workspaces) > WORKSPACES:
+        _workspaces.popitem(last=False)
+    return ws

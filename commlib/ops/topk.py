@@ -121,26 +121,26 @@ def _topk_cuda(x, kk, residual):
             cand_idx, cand_val = ws, ws  # never touched
         n64, off32, k32, cap32 = np.int64(n), np.int32(off), np.uint32(kk), np.uint32(cap)
         has_resid = np.int32(residual is not None)
-        grid_hist, grid_scan = (grid_for(tiles, 4),), (grid_for(tiles, 8),)
-        block = (BLOCK,)
 
-        def launch(name, grid, *args):
-            get_function("topk.cu", name)(grid, block, args)
+        def launch(name, tiles, *args):
+            # tiles: what the pass may have to read; one wave of resident blocks at most
+            kernel = get_function("topk.cu", name)
+            grid = (1,) if tiles is None else grid_for(tiles, kernel)
+            kernel(grid, (BLOCK,), args)
 
         if cap:
-            launch("topk_sample", (1,), x, src, has_resid, n64, ws,
+            launch("topk_sample", None, x, src, has_resid, n64, ws,
                    np.uint32(_sample_rank(n, kk)))
-        grid1 = grid_scan if cap else grid_hist
         if residual is None:
-            launch("topk_hist1", grid1, x, x, n64, off32, ws, k32, cap32, cand_idx, cand_val)
+            launch("topk_hist1", tiles, x, x, n64, off32, ws, k32, cap32, cand_idx, cand_val)
         elif misalignment(x) == off:
-            launch("topk_hist1_resid", grid1, x, residual, n64, off32, ws, k32, cap32,
+            launch("topk_hist1_resid", tiles, x, residual, n64, off32, ws, k32, cap32,
                    cand_idx, cand_val)
         else:
-            launch("topk_hist1_resid_scalar", (grid_for(tiles_of(n, 0), 8 if cap else 4),),
-                   x, residual, n64, np.int32(0), ws, k32, cap32, cand_idx, cand_val)
-        launch("topk_filter", grid_scan, src, n64, off32, ws, cand_idx, cand_val, cap32)
-        launch("topk_refine", grid_hist, src, n64, off32, ws, cand_idx, cand_val)
-        launch("topk_compact", grid_scan, src, n64, off32, ws, cand_idx, cand_val, src,
+            launch("topk_hist1_resid_scalar", tiles_of(n, 0), x, residual, n64, np.int32(0),
+                   ws, k32, cap32, cand_idx, cand_val)
+        launch("topk_filter", tiles, src, n64, off32, ws, cand_idx, cand_val, cap32)
+        launch("topk_refine", tiles, src, n64, off32, ws, cand_idx, cand_val)
+        launch("topk_compact", tiles, src, n64, off32, ws, cand_idx, cand_val, src,
                has_resid, indices, values, k32)
     return indices, values
