@@ -348,3 +348,45 @@ def test_cupy_parameters_follow_the_numpy_rules(make, tmp_path):
     for a, b in zip(again.params, gpu):
         assert isinstance(a, cupy.ndarray) and bool((a == b).all())
     comm.close()
+
+
+@pytest.mark.parametrize("make", [lambda: SGD(0.1), lambda: SGD(0.05, momentum=0.9,
+                                                                 nesterov=True,
+                                                                 weight_decay=0.1),
+                                  lambda: Adam(0.01, weight_decay=0.01)])
+def test_flat_parameters_update_as_one_array_with_the_same_bits_and_state(make, tmp_path):
+    """Parameters that are flat_arrays views (updated run by run as one
+    array) and separate arrays of the same values get the same bits and
+    the same per-parameter state, and checkpoints move between them."""
+    shapes = [(3, 5), (), (0,), (7,), (2, 2)]
+
+    def body(comm):
+        rng = np.random.default_rng(11)
+        values = [rng.standard_normal(s).astype(np.float32) for s in shapes]
+        flat = commlib.flat_arrays(shapes)
+        flat.insert(2, np.array(values[1], np.float64))       # a dtype run of its own
+        separate = [np.array(v) for v in values]
+        separate.insert(2, np.array(values[1], np.float64))
+        for f, v in zip(flat, separate):
+            f[...] = v
+        opts = [commlib.DistributedOptimizer(comm, ps, make()) for ps in (flat, separate)]
+        # the empty array is a run of its own (no memory to lie in)
+        assert opts[0]._runs == [[0, 1], [2], [3], [4, 5]]
+        assert opts[1]._runs == [[i] for i in range(len(separate))]
+        for step in range(3):
+            grads = [rng.standard_normal(p.shape).astype(p.dtype) for p in separate]
+            for opt in opts:
+                opt.step(grads)
+        states = [opt.state_dict() for opt in opts]
+        commlib.optim.save(str(tmp_path / "flat"), opts[0])
+        other = commlib.DistributedOptimizer(comm, [np.zeros_like(p) for p in separate], make())
+        commlib.optim.load(str(tmp_path / "flat"), other)
+        grads = [rng.standard_normal(p.shape).astype(p.dtype) for p in separate]
+        for opt in opts + [other]:
+            opt.step(grads)
+        return [[p.tobytes() for p in opt.params] for opt in opts + [other]], states
+    (params, (fused, plain)), = run_ranks(1, body)
+    assert params[0] == params[1] == params[2]
+    assert sorted(fused) == sorted(plain)
+    assert all(fused[k].tobytes() == plain[k].tobytes() and fused[k].shape == plain[k].shape
+               for k in fused)

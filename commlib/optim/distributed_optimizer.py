@@ -8,13 +8,13 @@ import numpy as np
 
 from .. import compression as _compression
 from .. import validation
-from ..bucketing import flat_arrays
+from ..bucketing import _span, flat_arrays
 from ..compression import Partial, Threshold, TopK
 from ..errors import ArgumentError
-from ..ops._arrays import array_module, is_cupy
+from ..ops._arrays import address, array_module, is_cupy
 from ..overlap import BackwardReducer
 from . import parameters, state
-from .rules import check_number
+from .rules import Rule, check_number
 
 
 def _like(params):
@@ -39,6 +39,29 @@ def _like(params):
     else:
         allocate()
     return out
+
+
+def _runs(arrays):
+    """Maximal runs of consecutive indices whose arrays lie back to back in
+    one base array (same dtype), as lists of indices."""
+    runs = []
+    for i, a in enumerate(arrays):
+        if runs:
+            b = arrays[runs[-1][-1]]
+            if (a.base is not None and a.base is b.base and a.dtype == b.dtype
+                    and a.flags.c_contiguous and address(a) == address(b) + b.nbytes):
+                runs[-1].append(i)
+                continue
+        runs.append([i])
+    return runs
+
+
+def _fused(arrays, run):
+    """The array that stands for ``arrays[i] for i in run``: the array
+    itself for a run of one, else the run's 1-D span (None if it has none)."""
+    if len(run) == 1:
+        return arrays[run[0]]
+    return _span([arrays[i] for i in run], array_module(arrays[run[0]]))
 
 
 class DistributedOptimizer:
@@ -96,6 +119,13 @@ class DistributedOptimizer:
         self.bucket_bytes = None if bucket_bytes is None else int(bucket_bytes)
         self.overlap, self.accumulate = bool(overlap), int(accumulate)
         self.grads = _like(params)
+        # a built-in rule updates each run of parameters that lie back to back
+        # (flat_arrays) as one array: elementwise, so the same bits, fewer calls
+        runs = _runs(params) if isinstance(rule, Rule) else [[i] for i in range(len(params))]
+        args = ([_fused(params, run) for run in runs], [_fused(self.grads, run) for run in runs])
+        if any(a is None for a in args[0] + args[1]):
+            runs, args = [[i] for i in range(len(params))], (params, self.grads)
+        self._runs, self._rule_args = runs, args
         self._sums = _like(params) if self.accumulate > 1 else None
         self._reducers = {}            # strategy name -> BackwardReducer of self.grads
         self._micro = 0                # micro-batches accumulated towards this update
@@ -210,12 +240,12 @@ class DistributedOptimizer:
         self._micro = 0
         try:
             if isinstance(strategy, Partial):
-                self.rule(self.params, self.grads)
+                self.rule(*self._rule_args)
                 self._timed(lambda: self.comm.all_reduce(self.params, op="avg",
                                                          compression=strategy))
             else:
                 self._reduce(strategy)
-                self.rule(self.params, self.grads)
+                self.rule(*self._rule_args)
         finally:
             self._started = False
             self._close_window()
@@ -315,9 +345,18 @@ class DistributedOptimizer:
         arrays themselves, not copies."""
         out = {"steps": self._steps}
         out.update(("params.%d" % i, p) for i, p in enumerate(self.params))
-        rule_state = getattr(self.rule, "state", None)
-        if rule_state is not None:
-            out.update(("rule." + k, v) for k, v in rule_state(self.params).items())
+        if isinstance(self.rule, Rule):     # per parameter, whichever runs it updates
+            out.update(("rule." + k, v) for k, v in self.rule.counters().items())
+            for name, buffers in self.rule.buffers_for(self._rule_args[0]).items():
+                for run, buf in zip(self._runs, buffers):
+                    flat, offset = buf.reshape(-1), 0
+                    for i in run:
+                        size = self.params[i].size
+                        out["rule.%s.%d" % (name, i)] = \
+                            flat[offset:offset + size].reshape(self.params[i].shape)
+                        offset += size
+        elif hasattr(self.rule, "state"):
+            out.update(("rule." + k, v) for k, v in self.rule.state(self.params).items())
         return out
 
     def state_dict(self):

@@ -58,21 +58,28 @@ class Rule:
     def state(self, params):
         """The rule's state for ``params`` as ``{name: array}``: the live
         arrays (writing into them changes the state), ``"<buffer>.<i>"`` for
-        parameter i's buffers, plus the rule's counters as 0-d numpy
-        arrays."""
-        self._buffers_for(params)
-        out = dict(self._counters())
-        for name in self.buffers:
-            out.update(("%s.%d" % (name, i), b) for i, b in enumerate(self._state[name]))
+        array i's buffers, plus the rule's counters as 0-d numpy arrays."""
+        out = dict(self.counters())
+        for name, arrays in self.buffers_for(params).items():
+            out.update(("%s.%d" % (name, i), b) for i, b in enumerate(arrays))
         return out
 
-    def _counters(self):
+    def counters(self):
+        """``{name: 0-d numpy array}`` of the rule's counters."""
         return {}
 
-    def _buffers_for(self, params):
+    def buffers_for(self, params):
+        """``{buffer name: [one array like each of params]}``, allocated
+        (zero-filled) at the first call; a rule keeps the state of one list
+        of arrays (one rule object per optimizer)."""
         if self._state is None:
             self._state = {name: [array_module(p).zeros_like(p) for p in params]
                            for name in self.buffers}
+            self._count = len(params)
+        elif self._count != len(params):
+            raise ArgumentError("%s: holds state for %d arrays, called with %d; use one rule "
+                                "object per optimizer" % (type(self).__name__, self._count,
+                                                          len(params)))
         return self._state
 
     def _decayed(self, p, g):
@@ -101,7 +108,7 @@ class SGD(Rule):
         super().__init__(lr, weight_decay)
 
     def __call__(self, params, grads):
-        buffers = self._buffers_for(params).get("momentum")
+        buffers = self.buffers_for(params).get("momentum")
         for i, (p, g) in enumerate(zip(params, grads)):
             d = self._decayed(p, g)
             if buffers is not None:
@@ -142,11 +149,11 @@ class Adam(Rule):
         """Number of updates applied so far."""
         return int(self._t)
 
-    def _counters(self):
+    def counters(self):
         return {"t": self._t}
 
     def __call__(self, params, grads):
-        state = self._buffers_for(params)
+        state = self.buffers_for(params)
         self._t += 1
         b1, b2 = self.betas
         step_size = self.lr / (1 - b1 ** self.t)
