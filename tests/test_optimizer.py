@@ -390,3 +390,16 @@ def test_flat_parameters_update_as_one_array_with_the_same_bits_and_state(make, 
     assert sorted(fused) == sorted(plain)
     assert all(fused[k].tobytes() == plain[k].tobytes() and fused[k].shape == plain[k].shape
                for k in fused)
+
+
+def test_a_rule_keeps_the_state_of_one_list_of_arrays():
+    rule = SGD(0.1, momentum=0.9)
+    p, g = [np.ones(3), np.ones(2)], [np.ones(3), np.ones(2)]
+    rule(p, g)
+    assert sorted(rule.state(p)) == ["momentum.0", "momentum.1"]
+    assert (rule.state(p)["momentum.0"] == 1).all() and (p[0] == 0.9).all()
+    with pytest.raises(ArgumentError, match="holds state for 2 arrays, called with 1"):
+        rule(p[:1], g[:1])
+    adam = Adam(0.1)
+    adam(p, g)
+    assert adam.t == 1 and sorted(adam.state(p)) == ["m.0", "m.1", "t", "v.0", "v.1"]

@@ -2,13 +2,15 @@
 
 A rule is called as ``rule(params, grads)`` (lists of numpy or cupy arrays
 of matching shapes and dtypes) and updates ``params`` in place, leaving
-``grads`` as they are. Any callable of that signature is a rule; the ones
-here are written once for numpy and cupy (the array module of each
-parameter does the arithmetic, in the parameter's dtype) and keep their
-state (momentum buffers, Adam moments, step count) in arrays that
-:meth:`Rule.state` hands out by name, so the optimizer can save, load and
-broadcast them. ``lr`` and the other hyperparameters may be changed between
-steps.
+``grads`` as they are. Any callable of that signature is a rule (one with
+a ``state(params)`` method returning ``{name: array}`` has that state
+checkpointed too); the ones here are written once for numpy and cupy (the
+array module of each parameter does the arithmetic, in the parameter's
+dtype) and keep their state (momentum buffers, Adam moments, step count) in
+arrays that :meth:`Rule.state` hands out by name, so the optimizer can
+save, load and broadcast them. They are elementwise, so the optimizer hands
+them each run of parameters that lie back to back as one flat array.
+``lr`` and the other hyperparameters may be changed between steps.
 """
 import math
 
