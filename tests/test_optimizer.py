@@ -403,3 +403,38 @@ def test_a_rule_keeps_the_state_of_one_list_of_arrays():
     adam = Adam(0.1)
     adam(p, g)
     assert adam.t == 1 and sorted(adam.state(p)) == ["m.0", "m.1", "t", "v.0", "v.1"]
+
+
+class CountingRule:
+    """A callable rule with state: p -= g / (calls so far + 1)."""
+
+    def __init__(self):
+        self.calls = np.zeros((), np.int64)
+
+    def __call__(self, params, grads):
+        self.calls += 1
+        for p, g in zip(params, grads):
+            p -= g / float(self.calls)
+
+    def state(self, params):
+        return {"calls": self.calls}
+
+
+def test_a_callable_rule_with_state_is_checkpointed(tmp_path):
+    def body(comm):
+        opt = commlib.DistributedOptimizer(comm, params_of(), CountingRule())
+        ones = [np.ones((3, 4), np.float32), np.ones(5, np.float32)]
+        for _ in range(2):
+            opt.step(ones)
+        if comm.rank == 0:
+            commlib.optim.save(str(tmp_path / "counting"), opt)
+        comm.barrier()
+        other = commlib.DistributedOptimizer(comm, params_of(), CountingRule())
+        commlib.optim.load(str(tmp_path / "counting"), other)
+        for o in (opt, other):
+            o.step(ones)
+        return int(other.rule.calls), [p.copy() for p in other.params]
+    for calls, params in run_ranks(2, body):
+        assert calls == 3
+        want = np.float32(-1.0) - np.float32(0.5) - np.float32(1 / 3)
+        assert all(np.allclose(p, want, rtol=1e-6) for p in params), params
