@@ -39,7 +39,7 @@ from .errors import (ArgumentError, BackendUnavailableError, ClosedError, Commli
                      ConsistencyError, NonFiniteError, PayloadError)
 from .ops._arrays import array_module, is_cupy
 from .stats import CommStats, CountingTransport
-from .waiting import Wait
+from .waiting import SleepingWaits, Wait, relaxed
 from .work import GpuOrder, Progress
 
 _ABORT_DRAIN_S = 0.25   # seconds between printing the traceback and MPI_Abort
@@ -158,6 +158,7 @@ class Communicator:
         self._serial = next(_made)
         if board is not None:
             board.warn_after = settings.stall_warning()
+        self._relaxed_board = self._sleeping_board(board)
         if size > 1:
             _live.add(self)
             _install_hooks()
@@ -430,7 +431,8 @@ class Communicator:
         wait = self._wait
         wait.seq, wait.what = seq, consistency.CODES[name]
         wait.deadline = None if timeout is None else time.monotonic() + timeout
-        board = self._board
+        board = self._board if self._relaxed_board is None or not relaxed() \
+            else self._relaxed_board
         if board is not None and not self._check:
             board.arrive(seq)
         elif board is not None:
@@ -449,6 +451,21 @@ class Communicator:
         if error is not None:
             raise error
         return kind, wait
+
+    @staticmethod
+    def _sleeping_board(board):
+        """For the progress thread: a second view of the same status board
+        whose compiled waits sleep between short spins
+        (:class:`commlib.waiting.SleepingWaits`; without the compiled loops
+        the Python waits sleep on a relaxed thread anyway); None when there
+        is no status board."""
+        if not isinstance(board, _board.StatusBoard):
+            return None
+        twin = _board.StatusBoard(board.memory, board.rank, board.size)
+        if twin._ext is not None:
+            twin._ext = SleepingWaits(twin._ext)
+        twin.warn_after = board.warn_after
+        return twin
 
     def _fail(self, exc):
         """A collective failed: the communicator is unusable from now on and

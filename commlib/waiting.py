@@ -89,6 +89,44 @@ class Wait:
             "not called it" % (self.rank, label(self.what, self.seq)), culprits=late or ())
 
 
+class SleepingWaits:
+    """The compiled waits of ``ext`` (``commlib._hostloops``: ``board_enter``,
+    ``wait_flags``) with the same arguments and results, for a relaxed
+    thread: each call spins only briefly in C at a time (its time slice set
+    to zero) and sleeps with backoff between, until the slice it was given
+    has passed."""
+
+    _ARGS = {"board_enter": (12, 13), "wait_flags": (5, 6)}   # publish flag, deadline
+
+    def __init__(self, ext):
+        self._ext = ext
+
+    def __getattr__(self, name):
+        return getattr(self._ext, name)
+
+    def _wait(self, name, args):
+        publish_at, deadline_at = self._ARGS[name]
+        args = list(args)
+        deadline, slice_s = args[deadline_at], args[deadline_at + 1]
+        until = time.monotonic() + slice_s
+        if deadline is not None:
+            until = min(until, deadline)
+        args[deadline_at], args[deadline_at + 1] = 0.0, 0.0
+        call, backoff = getattr(self._ext, name), Backoff()
+        while True:
+            code = call(*args)
+            if code != -1 or time.monotonic() >= until:
+                return code
+            args[publish_at] = False
+            backoff.pause()
+
+    def board_enter(self, *args):
+        return self._wait("board_enter", args)
+
+    def wait_flags(self, *args):
+        return self._wait("wait_flags", args)
+
+
 #: a Wait with no deadline and nothing to watch
 FOREVER = Wait()
 
@@ -117,15 +155,21 @@ def spin_py(words, target, gone, seq, rank, until):
     """Python twin of the compiled wait (``commlib/native/flag_wait.c``):
     ``words`` and ``gone`` are per-rank numpy views (``gone`` may be None).
     Returns -3 when every other rank's word reached ``target``, -2 - r when
-    rank r left (``0 < gone[r] <= seq``), -1 once ``until`` passed."""
+    rank r left (``0 < gone[r] <= seq``), -1 once ``until`` passed. On a
+    relaxed thread (:func:`relaxed`) it sleeps between polls instead of
+    yielding."""
     polls = 0
+    backoff = Backoff() if relaxed() else None
     for r in range(len(words)):
         while r != rank and words[r] < target:
             if gone is not None and 0 < gone[r] <= seq:
                 return -2 - r
             polls += 1
-            if polls > _SPINS:
-                os.sched_yield()
+            if backoff is not None or polls > _SPINS:
+                if backoff is not None:
+                    backoff.pause()
+                else:
+                    os.sched_yield()
                 if time.monotonic() >= until:
                     return -1
     return -3
