@@ -341,6 +341,12 @@ class HostCupy:
         self.props = props
         return mod
 
+    def set_device(self, sm_count, threads_per_sm=2048):
+        """Device shape the wrappers size their grids from (fewer, larger
+        persistent blocks with fewer SMs or threads per SM)."""
+        self.props["multiProcessorCount"] = sm_count
+        self.props["maxThreadsPerMultiProcessor"] = threads_per_sm
+
     def get_function(self, source, name, options=()):
         if name not in self.kernels.names:
             raise KeyError("%s: no kernel %r in the host build" % (source, name))

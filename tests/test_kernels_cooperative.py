@@ -46,6 +46,15 @@ def schedules_for(i, count=2):
     return [SCHEDULES[(i + j) % len(SCHEDULES)] for j in range(count)]
 
 
+# (SMs, threads per SM): the grids the wrappers launch range from one block
+# that loops over every tile to one block per tile
+DEVICES = ((1, 256), (2, 2048), (1, 512), (3, 1024))
+
+
+def vary_device(gpu, i):
+    gpu.set_device(*DEVICES[i % len(DEVICES)])
+
+
 def on_device(gpu, a, off=0):
     """A device copy of ``a`` starting ``off`` elements past a 256-byte boundary."""
     base = gpu.module.zeros(a.size + off, a.dtype)
@@ -128,6 +137,7 @@ def test_topk_lengths_offsets_and_k(gpu):
             if k < 0:
                 continue
             off = i % 4
+            vary_device(gpu, i)
             for sched in schedules_for(i):
                 gpu.schedule = sched
                 check_topk(gpu, x, k, off)
@@ -159,6 +169,7 @@ def test_topk_every_candidate_path(gpu, monkeypatch):
     for i, (what, x, k, rank) in enumerate(cases):
         monkeypatch.setattr(topk_mod, "_sample_rank",
                             real_rank if rank is None else (lambda n, k, r=rank: r))
+        vary_device(gpu, i)
         for sched in schedules_for(i):
             gpu.schedule = sched
             path = _paths(check_topk(gpu, x, k, off=i % 4))
@@ -176,6 +187,7 @@ def test_topk_with_residual(gpu):
             # same misalignment (vector pass), then a different one (scalar pass)
             for off, roff in ((i % 4, i % 4), (1, 2)):
                 gpu.schedule = SCHEDULES[(i + k + off) % len(SCHEDULES)]
+                vary_device(gpu, i + k)
                 check_topk(gpu, x, k, off, r, roff)
 
 
@@ -197,6 +209,7 @@ def test_threshold_lengths_offsets_thresholds(gpu):
     for n in LENGTHS:
         x = selection_values(n, 100 + n)
         for t in (0.0, 1e-45, 0.5, 2.5, 3e38, float("inf")):
+            vary_device(gpu, i)
             for sched in schedules_for(i):
                 gpu.schedule = sched
                 check_threshold(gpu, x, t, off=i % 4)
@@ -210,6 +223,7 @@ def test_threshold_capacity_overflow_and_small_values(gpu):
         hits = int(threshold_mod.threshold(x, t)[2])
         for capacity in (0, 1, hits // 2, hits - 1, hits, hits + 3):
             gpu.schedule = SCHEDULES[(i + capacity) % len(SCHEDULES)]
+            vary_device(gpu, i + capacity)
             check_threshold(gpu, x, t, capacity, off=(i + capacity) % 4)
 
 
@@ -253,6 +267,7 @@ def test_scatter_add_segments_padding_and_bad_indices(gpu):
             dense = selection_values(n_dense, 300 + i, "small")
             for alpha in (1.0, -1.0, 0.375, 1e-40):
                 gpu.schedule = SCHEDULES[i % len(SCHEDULES)]
+                vary_device(gpu, i)
                 check_scatter(gpu, dense, idx, val, alpha, sizes, offs=(i % 4, (i + 1) % 4, i % 3))
                 i += 1
 
@@ -291,6 +306,7 @@ def test_cast_every_pair_offsets_and_lengths(gpu, src):
             for n in CAST_LENGTHS:
                 x = adversarial(src, n, i)
                 gpu.schedule = SCHEDULES[i % len(SCHEDULES)]
+                vary_device(gpu, i)
                 check_cast(gpu, x, dst, (1.0, 0.375, 3e5)[i % 3], accumulate, i % 8, (i // 8) % 8)
                 i += 1
 
@@ -332,6 +348,7 @@ def test_pack_unpack_views_and_offsets(gpu, afmt):
     for bfmt in FMTS:
         for scale, accumulate in ((None, False), (0.5, False), (2.0, True)):
             gpu.schedule = SCHEDULES[i % len(SCHEDULES)]
+            vary_device(gpu, i)
             check_pack(gpu, afmt, bfmt, scale, accumulate, i % 4, (i + 1) % 3, i)
             i += 1
 
@@ -492,3 +509,28 @@ def test_planted_bug_is_caught(mutation, kernels, monkeypatch):
         assert results[sched.name] != "ok", (sched.name, results)
     for sched in passing:
         assert results[sched.name] == "ok", (sched.name, results)
+
+
+# ---------------------------------------------------------------- misuse the runtime reports
+
+def _faults_with(kernels, monkeypatch, source, old, new, workload):
+    """The KernelFault messages of ``workload`` on the sources with one patch."""
+    gpu = chb.HostCupy(chb.build({source: [(old, new)]}), SCHEDULES[0])
+    gpu.install(monkeypatch)
+    with pytest.raises(KernelFault) as info:
+        workload(gpu)
+    return str(info.value)
+
+
+def test_barrier_reached_by_part_of_the_block_is_reported(kernels, monkeypatch):
+    msg = _faults_with(kernels, monkeypatch, "select_common.cuh",
+                       "bins[b] = 0;\n  __syncthreads();",
+                       "bins[b] = 0;\n  if (threadIdx.x < 128) __syncthreads();", _topk_no_buffer)
+    assert "__syncthreads at" in msg and ("while 128 threads wait at the one at" in msg
+                                          or "reached by 128 of 256 threads" in msg), msg
+
+
+def test_collective_naming_an_exited_lane_is_reported(kernels, monkeypatch):
+    msg = _faults_with(kernels, monkeypatch, "sparse.cu", "#pragma unroll\n  for (int d = 16;",
+                       "if ((threadIdx.x & 31u) == 5) return;\n  for (int d = 16;", _scatter)
+    assert "exited" in msg and "__shfl_xor_sync" in msg, msg

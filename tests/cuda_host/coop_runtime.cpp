@@ -121,6 +121,10 @@ struct Block {
   size_t cursor = 0;
 };
 
+const char* const kOpNames[] = {"__syncwarp", "__shfl_sync", "__shfl_up_sync",
+                                "__shfl_down_sync", "__shfl_xor_sync", "__ballot_sync",
+                                "__any_sync", "__all_sync"};
+
 struct Kernel {
   Invoke call;
   const char* signature;
@@ -224,8 +228,8 @@ void fiber_exit() {
   const unsigned bit = 1u << (f->index % 32);
   w.exited |= bit;
   if (w.arrived != 0 && (w.mask & bit)) {
-    error("exited while lanes 0x%08x wait for it at a warp collective at %s:%d", w.arrived,
-          w.file, w.line);
+    error("exited while lanes 0x%08x wait for it at %s (mask 0x%08x) at %s:%d", w.arrived,
+          kOpNames[w.kind], w.mask, w.file, w.line);
     g_abort = true;
   }
   release_barrier_if_complete(b);
@@ -516,9 +520,6 @@ unsigned activemask() {
 }
 
 namespace {
-const char* const kOpNames[] = {"__syncwarp", "__shfl_sync", "__shfl_up_sync",
-                                "__shfl_down_sync", "__shfl_xor_sync", "__ballot_sync",
-                                "__any_sync", "__all_sync"};
 
 // Results of the collective of warp w of b once every lane of its mask arrived.
 bool complete_collective(Block* b, int w) {
