@@ -1,6 +1,7 @@
 /* The extension module `commlib._hostloops`: argument checks in front of the
- * host loops (hostcopy.c, hostreduce.c, flag_wait.c), called from
- * commlib/ops/hostcopy.py, commlib/ops/hostreduce.py, commlib/bucketing.py,
+ * host loops (hostcopy.c, hostreduce.c, flag_wait.c, hostcast.c, hostselect.c),
+ * called from commlib/ops/hostcopy.py, commlib/ops/hostreduce.py,
+ * commlib/ops/hostcast.py, commlib/ops/hostselect.py, commlib/bucketing.py,
  * commlib/transport/shm.py and commlib/board.py. Built by the package build
  * (setup.py), loaded by commlib/ops/_native.py.
  *
@@ -269,6 +270,190 @@ static PyObject *py_board_enter(PyObject *self, PyObject *const *args, Py_ssize_
                        status == COMMLIB_BOARD_DIFFER);
 }
 
+/* The data of `o` when it is a plain array (arrays.h) of numpy type `type`,
+ * aligned and in native byte order, with its element count in *size; else
+ * NULL. */
+static void *typed_data(PyObject *o, int type, int writing, Py_ssize_t *size)
+{
+    if (!plain_array(o, writing))
+        return NULL;
+    PyArrayObject *a = (PyArrayObject *)o;
+    if (PyArray_TYPE(a) != type || !PyArray_ISALIGNED(a) || !PyArray_ISNOTSWAPPED(a))
+        return NULL;
+    *size = PyArray_SIZE(a);
+    return PyArray_DATA(a);
+}
+
+/* The cast format of a plain, aligned, native array: float32, float16 or
+ * uint16 (bfloat16 bits); else -1. */
+static int cast_format(PyObject *o, int writing, void **data, Py_ssize_t *size)
+{
+    static const int types[] = {NPY_FLOAT32, NPY_FLOAT16, NPY_UINT16};
+    for (int f = 0; f < 3; ++f)
+        if ((*data = typed_data(o, types[f], writing, size)) != NULL)
+            return f;
+    return -1;
+}
+
+/* cast(x, out, scale, op) -> the number of non-finite values written, or
+ * -1 (nothing written) when x or out is not a plain aligned native array of
+ * float32, float16 or uint16 (bfloat16), their sizes differ, or they
+ * overlap other than as the same array. `scale`: float or None (no
+ * multiply); `op`: 0 none, 1 sum, 2 prod, 3 max, 4 min (see hostcast.c).
+ * The GIL is released while casting. */
+static PyObject *py_cast(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (check_nargs("cast", nargs, 4))
+        return NULL;
+    int scaled = args[2] != Py_None;
+    double scale = scaled ? PyFloat_AsDouble(args[2]) : 1.0;
+    long op = PyLong_AsLong(args[3]);
+    if (PyErr_Occurred())
+        return NULL;
+    void *src, *dst;
+    Py_ssize_t n = 0, m = 0;
+    int sfmt = cast_format(args[0], 0, &src, &n), dfmt = cast_format(args[1], 1, &dst, &m);
+    if (sfmt < 0 || dfmt < 0 || n != m || op < CAST_OP_NONE || op > CAST_OP_MIN)
+        return PyLong_FromLong(-1);
+    const char *s = src, *d = dst;
+    Py_ssize_t sbytes = n * PyArray_ITEMSIZE((PyArrayObject *)args[0]);
+    Py_ssize_t dbytes = n * PyArray_ITEMSIZE((PyArrayObject *)args[1]);
+    if (s < d + dbytes && d < s + sbytes && !(s == d && sfmt == dfmt))
+        return PyLong_FromLong(-1);
+    Py_ssize_t count;
+    Py_BEGIN_ALLOW_THREADS
+    count = commlib_cast(src, sfmt, dst, dfmt, n, (float)scale, scaled, (int)op);
+    Py_END_ALLOW_THREADS
+    return PyLong_FromSsize_t(count);
+}
+
+/* count_nonfinite(a) -> the number of inf and NaN in `a` (a plain aligned
+ * native array of float32, float16 or uint16 as bfloat16), or -1 when it
+ * is not one. */
+static PyObject *py_count_nonfinite(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (check_nargs("count_nonfinite", nargs, 1))
+        return NULL;
+    void *data;
+    Py_ssize_t n = 0;
+    int fmt = cast_format(args[0], 0, &data, &n);
+    if (fmt < 0)
+        return PyLong_FromLong(-1);
+    Py_ssize_t count;
+    Py_BEGIN_ALLOW_THREADS
+    count = commlib_count_nonfinite(data, fmt, n);
+    Py_END_ALLOW_THREADS
+    return PyLong_FromSsize_t(count);
+}
+
+/* cast_level(level) -> the cast code path in use (0 portable, 1 AVX2 and
+ * F16C); level >= 0 chooses the best this CPU runs up to it, -1 asks. */
+static PyObject *py_cast_level(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (check_nargs("cast_level", nargs, 1))
+        return NULL;
+    long level = PyLong_AsLong(args[0]);
+    if (PyErr_Occurred())
+        return NULL;
+    return PyLong_FromLong(commlib_cast_level(level < 0 ? -1 : (int)level));
+}
+
+/* topk(x, residual, k, indices, values) -> entries selected, or -1 (nothing
+ * written) when an array does not qualify: x (and residual, or None)
+ * float32 of one size n < 2**31, indices int32 and values float32 of
+ * min(k, n) entries, writeable, no residual aliasing x. See hostselect.c. */
+static PyObject *py_topk(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (check_nargs("topk", nargs, 5))
+        return NULL;
+    Py_ssize_t k = PyLong_AsSsize_t(args[2]);
+    if (PyErr_Occurred())
+        return NULL;
+    Py_ssize_t n = 0, rn = 0, ni = 0, nv = 0;
+    float *x = typed_data(args[0], NPY_FLOAT32, 0, &n);
+    float *residual = args[1] == Py_None ? NULL : typed_data(args[1], NPY_FLOAT32, 1, &rn);
+    int32_t *indices = typed_data(args[3], NPY_INT32, 1, &ni);
+    float *values = typed_data(args[4], NPY_FLOAT32, 1, &nv);
+    Py_ssize_t kk = k < n ? k : n;
+    if (x == NULL || indices == NULL || values == NULL || k < 0 || n > INT32_MAX
+            || (args[1] != Py_None && (residual == NULL || rn != n || residual == x))
+            || ni != kk || nv != kk)
+        return PyLong_FromLong(-1);
+    Py_ssize_t s;
+    Py_BEGIN_ALLOW_THREADS
+    s = commlib_topk(x, residual, n, kk, indices, values);
+    Py_END_ALLOW_THREADS
+    return s < 0 ? PyErr_NoMemory() : PyLong_FromSsize_t(s);
+}
+
+/* threshold(x, tkey, indices, values) -> entries qualifying, or -1 (nothing
+ * written) when an array does not qualify (x float32 of n < 2**31 entries,
+ * indices int32 and values float32 of one capacity, writeable). */
+static PyObject *py_threshold(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (check_nargs("threshold", nargs, 4))
+        return NULL;
+    long long tkey = PyLong_AsLongLong(args[1]);
+    if (PyErr_Occurred())
+        return NULL;
+    Py_ssize_t n = 0, ni = 0, nv = 0;
+    float *x = typed_data(args[0], NPY_FLOAT32, 0, &n);
+    int32_t *indices = typed_data(args[2], NPY_INT32, 1, &ni);
+    float *values = typed_data(args[3], NPY_FLOAT32, 1, &nv);
+    if (x == NULL || indices == NULL || values == NULL || ni != nv || n > INT32_MAX
+            || tkey < 0 || tkey > 0x7F800000LL)
+        return PyLong_FromLong(-1);
+    Py_ssize_t c;
+    Py_BEGIN_ALLOW_THREADS
+    c = commlib_threshold(x, n, (uint32_t)tkey, indices, values, ni);
+    Py_END_ALLOW_THREADS
+    return PyLong_FromSsize_t(c);
+}
+
+/* scatter_add(dense, indices, values, alpha) -> out-of-range indices
+ * skipped, or -1 (nothing written) when an array does not qualify (dense
+ * float32 writeable, indices int32 and values float32 of one length). */
+static PyObject *py_scatter_add(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (check_nargs("scatter_add", nargs, 4))
+        return NULL;
+    double alpha = PyFloat_AsDouble(args[3]);
+    if (PyErr_Occurred())
+        return NULL;
+    Py_ssize_t n = 0, ni = 0, nv = 0;
+    float *dense = typed_data(args[0], NPY_FLOAT32, 1, &n);
+    int32_t *indices = typed_data(args[1], NPY_INT32, 0, &ni);
+    float *values = typed_data(args[2], NPY_FLOAT32, 0, &nv);
+    if (dense == NULL || indices == NULL || values == NULL || ni != nv)
+        return PyLong_FromLong(-1);
+    Py_ssize_t bad;
+    Py_BEGIN_ALLOW_THREADS
+    bad = commlib_scatter_add(dense, n, indices, values, ni, (float)alpha);
+    Py_END_ALLOW_THREADS
+    return PyLong_FromSsize_t(bad);
+}
+
+/* accumulate_finite(residual, x, acc) -> non-finite entries set to 0, or -1
+ * (nothing written) when an array does not qualify (float32 of one size;
+ * residual may be None; acc writeable and neither of the others). */
+static PyObject *py_accumulate_finite(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (check_nargs("accumulate_finite", nargs, 3))
+        return NULL;
+    Py_ssize_t n = 0, rn = 0, an = 0;
+    float *residual = args[0] == Py_None ? NULL : typed_data(args[0], NPY_FLOAT32, 0, &rn);
+    float *x = typed_data(args[1], NPY_FLOAT32, 0, &n);
+    float *acc = typed_data(args[2], NPY_FLOAT32, 1, &an);
+    if (x == NULL || acc == NULL || an != n || acc == x || acc == residual
+            || (args[0] != Py_None && (residual == NULL || rn != n)))
+        return PyLong_FromLong(-1);
+    Py_ssize_t count;
+    Py_BEGIN_ALLOW_THREADS
+    count = commlib_accumulate_finite(residual, x, acc, n);
+    Py_END_ALLOW_THREADS
+    return PyLong_FromSsize_t(count);
+}
+
 static PyMethodDef methods[] = {
     {"init", (PyCFunction)(void (*)(void))py_init, METH_FASTCALL, NULL},
     {"copy", (PyCFunction)(void (*)(void))py_copy, METH_FASTCALL, NULL},
@@ -276,6 +461,14 @@ static PyMethodDef methods[] = {
     {"same_items", (PyCFunction)(void (*)(void))py_same_items, METH_FASTCALL, NULL},
     {"wait_flags", (PyCFunction)(void (*)(void))py_wait_flags, METH_FASTCALL, NULL},
     {"board_enter", (PyCFunction)(void (*)(void))py_board_enter, METH_FASTCALL, NULL},
+    {"cast", (PyCFunction)(void (*)(void))py_cast, METH_FASTCALL, NULL},
+    {"count_nonfinite", (PyCFunction)(void (*)(void))py_count_nonfinite, METH_FASTCALL, NULL},
+    {"cast_level", (PyCFunction)(void (*)(void))py_cast_level, METH_FASTCALL, NULL},
+    {"topk", (PyCFunction)(void (*)(void))py_topk, METH_FASTCALL, NULL},
+    {"threshold", (PyCFunction)(void (*)(void))py_threshold, METH_FASTCALL, NULL},
+    {"scatter_add", (PyCFunction)(void (*)(void))py_scatter_add, METH_FASTCALL, NULL},
+    {"accumulate_finite", (PyCFunction)(void (*)(void))py_accumulate_finite, METH_FASTCALL,
+     NULL},
     {NULL, NULL, 0, NULL},
 };
 

@@ -53,4 +53,38 @@ int commlib_board_enter(volatile int64_t *words, Py_ssize_t stride, int nranks, 
                         const Py_ssize_t *at, int64_t seq, const int64_t *slot, int publishing,
                         double until);
 
+/* hostcast.c: formats and operations of commlib_cast */
+enum { CAST_F32, CAST_F16, CAST_BF16 };
+enum { CAST_OP_NONE, CAST_OP_SUM, CAST_OP_PROD, CAST_OP_MAX, CAST_OP_MIN };
+enum { COMMLIB_CAST_PORTABLE, COMMLIB_CAST_AVX2 };
+/* dst[i] = narrow(op(widen(dst[i]), scale * widen(src[i]))) for i < n (see
+ * hostcast_block.h); returns the number of non-finite values written. */
+Py_ssize_t commlib_cast(const void *src, int sfmt, void *dst, int dfmt, Py_ssize_t n,
+                        float scale, int scaled, int op);
+/* The number of inf and NaN among n values of format fmt. */
+Py_ssize_t commlib_count_nonfinite(const void *data, int fmt, Py_ssize_t n);
+/* The code path of commlib_cast: level >= 0 chooses min(level, the best
+ * this CPU runs); returns the path in use. */
+int commlib_cast_level(int level);
+
+/* hostselect.c (commlib/ops/hostselect.py); x, values: float32, indices: int32 */
+/* Top-k by magnitude as commlib/ops/topk.py's numpy twin: residual (or
+ * NULL) += x first and selection runs on it, selected entries then zeroed
+ * in it. Writes kk entries (ascending index, then padding -1 / 0); returns
+ * the number selected, or -1 when out of memory. */
+Py_ssize_t commlib_topk(const float *x, float *residual, Py_ssize_t n, Py_ssize_t kk,
+                        int32_t *indices, float *values);
+/* Entries with |x| > the float32 of magnitude bits `tkey` (NaN never), in
+ * ascending order, at most `capacity` written; returns how many qualify. */
+Py_ssize_t commlib_threshold(const float *x, Py_ssize_t n, uint32_t tkey, int32_t *indices,
+                             float *values, Py_ssize_t capacity);
+/* dense[indices[i]] += alpha * values[i] in order; -1 skipped; returns the
+ * number of other indices outside [0, n), which are skipped. */
+Py_ssize_t commlib_scatter_add(float *dense, Py_ssize_t n, const int32_t *indices,
+                               const float *values, Py_ssize_t m, float alpha);
+/* acc = residual + x (acc = x when residual is NULL), then non-finite
+ * entries of acc set to 0; returns how many there were. */
+Py_ssize_t commlib_accumulate_finite(const float *residual, const float *x, float *acc,
+                                     Py_ssize_t n);
+
 #endif

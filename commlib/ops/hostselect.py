@@ -1,0 +1,80 @@
+"""The sparse strategies' host loops in C (``commlib/native/hostselect.c``):
+top-K, threshold compaction, scatter-add and the residual accumulation,
+bit for bit the numpy twins in :mod:`commlib.ops.topk`,
+:mod:`commlib.ops.threshold`, :mod:`commlib.ops.sparse` (and
+:func:`commlib.compression._nonfinite.drop`), which run instead when the
+compiled loops are unavailable or an array does not qualify (not an exact,
+1-D, C-contiguous, aligned, native-order numpy array); they also raise the
+argument errors.
+"""
+import numpy as np
+
+from . import _native
+from . import sparse as _sparse
+from . import threshold as _threshold
+from . import topk as _topk
+from ._select import check_count
+
+
+def _plain(*arrays):
+    return all(a is None or (type(a) is np.ndarray and a.ndim == 1) for a in arrays)
+
+
+def topk(x, k, *, residual=None):
+    """:func:`commlib.ops.topk.topk` (same arguments, results and
+    residual update) for numpy arrays."""
+    ext = _native.module()
+    if ext is not None and _plain(x, residual):
+        kk = min(check_count(k, "k"), x.size)
+        indices, values = np.empty(kk, np.int32), np.empty(kk, np.float32)
+        if ext.topk(x, residual, kk, indices, values) >= 0:
+            return indices, values
+    return _topk.topk(x, k, residual=residual)
+
+
+def threshold(x, t):
+    """``(indices, values)`` of every element of ``x`` with ``|x| > t``,
+    ascending: :func:`commlib.ops.threshold.threshold`'s entries cut to its
+    count (int32 and float32 arrays of that length)."""
+    ext = _native.module()
+    if ext is not None and _plain(x):
+        tkey = _threshold._threshold_key(t)
+        indices, values = np.empty(x.size, np.int32), np.empty(x.size, np.float32)
+        count = ext.threshold(x, tkey, indices, values)
+        if count >= 0:
+            return indices[:count], values[:count]
+    indices, values, count = _threshold.threshold(x, t)
+    return indices[:int(count)], values[:int(count)]
+
+
+def scatter_add(dense, indices, values, *, alpha=1.0, segments=None):
+    """:func:`commlib.ops.sparse.scatter_add` for numpy arrays; returns
+    ``bad``, a 0-d int64 array."""
+    ext = _native.module()
+    if ext is not None and _plain(dense, indices, values) \
+            and (segments is None or sum(int(c) for c in segments) == indices.size):
+        bad = ext.scatter_add(dense, indices, values, float(np.float32(alpha)))
+        if bad >= 0:
+            return np.array(bad, dtype=np.int64)
+    return _sparse.scatter_add(dense, indices, values, alpha=alpha, segments=segments)
+
+
+def accumulate_finite(residual, x, acc):
+    """``acc = residual + x`` (``acc = x`` when ``residual`` is None), then
+    its NaN and +-inf entries set to 0; returns how many (int). float32
+    numpy arrays of one length; ``acc`` is neither of the others."""
+    ext = _native.module()
+    if ext is not None and _plain(residual, x, acc):
+        count = ext.accumulate_finite(residual, x, acc)
+        if count >= 0:
+            return count
+    with np.errstate(over="ignore", invalid="ignore"):
+        if residual is None:
+            acc[...] = x
+        else:
+            np.add(residual, x, out=acc)
+    bad = ~np.isfinite(acc)
+    count = int(np.count_nonzero(bad))
+    if count:
+        acc[bad] = 0
+    return count
