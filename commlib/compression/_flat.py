@@ -2,7 +2,7 @@
 and the buffers they keep between calls."""
 import numpy as np
 
-from ..ops import hostcopy
+from ..ops import hostcast, hostcopy
 from ..ops._arrays import array_module
 
 
@@ -31,6 +31,26 @@ def scatter(flat, arrays):
     whose flat view it is)."""
     if len(arrays) > 1:
         hostcopy.scatter_any(flat, arrays)
+
+
+def cast_parts(arrays, wire, scale=np.float32(1), into_wire=True):
+    """Cast numpy ``arrays`` straight into their consecutive parts of the
+    1-D ``wire`` (times ``scale``, np.float32), or back when not
+    ``into_wire``, with :func:`commlib.ops.hostcast.cast_into` (no flat
+    float32 copy of the bucket); returns the non-finite values written."""
+    count, at = 0, 0
+    for a in arrays:
+        part = wire[at:at + a.size]
+        at += a.size
+        if into_wire:
+            count += hostcast.cast_into(a.reshape(-1), part, scale)
+        elif a.flags.c_contiguous:
+            count += hostcast.cast_into(part, a.reshape(-1))
+        else:
+            wide = np.empty(a.size, a.dtype)
+            count += hostcast.cast_into(part, wide)
+            a[...] = wide.reshape(a.shape)
+    return count
 
 
 def describe(size, count):

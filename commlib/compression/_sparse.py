@@ -3,6 +3,7 @@ class, which exchanges (index, value) sets and sums them."""
 import numpy as np
 
 from ..errors import ArgumentError
+from ..ops import hostselect
 from ..ops._arrays import array_module
 from ..ops.sparse import scatter_add
 from . import _nonfinite, _payload
@@ -62,11 +63,14 @@ class Sparsifier(Compression):
         residual = None
         if self.error_feedback:
             residual = buffer(workspace, "residual", xp, n, np.float32, zero=True)
-            with np.errstate(over="ignore", invalid="ignore"):
-                xp.add(residual, flat, out=acc)
+        if xp is np:                 # one compiled pass
+            nonfinite = hostselect.accumulate_finite(residual, flat, acc)
         else:
-            acc[...] = flat
-        nonfinite = _nonfinite.drop(acc)
+            if residual is None:
+                acc[...] = flat
+            else:
+                xp.add(residual, flat, out=acc)
+            nonfinite = _nonfinite.drop(acc)
         indices, values = self.select(acc)
         slots = self.count_for(n)
         record = _payload.encode(xp, indices, values, nonfinite, slots)
@@ -87,12 +91,13 @@ class Sparsifier(Compression):
             transport, record, slots, n, wait, context,
             "in %s; nothing was written: arrays and residuals are unchanged" % where,
             on_headers)
+        add = hostselect.scatter_add if xp is np else scatter_add
         flat[...] = 0
-        scatter_add(flat, all_indices, all_values, segments=counts)
+        add(flat, all_indices, all_values, segments=counts)
         if scale is not None:
             flat *= np.float32(scale)
         if residual is not None:    # what was sent is no longer owed
-            scatter_add(acc, indices, values, alpha=-1.0)
+            add(acc, indices, values, alpha=-1.0)
             workspace["residual"], workspace["acc"] = acc, residual
         scatter(flat, arrays)
         if any(dropped):

@@ -3,7 +3,8 @@ Horovod's ``Compression.fp16``, PyTorch DDP's ``fp16_compress_hook`` and
 ``bf16_compress_hook``).
 
 A bucket of float32 arrays is cast to float16 or bfloat16 into one flat
-wire buffer (the batched pack kernel on GPUs, its numpy twin on CPUs),
+wire buffer (the batched pack kernel on GPUs; on CPUs each array straight
+into its part of it, by the compiled host cast, ``commlib/ops/hostcast.py``),
 all-reduced in that format, and cast back into the arrays: half the bytes on
 the wire. When averaging, values are divided by the number of ranks
 *before* the cast, so the half-precision sum cannot overflow where the
@@ -27,8 +28,9 @@ import numpy as np
 
 from ..errors import ArgumentError
 from ..ops import pack as _pack
+from ..ops import hostcast
 from ..ops._arrays import array_module
-from ..ops.cast import numpy_cast_into, storage_dtype
+from ..ops.cast import storage_dtype
 from . import _flat, _nonfinite
 from .base import Compression
 
@@ -68,14 +70,12 @@ class HalfPrecision(Compression):
             self._all_reduce(transport, wire, op, wait)
             warning = self._settle(transport, wire, sent, arrays, wait)
             _pack.unpack(wire, arrays)
-        else:   # numpy: gather into float32, then cast whole buffers (the kernels' twin)
-            flat = _flat.gather(arrays, workspace)
-            sent = numpy_cast_into(flat, wire,
-                                   np.float32(1) if scale is None else np.float32(scale))
+        else:   # numpy: each array cast straight into its part of the wire and back
+            sent = _flat.cast_parts(arrays, wire,
+                                    np.float32(1) if scale is None else np.float32(scale))
             self._all_reduce(transport, wire, op, wait)
             warning = self._settle(transport, wire, sent, arrays, wait)
-            numpy_cast_into(wire, flat)
-            _flat.scatter(flat, arrays)
+            _flat.cast_parts(arrays, wire, into_wire=False)
         if warning:
             _nonfinite.warn(warning)
 
@@ -91,8 +91,11 @@ class HalfPrecision(Compression):
         values sent (``sent``: int or 0-d device array), then raise
         NonFiniteError (``"raise"``) or return the warning's text."""
         xp = array_module(wire)
-        bits = wire.view(np.uint16)
-        total = int(xp.count_nonzero((bits & self._exponent) == self._exponent))
+        if xp is np:
+            total = hostcast.count_nonfinite(wire, self.fmt)
+        else:
+            bits = wire.view(np.uint16)
+            total = int(xp.count_nonzero((bits & self._exponent) == self._exponent))
         if not total:
             return None
         counts = xp.empty(transport.size, dtype=np.int64)

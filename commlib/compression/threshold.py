@@ -12,11 +12,14 @@ never sent: ``nonfinite="raise"`` (the default) raises NonFiniteError on
 every rank (before the pairs travel) and leaves arrays and residuals as they
 were, ``"warn"`` drops them (their residual becomes 0) and warns; see
 :class:`~commlib.compression._sparse.Sparsifier`. Selection is the one-pass
-compaction kernel (``kernels/threshold.cu``) on GPUs and its numpy twin on
-CPUs. A threshold too low for the data sends nearly everything (twice the
-bytes of a dense all-reduce).
+compaction kernel (``kernels/threshold.cu``) on GPUs and its compiled host
+twin on CPUs (``commlib/ops/hostselect.py``). A threshold too low for the
+data sends nearly everything (twice the bytes of a dense all-reduce).
 """
+import numpy as np
+
 from ..errors import ArgumentError
+from ..ops import hostselect
 from ..ops.threshold import threshold
 from ._nonfinite import check_mode
 from ._sparse import Sparsifier
@@ -38,6 +41,8 @@ class Threshold(Sparsifier):
             self.threshold, self.error_feedback, self.nonfinite)
 
     def select(self, acc):
+        if type(acc) is np.ndarray:
+            return hostselect.threshold(acc, self.threshold)
         indices, values, count = threshold(acc, self.threshold)
         count = int(count)                   # the record's size: a host sync on GPUs
         return indices[:count], values[:count]

@@ -13,12 +13,15 @@ delayed. NaN and +-inf are never sent: ``nonfinite="raise"`` (the default)
 raises NonFiniteError on every rank and leaves arrays and residuals as they
 were, ``"warn"`` drops them (their residual becomes 0) and warns; see
 :class:`~commlib.compression._sparse.Sparsifier`. Selection is the top-K
-kernel (``kernels/topk.cu``) on GPUs and its numpy twin on CPUs: ties go to
-the lowest index.
+kernel (``kernels/topk.cu``) on GPUs and its compiled host twin on CPUs
+(``commlib/ops/hostselect.py``): ties go to the lowest index.
 """
 import math
 
+import numpy as np
+
 from ..errors import ArgumentError
+from ..ops import hostselect
 from ..ops.topk import topk
 from ._nonfinite import check_mode
 from ._sparse import Sparsifier
@@ -45,4 +48,6 @@ class TopK(Sparsifier):
         return self.k_for(size)
 
     def select(self, acc):
+        if type(acc) is np.ndarray:
+            return hostselect.topk(acc, self.k_for(acc.size))
         return topk(acc, self.k_for(acc.size))

@@ -22,10 +22,9 @@ import atexit
 import numpy as np
 
 from .. import waiting
-from ..dtypes import UFUNCS
 from ..errors import BackendUnavailableError, TransportError
+from ..ops import hostcast
 from ..ops._arrays import array_module, is_cupy
-from ..ops.cast import numpy_cast_into
 from .base import Transport
 
 _MPI = None
@@ -73,23 +72,14 @@ def _free_ops():
 
 
 def _user_op(dtype, op, fmt=None):
-    """An MPI.Op reducing 16-bit floats with the numpy ufunc for ``op``;
-    ``fmt="bfloat16"``: uint16 bit patterns, widened to float32 and rounded
-    back to nearest even (the cast kernels' numpy twin)."""
-    ufunc = UFUNCS[op]
+    """An MPI.Op reducing 16-bit floats (float16, or uint16 bit patterns of
+    bfloat16 with ``fmt="bfloat16"``): both sides widened to float32, ``op``
+    there, rounded back to nearest even with the canonical NaN, in one
+    compiled loop (:func:`commlib.ops.hostcast.reduce_into`)."""
 
     def reduce(inbuf, inoutbuf, datatype):
-        a = np.frombuffer(inbuf, dtype=dtype)
-        b = np.frombuffer(inoutbuf, dtype=dtype)
-        if fmt is None:
-            ufunc(b, a, out=b)
-            return
-        wide_a, wide_b = np.empty(a.size, np.float32), np.empty(b.size, np.float32)
-        numpy_cast_into(a, wide_a)
-        numpy_cast_into(b, wide_b)
-        with np.errstate(all="ignore"):
-            ufunc(wide_b, wide_a, out=wide_b)
-        numpy_cast_into(wide_b, b)
+        hostcast.reduce_into(np.frombuffer(inbuf, dtype=dtype),
+                             np.frombuffer(inoutbuf, dtype=dtype), op)
 
     return mpi().Op.Create(reduce, commute=True)
 
