@@ -11,8 +11,8 @@
 // output format, and the number of non-finite values written (overflow to
 // inf, inf or NaN from the inputs) is added to *counter (may be null).
 // Launch with a 1-D grid of blocks of at most 256 threads, a multiple of 32;
-// any grid size works. Every kernel fits 8 blocks of 256 threads per SM
-// (__launch_bounds__(256, 8): at most 32 registers).
+// any grid size works. Every kernel fits 8 blocks of 256 threads per SM where
+// 2048 threads do (__launch_bounds__(256, CL_FULL_SM_BLOCKS): <= 32 registers).
 #include "common.cuh"
 
 template <class S, class D, bool ACC>
@@ -31,7 +31,7 @@ CL_HD void cast_thread(const typename S::T* src, typename D::T* dst, cl_i64 n, f
     cast_thread<S, D, ACC>(static_cast<const S::T*>(src), static_cast<D::T*>(dst), n,     \
                            scale, counter, t, nt);                                       \
   }                                                                                      \
-  extern "C" __global__ void __launch_bounds__(256, 8)                                   \
+  extern "C" __global__ void __launch_bounds__(256, CL_FULL_SM_BLOCKS)                  \
       NAME(const void* __restrict__ src, void* __restrict__ dst, cl_i64 n, float scale,  \
            cl_u64* counter) {                                                            \
     NAME##_thread(src, dst, n, scale, counter, cl_thread_index(), cl_thread_count());    \

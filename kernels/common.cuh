@@ -9,6 +9,9 @@
 //   CL_HD                                     __host__ __device__ inline
 //   cl_thread_index(), cl_thread_count()      global thread index / count (cl_i64, device)
 //   CL_GRID_STRIDE(i, n)                      for (cl_i64 i = ...; i < n; i += ...) header
+//   CL_FULL_SM_BLOCKS                         256-thread blocks that fill an SM of the
+//                                             target (8 on sm_80/90/100/103, 6 on other
+//                                             sm_86+, 4 on sm_75): __launch_bounds__' minimum
 //   cl_f32_bits(f), cl_bits_f32(u)            float <-> bit pattern
 //   cl_is_nan(f), cl_is_finite(f)             tests on the bits (immune to fast-math)
 //   cl_f32_to_bf16(f) -> cl_u16               round-to-nearest-even, overflow -> +-inf,
@@ -65,6 +68,15 @@ __device__ inline cl_i64 cl_thread_index() {
 __device__ inline cl_i64 cl_thread_count() {
   return (cl_i64)gridDim.x * blockDim.x;
 }
+
+#if !defined(__CUDA_ARCH__) || __CUDA_ARCH__ == 800 || __CUDA_ARCH__ == 900 || \
+    __CUDA_ARCH__ == 1000 || __CUDA_ARCH__ == 1030
+#define CL_FULL_SM_BLOCKS 8  // 2048 threads per SM
+#elif __CUDA_ARCH__ >= 860
+#define CL_FULL_SM_BLOCKS 6  // 1536
+#else
+#define CL_FULL_SM_BLOCKS 4  // 1024
+#endif
 
 #define CL_GRID_STRIDE(i, n) \
   for (cl_i64 i = cl_thread_index(); i < (cl_i64)(n); i += cl_thread_count())

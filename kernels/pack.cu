@@ -22,7 +22,8 @@
 //   pack_raw<w>, unpack_raw<w>   bit copy in units of w in {1, 2, 4, 8} bytes;
 //     offsets and counts are in units; scale and counter are ignored.
 // Launch with a 1-D grid of 256-thread blocks; any grid size works. Every
-// kernel fits 8 blocks per SM (__launch_bounds__(256, 8): at most 32 registers).
+// kernel fits 8 blocks per SM where 2048 threads do (__launch_bounds__(256,
+// CL_FULL_SM_BLOCKS): at most 32 registers).
 #include "common.cuh"
 
 // Binary search: the segment s in [0, nseg) with first[s] <= c < first[s + 1].
@@ -79,7 +80,7 @@ CL_HD void segments_thread(const cl_i64* table, cl_i64 nseg, cl_i64 chunk, const
     segments_thread<S, D, ACC, TO_BUCKET>(table, nseg, chunk, bucket, scale, counter,      \
                                           block, nblocks, t, nt);                          \
   }                                                                                        \
-  extern "C" __global__ void __launch_bounds__(256, 8)                                     \
+  extern "C" __global__ void __launch_bounds__(256, CL_FULL_SM_BLOCKS)                    \
       NAME(const cl_i64* __restrict__ table, cl_i64 nseg, cl_i64 chunk, const void* bucket, \
            float scale, cl_u64* counter) {                                                 \
     NAME##_thread(table, nseg, chunk, bucket, scale, counter, blockIdx.x, gridDim.x,       \

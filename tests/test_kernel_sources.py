@@ -1,6 +1,6 @@
-"""CUDA sources: they compile with nvcc (and NVRTC, when its library is
-around) for every supported architecture, stay NVRTC-friendly, export the
-kernels the wrappers launch, and (built as host code) compute exactly what
+"""CUDA sources: they compile with nvcc, and with the NVRTC of CUDA 12 and of
+CUDA 13 given the options the loader gives cupy, for every supported
+architecture, stay NVRTC-friendly, export the kernels the wrappers launch, and (built as host code) compute exactly what
 their numpy twins compute.
 
 The host build runs each kernel's per-thread body (``NAME_thread``) for every
@@ -10,7 +10,6 @@ With a host stand-in for cupy on top of it, the ``gpu``-marked tests of the
 wrappers and the benchmark's GPU branch run end to end on a CPU too.
 """
 import ctypes
-import ctypes.util
 import glob
 import json
 import os
@@ -63,53 +62,93 @@ def test_wrappers_name_existing_kernels(source, names, tmp_path):
     assert set(names) <= entries, sorted(set(names) - entries)
 
 
-def _find_nvrtc():
-    """ctypes handle of libnvrtc (COMMLIB_NVRTC, a pip ``nvidia-*`` package, the
-    CUDA toolkit), its builtins preloaded; None when there is none."""
+NVRTC_MAJORS = (12, 13)               # the NVRTC of each cupy-cuda wheel (cupy-cuda12x, 13x)
+NVRTC_ARCHS = ("75", "80", "86", "89", "90")
+
+
+def nvrtc_libraries():
+    """{major: path} of the libnvrtc libraries found: COMMLIB_NVRTC, pip
+    ``nvidia-cuda-nvrtc-cu12`` / ``nvidia-cuda-nvrtc`` wheels, the CUDA toolkit."""
     candidates = [os.environ.get("COMMLIB_NVRTC", "")]
     for entry in sys.path:
-        candidates += sorted(glob.glob(os.path.join(entry, "nvidia", "*", "lib", "libnvrtc.so*")))
+        candidates += sorted(glob.glob(os.path.join(entry, "nvidia", "*", "lib", "libnvrtc.so.*")))
     for root in (os.environ.get("CUDA_PATH", ""), "/usr/local/cuda"):
-        candidates += sorted(glob.glob(os.path.join(root, "lib64", "libnvrtc.so*")))
-    candidates.append(ctypes.util.find_library("nvrtc") or "")
+        candidates += sorted(glob.glob(os.path.join(root, "lib64", "libnvrtc.so.*")))
+    found = {}
     for path in candidates:
-        if not path or "builtins" in path or ".alt." in path:
-            continue
-        try:
-            for builtins in glob.glob(os.path.join(os.path.dirname(path),
-                                                   "libnvrtc-builtins.so*")):
-                if ".alt." not in builtins:
-                    ctypes.CDLL(builtins, mode=ctypes.RTLD_GLOBAL)
-            return ctypes.CDLL(path)
-        except OSError:
-            continue
-    return None
+        m = re.search(r"libnvrtc\.so\.(\d+)", os.path.basename(path))
+        if m and ".alt." not in path and os.path.exists(path):
+            found.setdefault(int(m.group(1)), path)
+    return found
 
 
-NVRTC = _find_nvrtc()
+# Runs in a subprocess of its own per library (two majors' builtins do not
+# share a process): argv = library, source, options (JSON), archs (JSON).
+# Prints JSON {arch: [status, log]}; "unsupported" for an arch this NVRTC
+# does not list.
+_NVRTC_PROGRAM = r"""
+import concurrent.futures, ctypes, glob, json, os, sys
+lib_path, source, options, archs = sys.argv[1], sys.argv[2], json.loads(sys.argv[3]), json.loads(sys.argv[4])
+for b in glob.glob(os.path.join(os.path.dirname(lib_path), "libnvrtc-builtins.so*")):
+    if ".alt." not in b:
+        ctypes.CDLL(b, mode=ctypes.RTLD_GLOBAL)
+lib = ctypes.CDLL(lib_path)
+n = ctypes.c_int()
+assert lib.nvrtcGetNumSupportedArchs(ctypes.byref(n)) == 0
+supported = (ctypes.c_int * n.value)()
+assert lib.nvrtcGetSupportedArchs(supported) == 0
+supported = set(supported)
+text = open(source, "rb").read()
 
-
-@pytest.mark.skipif(NVRTC is None, reason="libnvrtc not found (set COMMLIB_NVRTC to its path)")
-@pytest.mark.parametrize("arch", ["compute_75", "sm_80", "sm_90"])
-@pytest.mark.parametrize("source", SOURCES, ids=[p.name for p in SOURCES])
-def test_nvrtc_compiles(source, arch):
-    # the options cupy.RawModule ends up passing for commlib's kernels
-    options = ["--std=c++17", "-I" + str(KERNELS), "-ftz=true", "--gpu-architecture=" + arch]
+def compile_for(arch):
+    if int(arch) not in supported:
+        return arch, ["unsupported", ""]
+    opts = options + ["-arch=sm_" + arch]
     prog = ctypes.c_void_p()
-    assert NVRTC.nvrtcCreateProgram(ctypes.byref(prog), source.read_bytes(),
-                                    source.name.encode(), 0, None, None) == 0
+    assert lib.nvrtcCreateProgram(ctypes.byref(prog), text, os.path.basename(source).encode(),
+                                  0, None, None) == 0
     try:
-        argv = (ctypes.c_char_p * len(options))(*[o.encode() for o in options])
-        rc = NVRTC.nvrtcCompileProgram(prog, len(options), argv)
+        argv = (ctypes.c_char_p * len(opts))(*[o.encode() for o in opts])
+        rc = lib.nvrtcCompileProgram(prog, len(opts), argv)
         size = ctypes.c_size_t()
-        NVRTC.nvrtcGetProgramLogSize(prog, ctypes.byref(size))
+        lib.nvrtcGetProgramLogSize(prog, ctypes.byref(size))
         log = ctypes.create_string_buffer(size.value)
-        NVRTC.nvrtcGetProgramLog(prog, log)
+        lib.nvrtcGetProgramLog(prog, log)
+        cubin = ctypes.c_size_t()
+        if rc == 0:
+            assert lib.nvrtcGetCUBINSize(prog, ctypes.byref(cubin)) == 0
     finally:
-        NVRTC.nvrtcDestroyProgram(ctypes.byref(prog))
-    text = log.value.decode(errors="replace")
-    assert rc == 0, text
-    assert "warning" not in text, text
+        lib.nvrtcDestroyProgram(ctypes.byref(prog))
+    status = "ok" if rc == 0 and cubin.value > 0 else "error %d" % rc
+    return arch, [status, log.value.decode(errors="replace")]
+
+with concurrent.futures.ThreadPoolExecutor(2) as pool:
+    print(json.dumps(dict(pool.map(compile_for, archs))))
+"""
+
+
+NVRTC_LIBS = nvrtc_libraries()
+
+
+@pytest.mark.parametrize("major", NVRTC_MAJORS)
+@pytest.mark.parametrize("source", SOURCES, ids=[p.name for p in SOURCES])
+def test_nvrtc_compiles_like_the_loader(source, major):
+    # exactly what cupy.RawModule hands NVRTC for commlib's kernels: the
+    # loader's options, cupy's -ftz=true, and -arch=sm_XX for the device
+    from commlib.ops import _loader
+    if major not in NVRTC_LIBS:
+        pytest.skip("libnvrtc.so.%d not found (pip install %s)" % (
+            major, "nvidia-cuda-nvrtc-cu12" if major == 12 else "nvidia-cuda-nvrtc"))
+    options = list(_loader.module_options()) + list(_loader.CUPY_ADDED_OPTIONS)
+    res = subprocess.run([sys.executable, "-c", _NVRTC_PROGRAM, NVRTC_LIBS[major], str(source),
+                          json.dumps(options), json.dumps(NVRTC_ARCHS)],
+                         capture_output=True, text=True, timeout=600)
+    assert res.returncode == 0, res.stdout + res.stderr
+    results = json.loads(res.stdout)
+    assert set(results) == set(NVRTC_ARCHS)
+    for arch, (status, log) in sorted(results.items()):
+        assert status == "ok", "NVRTC %d, sm_%s: %s\n%s" % (major, arch, status, log)
+        assert "warning" not in log, "NVRTC %d, sm_%s:\n%s" % (major, arch, log)
 
 
 @pytest.mark.parametrize("path", sorted(KERNELS.glob("*.cu*")), ids=lambda p: p.name)
