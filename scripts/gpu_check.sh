@@ -1,96 +1,146 @@
 #!/usr/bin/env bash
-# One-shot GPU check: environment report, the gpu-marked tests, the kernel
-# benchmark. Every step is bounded by `timeout` (about 5 minutes in all).
+# One-shot GPU check, at most about 8 minutes: environment, NVRTC compile of
+# every kernel module, the gpu-marked tests, the kernel benchmark with its
+# targets, compute-sanitizer runs, concurrent streams, the largest N.
 #
-#   scripts/gpu_check.sh OUTDIR
+#   scripts/gpu_check.sh [--dry-run] [OUTDIR]      (OUTDIR defaults to $OUT)
 #
-# Writes into OUTDIR: env.txt, pytest-gpu.xml (JUnit), pytest-gpu.log,
-# kernels.json, bench.log, summary.txt. Exit status: 0 when the tests and the
-# benchmark's result checks passed, 1 when a test failed (or none ran), 2 when
-# only the benchmark failed (a wrong result, a crash or its time limit).
+# Every stage has its own time limit and the script goes on after a failed
+# stage. Without a GPU (or with --dry-run) the stages that need one report
+# "SKIPPED: no GPU". Writes into OUTDIR: one log per stage, pytest-gpu.xml,
+# kernels.json, summary.txt (PASS/FAIL/SKIPPED per stage and per benchmark
+# target) and summary.json. Exit status: 0 when no stage failed, 1 otherwise
+# (a missed benchmark target is reported as FAIL in the summary but does not
+# change the exit status).
 set -u
-if [ $# -ne 1 ]; then
-    echo "usage: $0 OUTDIR" >&2
+DRY=0
+if [ "${1:-}" = "--dry-run" ]; then DRY=1; shift; fi
+DEST=${1:-${OUT:-}}
+if [ -z "$DEST" ] || [ $# -gt 1 ]; then
+    echo "usage: $0 [--dry-run] OUTDIR   (or set OUT)" >&2
     exit 64
 fi
-mkdir -p "$1"
-OUT=$(cd "$1" && pwd)
+mkdir -p "$DEST"
+DEST=$(cd "$DEST" && pwd)
 cd "$(dirname "$0")/.."
-export PYTHONPATH=".${PYTHONPATH:+:$PYTHONPATH}"
+export PYTHONPATH=".:tests${PYTHONPATH:+:$PYTHONPATH}"
 PY=${PYTHON:-$(command -v python3 || command -v python)}
-# Wheels carried in .whl/ (e.g. MPICH, for the multi-rank tests where the
-# image has mpi4py but no MPI library) are installed into a scratch folder.
-if ls .whl/*.whl >/dev/null 2>&1; then
+# Wheels carried in .whl/ (e.g. MPICH, where mpi4py has no MPI library beside
+# it) are installed into a scratch folder.
+if [ "$DRY" = 0 ] && ls .whl/*.whl >/dev/null 2>&1; then
     "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
         --target /tmp/commlib-site .whl/*.whl \
         && export PYTHONPATH="$PYTHONPATH:/tmp/commlib-site" PATH="/tmp/commlib-site/bin:$PATH"
 fi
 
-step() { echo; echo "== $*"; }
+: > "$DEST/stages.tsv"
+FAILED=0
+NO_GPU=""
+if [ "$DRY" = 1 ]; then
+    NO_GPU="dry run"
+else
+    NO_GPU=$("$PY" -c "from commlib import _cuda; print(_cuda.unavailable_reason() or '')" \
+             2>&1) || NO_GPU="commlib does not import: $NO_GPU"
+fi
 
-{
-    step "nvidia-smi"
-    timeout -k 5 20 nvidia-smi || echo "nvidia-smi: not available (status $?)"
-    step "versions"
-    timeout -k 5 40 "$PY" - <<'EOF'
-import platform, sys
-print("python", sys.version.split()[0], platform.platform())
-import numpy
-print("numpy", numpy.__version__)
-try:
-    import cupy
-    rt = cupy.cuda.runtime
-    print("cupy", cupy.__version__, "| CUDA runtime", rt.runtimeGetVersion(),
-          "| driver", rt.driverGetVersion())
-    props = rt.getDeviceProperties(0)
-    print("device 0:", props["name"].decode() if isinstance(props["name"], bytes)
-          else props["name"], "| SMs", props["multiProcessorCount"],
-          "| L2", props.get("l2CacheSize"), "bytes")
-    from cupy.cuda import nccl
-    print("nccl", nccl.get_version())
-except Exception as exc:
-    print("cupy / nccl:", type(exc).__name__, exc)
-try:
-    import torch
-    print("torch", torch.__version__, "| cuda", torch.version.cuda,
-          "| available", torch.cuda.is_available())
-except Exception as exc:
-    print("torch:", type(exc).__name__, exc)
-try:
-    import mpi4py
-    print("mpi4py", mpi4py.__version__)
-except Exception as exc:
-    print("mpi4py:", type(exc).__name__, exc)
-EOF
-} 2>&1 | tee "$OUT/env.txt"
+# stage NAME LIMIT_S NEEDS_GPU(0/1) COMMAND...: runs COMMAND under timeout,
+# logs to NAME.log, records status and seconds in stages.tsv.
+stage() {
+    local name=$1 limit=$2 gpu=$3
+    shift 3
+    local log="$DEST/$name.log" status rc t0 t1
+    echo "== $name (limit ${limit} s)" | tee "$log"
+    if [ "$gpu" = 1 ] && [ -n "$NO_GPU" ]; then
+        status="SKIPPED: no GPU ($NO_GPU)"
+        echo "$status" | tee -a "$log"
+        printf '%s\t%s\t0\n' "$name" "$status" >> "$DEST/stages.tsv"
+        return 0
+    fi
+    t0=$(date +%s.%N)
+    timeout -k 10 "$limit" "$@" >> "$log" 2>&1
+    rc=$?
+    t1=$(date +%s.%N)
+    case $rc in
+        0) status=PASS ;;
+        124|137) status="FAIL (time limit ${limit} s)" ; FAILED=1 ;;
+        *) status="FAIL (exit $rc)" ; FAILED=1 ;;
+    esac
+    tail -n 5 "$log"
+    echo "-> $status"
+    printf '%s\t%s\t%s\n' "$name" "$status" "$(awk "BEGIN { printf \"%.1f\", $t1 - $t0 }")" >> "$DEST/stages.tsv"
+}
 
-step "pytest -m gpu (limit 150 s)" | tee "$OUT/pytest-gpu.log"
-timeout -k 10 150 "$PY" -m pytest -m gpu -q -p no:cacheprovider \
-    --junitxml="$OUT/pytest-gpu.xml" tests/ 2>&1 | tee -a "$OUT/pytest-gpu.log"
-TESTS=${PIPESTATUS[0]}
-# all skipped (no GPU seen) or no report at all counts as a failure
-RAN=$("$PY" - "$OUT/pytest-gpu.xml" 2>/dev/null <<'EOF' || echo 0
+pytest_gpu() {
+    "$PY" -m pytest -m gpu -q -p no:cacheprovider --junitxml="$DEST/pytest-gpu.xml" tests/ \
+        || return $?
+    # all skipped or nothing collected is a failure on a GPU machine
+    "$PY" - "$DEST/pytest-gpu.xml" <<'EOF'
 import sys, xml.etree.ElementTree as ET
 root = ET.parse(sys.argv[1]).getroot()
 suites = [root] if root.tag == "testsuite" else list(root)
-print(sum(int(s.get("tests", 0)) - int(s.get("skipped", 0)) for s in suites))
+ran = sum(int(s.get("tests", 0)) - int(s.get("skipped", 0)) for s in suites)
+print(ran, "gpu tests ran")
+sys.exit(0 if ran > 0 else 5)
 EOF
-)
-if [ "$TESTS" -eq 0 ] && [ "${RAN:-0}" -le 0 ]; then
-    echo "no gpu test ran (all skipped or none collected)" | tee -a "$OUT/pytest-gpu.log"
-    TESTS=5
-fi
+}
 
-step "benchmarks/kernels.py (limit 100 s)" | tee "$OUT/bench.log"
-timeout -k 10 100 "$PY" benchmarks/kernels.py --out "$OUT" 2>&1 | tee -a "$OUT/bench.log"
-BENCH=${PIPESTATUS[0]}
+sanitize() {
+    local tool
+    tool=$(command -v compute-sanitizer || ls /usr/local/cuda/bin/compute-sanitizer 2>/dev/null \
+           || ls "$("$PY" -c 'import sys; print(sys.prefix)')"/lib/python3*/site-packages/nvidia/*/bin/compute-sanitizer 2>/dev/null | head -n 1)
+    if [ -z "$tool" ]; then
+        echo "compute-sanitizer: not available"
+        return 0
+    fi
+    local rc=0 t
+    for t in memcheck racecheck synccheck; do
+        echo "-- $t"
+        "$tool" --tool "$t" --error-exitcode 3 "$PY" tests/gpu_checks.py small || rc=1
+    done
+    return $rc
+}
 
-{
-    step "summary"
-    echo "pytest -m gpu: exit $TESTS$([ "$TESTS" = 124 ] && echo ' (time limit)'), ${RAN:-0} run"
-    echo "benchmark:     exit $BENCH$([ "$BENCH" = 124 ] && echo ' (time limit)')"
-} | tee "$OUT/summary.txt"
+stage env 40 0 "$PY" -c "
+import platform, sys; print('python', sys.version.split()[0], platform.platform())
+import numpy; print('numpy', numpy.__version__)
+for m in ('cupy', 'torch', 'mpi4py'):
+    try:
+        print(m, __import__(m).__version__)
+    except Exception as exc:
+        print(m + ':', type(exc).__name__, exc)
+from commlib import _cuda; print('gpu:', _cuda.unavailable_reason() or 'available')
+"
+[ -z "$NO_GPU" ] && { timeout -k 5 20 nvidia-smi >> "$DEST/env.log" 2>&1 || true; }
+stage nvrtc 120 1 "$PY" tests/gpu_checks.py compile
+stage pytest-gpu 150 1 pytest_gpu
+stage benchmark 150 1 "$PY" benchmarks/kernels.py --sizes 1M,25M --repeats 10 --out "$DEST"
+stage sanitizer 120 1 sanitize
+stage streams 40 1 "$PY" tests/gpu_checks.py streams
+stage large-n 60 1 "$PY" tests/gpu_checks.py large
 
-if [ "$TESTS" -ne 0 ]; then exit 1; fi
-if [ "$BENCH" -ne 0 ]; then exit 2; fi
-exit 0
+"$PY" - "$DEST" "$FAILED" <<'EOF' | tee "$DEST/summary.txt"
+import json, os, sys
+dest, failed = sys.argv[1], sys.argv[2] == "1"
+stages = []
+for line in open(os.path.join(dest, "stages.tsv")):
+    name, status, secs = line.rstrip("\n").split("\t")
+    stages.append({"stage": name, "status": status, "seconds": float(secs)})
+targets = []
+try:
+    rows = json.load(open(os.path.join(dest, "kernels.json")))["rows"]
+    targets = [{"name": r["name"], "N": r["N"], "k": r.get("k"), "baseline": r.get("baseline"),
+                "target": r["target"], "status": r["status"], "ms": r.get("ms"),
+                "copy_fraction": r.get("copy_fraction"), "speedup": r.get("speedup")}
+               for r in rows if r.get("target")]
+except (OSError, ValueError, KeyError):
+    pass
+for s in stages:
+    print("%-12s %-40s %6.1f s" % (s["stage"], s["status"], s["seconds"]))
+for t in targets:
+    print("target %-40s N=%-9s %-18s %-10s %s" % (t["name"], t["N"], t["baseline"] or "",
+                                                  t["target"], t["status"]))
+print("overall: %s" % ("FAIL" if failed else "PASS"))
+json.dump({"stages": stages, "targets": targets, "failed": failed},
+          open(os.path.join(dest, "summary.json"), "w"), indent=1)
+EOF
+exit "$FAILED"

@@ -96,3 +96,133 @@ def main(which):
     device_errors(comm)
     comm.close()
     print("gpu %s rank %d ok" % (which, comm.rank))
+
+
+# ---------------------------------------------------------------- one-shot GPU check stages
+# (scripts/gpu_check.sh runs ``python tests/gpu_checks.py STAGE``)
+
+def compile_all():
+    """Compile every kernel module through NVRTC (cupy.RawModule); prints seconds per module."""
+    import time
+    from commlib.ops import _loader, _pack_cuda, cast as cast_mod
+    names = {"cast.cu": cast_mod.KERNEL_NAMES, "pack.cu": _pack_cuda.KERNEL_NAMES,
+             "topk.cu": ("topk_sample", "topk_hist1", "topk_hist1_resid",
+                         "topk_hist1_resid_scalar", "topk_filter", "topk_refine", "topk_compact"),
+             "threshold.cu": ("threshold_select",), "sparse.cu": ("scatter_add",)}
+    total = 0.0
+    for source, kernels in names.items():
+        t0 = time.perf_counter()
+        for k in kernels:
+            fn = _loader.get_function(source, k)
+            a = fn.attributes
+            print("  %s %s: %d regs, %d B shared, %d B local, %d blocks/SM" % (
+                source, k, a["num_regs"], a["shared_size_bytes"], a["local_size_bytes"],
+                _loader.resident_blocks(fn, 256)))
+        dt = time.perf_counter() - t0
+        total += dt
+        print("%s: %.2f s" % (source, dt))
+    print("all modules: %.2f s" % total)
+
+
+def _topk_twin(x, k, resid=None):
+    from commlib.ops.topk import _topk_numpy
+    return _topk_numpy(x.copy(), k, None if resid is None else resid.copy())
+
+
+def small_workload():
+    """Small calls of every kernel path (for compute-sanitizer), each checked
+    against its twin: top-K with and without the candidate buffer, with
+    error feedback aligned and misaligned, all-NaN and tie-heavy inputs;
+    threshold; scatter-add; pack/unpack."""
+    import cupy
+    from commlib.ops import pack as pack_mod, sparse, threshold, topk
+    rng = np.random.default_rng(1)
+    for n, k in ((70001, 700), (70001, 30000), (5000, 5000), (4096 * 3 + 7, 1)):
+        for kind in ("normal", "ties", "nan"):
+            x = rng.standard_normal(n).astype(np.float32)
+            if kind == "ties":
+                x = np.round(x * 2).astype(np.float32)
+            if kind == "nan":
+                x[::3] = np.nan
+            for off in (0, 1):
+                xd = cupy.asarray(np.concatenate([np.zeros(off, np.float32), x]))[off:]
+                got = [cupy.asnumpy(a) for a in topk.topk(xd, k)]
+                want = _topk_twin(x, k)
+                assert all(np.array_equal(g.view(np.uint32), w.view(np.uint32))
+                           for g, w in zip(got, want)), ("topk", n, k, kind, off)
+                r = rng.standard_normal(n).astype(np.float32)
+                rd = cupy.asarray(np.concatenate([np.zeros(1 - off, np.float32), r]))[1 - off:]
+                got = [cupy.asnumpy(a) for a in topk.topk(xd, k, residual=rd)]
+                want_r = r.copy()
+                want = _topk_numpy(x, k, want_r)
+                assert np.array_equal(got[0], want[0]) and np.array_equal(got[1], want[1])
+                assert np.array_equal(cupy.asnumpy(rd), want_r, equal_nan=True)
+                idx, val, cnt = threshold.threshold(xd, 1.5)
+                widx, wval, wcnt = threshold._threshold_numpy(x, threshold._threshold_key(1.5), n)
+                m = int(wcnt)
+                assert int(cnt) == m and np.array_equal(cupy.asnumpy(idx)[:m], widx[:m])
+    dense = rng.standard_normal(100003).astype(np.float32)
+    idx = np.concatenate([rng.choice(dense.size, 1000, replace=False) for _ in range(4)]).astype(np.int32)
+    val = rng.standard_normal(idx.size).astype(np.float32)
+    dd = cupy.asarray(dense)
+    bad = sparse.scatter_add(dd, cupy.asarray(idx), cupy.asarray(val), segments=[1000] * 4)
+    want = dense.copy()
+    sparse._scatter_add_numpy(want, idx, val, np.float32(1))
+    assert int(bad) == 0 and np.array_equal(cupy.asnumpy(dd), want)
+    arrays = [rng.standard_normal(s).astype(np.float32) for s in (1, 7, 4099, 300, 65536 + 3)]
+    total = sum(a.size for a in arrays)
+    bucket = cupy.zeros(total + 5, dtype=cupy.float16)
+    pack_mod.pack([cupy.asarray(a) for a in arrays], bucket[1:], scale=0.5)
+    host = np.zeros(total + 4, np.float16)
+    pack_mod.pack(arrays, host, scale=0.5)
+    assert np.array_equal(cupy.asnumpy(bucket[1:]), host)
+    cupy.cuda.Device().synchronize()
+    print("small workload ok")
+
+
+def concurrent_streams():
+    """Two top-K and two threshold calls in flight at once on two streams
+    (each with its own workspace), compared with the twins."""
+    import cupy
+    from commlib.ops import threshold, topk
+    rng = np.random.default_rng(2)
+    xs = [rng.standard_normal(n).astype(np.float32) for n in (25_000_000, 9_000_001)]
+    streams = [cupy.cuda.Stream(non_blocking=True) for _ in xs]
+    out = []
+    for x, s in zip(xs, streams):
+        with s:
+            xd = cupy.asarray(x)
+            out.append((topk.topk(xd, x.size // 100), threshold.threshold(xd, 2.5)))
+    for s in streams:
+        s.synchronize()
+    for x, ((i, v), (ti, tv, tc)) in zip(xs, out):
+        wi, wv = _topk_twin(x, x.size // 100)
+        assert np.array_equal(cupy.asnumpy(i), wi) and np.array_equal(cupy.asnumpy(v), wv)
+        hit = np.flatnonzero(np.abs(x) > 2.5)
+        assert int(tc) == hit.size and np.array_equal(cupy.asnumpy(ti)[:hit.size], hit)
+    print("concurrent streams ok")
+
+
+def large_n():
+    """The largest length the selection kernels accept (2^31 - 1, int32
+    indices): k planted values, the last ones near the end, must be exactly
+    what top-K and threshold return."""
+    import cupy
+    from commlib.ops import threshold, topk
+    from commlib.ops._select import MAX_LEN
+    n, k = MAX_LEN, 1000
+    x = cupy.random.default_rng(3).random(n, dtype=cupy.float32)   # [0, 1)
+    pos = np.unique(np.concatenate([np.linspace(0, n - 1, k - 3).astype(np.int64),
+                                    [n - 3, n - 2, n - 1]]))
+    x[cupy.asarray(pos)] = cupy.asarray(2.0 + np.arange(pos.size, dtype=np.float32))
+    i, v = topk.topk(x, pos.size)
+    assert np.array_equal(cupy.asnumpy(i), pos), "topk indices"
+    ti, tv, tc = threshold.threshold(x, 1.5, capacity=2 * k)
+    assert int(tc) == pos.size and np.array_equal(cupy.asnumpy(ti)[:pos.size], pos)
+    print("N = %d ok" % n)
+
+
+if __name__ == "__main__":
+    import sys
+    {"compile": compile_all, "small": small_workload, "streams": concurrent_streams,
+     "large": large_n}[sys.argv[1]]()
