@@ -27,21 +27,25 @@ RELAXED_SLEEP_S = (2e-5, 5e-4)
 _thread = threading.local()
 
 
-def set_relaxed(flag):
-    """Make this thread's waits relaxed (``flag`` True): after a few polls
+def set_relaxed(when):
+    """Make this thread's waits relaxed while ``when()`` returns True
+    (``when``: a callable, or a bool for always / never): after a few polls
     they sleep between polls, with backoff, instead of spinning, so a
     progress thread leaves the CPU (and the GIL) to the thread computing."""
-    _thread.relaxed = bool(flag)
+    _thread.relaxed = when if callable(when) else bool(when).__bool__
 
 
 def relaxed():
-    """Whether this thread's waits are relaxed (see :func:`set_relaxed`)."""
-    return getattr(_thread, "relaxed", False)
+    """Whether this thread's waits are relaxed now (see :func:`set_relaxed`)."""
+    when = getattr(_thread, "relaxed", None)
+    return when is not None and when()
 
 
 class Backoff:
     """Sleeps of a relaxed wait: none for the first :data:`RELAXED_SPINS`
-    calls, then from ``RELAXED_SLEEP_S[0]`` doubling to ``[1]`` seconds."""
+    calls, then from ``RELAXED_SLEEP_S[0]`` doubling to ``[1]`` seconds;
+    none either (and back to the shortest) while the thread is not relaxed
+    (:func:`relaxed`: the caller's thread waits for this work)."""
 
     __slots__ = ("_calls", "_sleep")
 
@@ -50,9 +54,13 @@ class Backoff:
 
     def pause(self):
         self._calls += 1
-        if self._calls > RELAXED_SPINS:
-            time.sleep(self._sleep)
-            self._sleep = min(self._sleep * 2, RELAXED_SLEEP_S[1])
+        if self._calls <= RELAXED_SPINS:
+            return
+        if not relaxed():
+            self._sleep = RELAXED_SLEEP_S[0]
+            return
+        time.sleep(self._sleep)
+        self._sleep = min(self._sleep * 2, RELAXED_SLEEP_S[1])
 
 
 class Wait:

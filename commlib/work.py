@@ -11,7 +11,8 @@ raises before the deadline, nothing is written into the arrays after an
 error. Errors raise from :meth:`Work.wait`.
 
 Where they execute: on a progress thread per communicator (its waits sleep
-with backoff instead of spinning, :func:`commlib.waiting.relaxed`), or,
+with backoff instead of spinning while no thread waits for its work,
+:func:`commlib.waiting.relaxed`), or,
 when the MPI library does not provide ``MPI_THREAD_MULTIPLE``, deferred:
 nothing runs until :meth:`Work.wait` (or the next synchronous collective,
 or ``close()``) runs the queue up to it on the calling thread; ``done()``
@@ -149,6 +150,7 @@ class Progress:
         self._queue = collections.deque()       # Work not yet finished, in order
         self._cond = threading.Condition()
         self._busy = False                      # the thread is executing _queue[0]
+        self._waiters = 0                       # threads blocked in wait_for
         self._stopping = False
         self._thread = None
         if threaded:
@@ -177,6 +179,7 @@ class Progress:
         if not self.threaded:
             self._run_until(work)
             return
+        self._waiters += 1          # the progress thread's waits spin while someone waits
         try:
             if not work._event.wait(timeout):
                 raise TimeoutError("commlib: the collective did not complete within %s s; it "
@@ -185,6 +188,8 @@ class Progress:
             self.interrupt()
             self._on_interrupt(exc)
             raise
+        finally:
+            self._waiters -= 1
 
     def drain(self):
         """Wait until everything queued has finished (errors stay in their Work)."""
@@ -202,7 +207,7 @@ class Progress:
             self._queue.popleft()
 
     def _loop(self):
-        waiting.set_relaxed(True)
+        waiting.set_relaxed(lambda: not self._waiters)
         while True:
             try:
                 with self._cond:

@@ -1,0 +1,225 @@
+"""Overlap benchmark: a synthetic training step shaped like ResNet-50, with
+the gradient all-reduce overlapped with the backward pass
+(:class:`commlib.BackwardReducer`) and without (compute everything, then one
+``all_reduce``).
+
+    mpiexec -n 2 python benchmarks/overlap.py [--workload resnet50] [--repeats 7]
+    python benchmarks/overlap.py --links local,10gbit,1gbit      # all of them, one command
+
+The step: for every layer, last to first, a compute stand-in whose cost is
+proportional to the layer's parameter count (``np.sin`` over a scratch
+array of ``f`` times the layer's size, on the calling thread; numpy drops
+the GIL inside), then the layer's gradient is written and, with overlap,
+``reducer.ready(i)``. ``f`` is calibrated at the start so that the whole
+backward pass takes ``--compute-ratio`` (default 1) times the measured
+all-reduce time, the same on every rank. Timed in the same run,
+interleaved repeat by repeat, each the slowest rank's time, median of
+``--repeats``:
+
+* compute only (no communication), communication only (``all_reduce`` of
+  the gradients, fused), and max(compute, comm): the best overlap can do;
+* the step without overlap (compute, then ``all_reduce``) and with it;
+* ``compute in step``: the time the backward pass itself took inside the
+  overlapped step: how much the progress thread slows the compute.
+
+``--links`` runs the rank program once per link: ``local`` (this machine's
+transports: shared memory between the ranks) and rates such as ``1gbit``
+through ``benchmarks/shaped_link.py`` (MPI over TCP through a rate-limited
+loopback, commlib's shared memory off; needs root), and prints one table
+per link.
+"""
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+HERE = Path(__file__).resolve().parent
+WORKLOADS = HERE / "workloads"
+
+
+def layers(workload):
+    spec = json.loads((WORKLOADS / ("%s.json" % workload)).read_text())
+    return [tuple(s) for s in spec["shapes"]], np.dtype(spec.get("dtype", "float32"))
+
+
+class Backward:
+    """The compute stand-in of one backward pass over ``grads``: layer i
+    costs ``np.sin`` over ``factor * grads[i].size`` doubles."""
+
+    def __init__(self, grads, rank):
+        self.grads, self.rank = grads, rank
+        self.sizes = [g.size for g in grads]
+        self.scratch = np.random.default_rng(rank).random(max(self.sizes) + 1)
+        self.out = np.empty_like(self.scratch)
+        self.factor = 1.0
+
+    def layer(self, i):
+        todo = int(self.sizes[i] * self.factor)
+        step = self.scratch.size
+        while todo > 0:
+            n = min(todo, step)
+            np.sin(self.scratch[:n], out=self.out[:n])
+            todo -= n
+        self.grads[i].fill(self.rank + 1 + i % 7)
+
+    def run(self, after_layer=None):
+        """The whole pass, last layer first; returns its seconds."""
+        start = time.perf_counter()
+        for i in range(len(self.grads) - 1, -1, -1):
+            self.layer(i)
+            if after_layer is not None:
+                after_layer(i)
+        return time.perf_counter() - start
+
+
+def rank_program(args):
+    from mpi4py import MPI
+    sys.path.insert(0, str(HERE.parent))          # prefer the checkout's commlib
+    import commlib
+    world = MPI.COMM_WORLD
+    comm = commlib.init()
+    shapes, dtype = layers(args.workload)
+    grads = commlib.flat_arrays(shapes, dtype)
+    backward = Backward(grads, comm.rank)
+    reducer = commlib.BackwardReducer(comm, grads, bucket_bytes=args.bucket_bytes)
+
+    def slowest(fn):
+        world.Barrier()
+        start = time.perf_counter()
+        extra = fn()
+        return world.allreduce(time.perf_counter() - start, op=MPI.MAX), extra
+
+    def comm_only():
+        comm.all_reduce(grads, op="avg")
+
+    def no_overlap():
+        took = backward.run()
+        comm.all_reduce(grads, op="avg")
+        return took
+
+    def overlap():
+        took = backward.run(reducer.ready)
+        finished = sum(work.done() for work in reducer._works)
+        reducer.wait()
+        return took, finished
+
+    for _ in range(2):                            # warm up: plans, buffers, threads
+        slowest(comm_only)
+        slowest(overlap)
+    comm_s = statistics.median(slowest(comm_only)[0] for _ in range(3))
+    backward.factor = 1.0
+    unit = statistics.median(slowest(backward.run)[0] for _ in range(3))
+    factor = world.allreduce(args.compute_ratio * comm_s / unit, op=MPI.MAX)
+    backward.factor = factor
+    variants = {"compute": backward.run, "comm": comm_only, "no_overlap": no_overlap,
+                "overlap": overlap}
+    times = {name: [] for name in variants}
+    inside, finished = [], []
+    deadline = time.monotonic() + args.budget_s
+    for k in range(args.repeats):
+        for name, fn in variants.items():
+            seconds, extra = slowest(fn)
+            times[name].append(seconds)
+            if name == "overlap":
+                inside.append(world.allreduce(extra[0], op=MPI.MAX))
+                finished.append(world.allreduce(extra[1], op=MPI.MIN))
+        if k >= 2 and world.allreduce(time.monotonic() > deadline, op=MPI.LOR):
+            break
+    med = {name: statistics.median(t) for name, t in times.items()}
+    best = max(med["compute"], med["comm"])
+    result = {"workload": args.workload, "ranks": comm.size, "backend": comm.backend,
+              "buckets": len(reducer.buckets), "bucket_bytes": reducer.bucket_bytes,
+              "bytes": int(sum(g.nbytes for g in grads)), "compute_factor": factor,
+              "repeats": len(times["compute"]), "link": os.environ.get("OVERLAP_LINK", "local"),
+              "ms": {name: 1e3 * v for name, v in med.items()},
+              "ms_max": 1e3 * best, "ms_compute_in_overlap": 1e3 * statistics.median(inside),
+              "buckets_done_after_compute": statistics.median(finished),
+              "range_ms": {name: [1e3 * min(t), 1e3 * max(t)] for name, t in times.items()}}
+    result["overlap_to_max"] = med["overlap"] / best
+    result["no_overlap_to_max"] = med["no_overlap"] / best
+    comm.close()
+    if comm.rank == 0:
+        print("OVERLAP " + json.dumps(result), flush=True)
+        print(table(result), flush=True)
+        if args.json:
+            Path(args.json).write_text(json.dumps(result, indent=1))
+
+
+def table(r):
+    ms = r["ms"]
+    rows = [("compute only", ms["compute"]), ("communication only", ms["comm"]),
+            ("max(compute, comm)", r["ms_max"]), ("step without overlap", ms["no_overlap"]),
+            ("step with overlap", ms["overlap"]),
+            ("compute inside the overlapped step", r["ms_compute_in_overlap"])]
+    lines = ["%s, %d ranks, %s link, backend %s, %d buckets of <= %d bytes, %.0f MB, "
+             "median of %d (slowest rank)" % (r["workload"], r["ranks"], r["link"], r["backend"],
+                                               r["buckets"], r["bucket_bytes"], r["bytes"] / 1e6,
+                                               r["repeats"]),
+             "", "| time | ms |", "| --- | --- |"]
+    lines += ["| %s | %.1f |" % row for row in rows]
+    lines += ["| buckets complete when the backward pass ended | %g of %d |"
+              % (r["buckets_done_after_compute"], r["buckets"]),
+              "| overlap / max | %.2f |" % r["overlap_to_max"],
+              "| no overlap / max | %.2f |" % r["no_overlap_to_max"]]
+    return "\n".join(lines)
+
+
+def drive(args, rest):
+    """Run the rank program once per link; print each table."""
+    mpiexec = os.path.join(os.path.dirname(sys.executable), "mpiexec")
+    if not os.path.exists(mpiexec):
+        mpiexec = "mpiexec"
+    cmd = [mpiexec, "-n", str(args.ranks), sys.executable, str(Path(__file__).resolve())] + rest
+    sys.path.insert(0, str(HERE))
+    for link in args.links.split(","):
+        env = dict(os.environ, OVERLAP_LINK=link)
+        if link == "local":
+            proc = subprocess.run(cmd, env=env, capture_output=True, text=True,
+                                  timeout=args.link_timeout_s)
+            code, out, err = proc.returncode, proc.stdout, proc.stderr
+        else:
+            from shaped_link import ShapedLinkUnavailable, run_shaped
+            try:
+                found = run_shaped(cmd, link, env=env, capture=True,
+                                   timeout=args.link_timeout_s)
+            except ShapedLinkUnavailable as exc:
+                print("## %s link: not measured: %s\n" % (link, exc), flush=True)
+                continue
+            code, out, err = found.returncode, found.stdout, found.stderr
+        tables = [line for line in (out or "").splitlines() if not line.startswith("OVERLAP ")]
+        print("## %s link\n\n%s\n" % (link, "\n".join(tables).strip()), flush=True)
+        if code != 0:
+            print("(exit status %d)\n%s" % (code, (err or "")[-2000:]), flush=True)
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--workload", default="resnet50")
+    parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument("--budget-s", type=float, default=40.0,
+                        help="stop repeating after this many seconds (at least 3 repeats)")
+    parser.add_argument("--bucket-bytes", type=int, default=None)
+    parser.add_argument("--compute-ratio", type=float, default=1.0,
+                        help="backward compute time / all-reduce time")
+    parser.add_argument("--json", default=None)
+    parser.add_argument("--links", default=None,
+                        help="comma-separated: local and/or rates (1gbit, 10gbit, ...)")
+    parser.add_argument("--ranks", type=int, default=2)
+    parser.add_argument("--link-timeout-s", type=float, default=150.0)
+    args, rest = parser.parse_known_args()
+    if args.links:
+        passed = [a for a in sys.argv[1:] if a not in ("--links", args.links)
+                  and not a.startswith("--links=")]
+        drive(args, passed)
+    else:
+        rank_program(args)
+
+
+if __name__ == "__main__":
+    main()
