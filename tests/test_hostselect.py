@@ -209,3 +209,27 @@ def test_accumulate_finite(level):
 def test_large_topk_matches_twin(level):
     x = gaussian(25_000_003, 14)
     assert_topk_same(x, 250_001)
+
+
+@pytest.mark.parametrize("scale", [None, 0.5, 1 / 3, -0.25, 0.0])
+def test_sparse_sum(level, scale):
+    """Zero, scatter-add every segment, scale: the compiled call scales only
+    the entries written (a non-negative scale); bits as the three numpy
+    steps."""
+    rng = np.random.default_rng(15)
+    n = 50021
+    first = np.sort(rng.choice(n, 700, replace=False)).astype(np.int32)
+    second = np.sort(rng.choice(n, 900, replace=False)).astype(np.int32)   # overlaps first
+    idx = np.concatenate([first, second, np.array([-1, -1, n, -5], np.int32)])
+    vals = np.concatenate([gaussian(1600, 16), np.array([0, 0, 1, 1], np.float32)])
+    vals[5] = -vals[5]
+    idx[5], idx[700 + 3] = 17, 17                    # a sum of v and -v: +0
+    vals[700 + 3] = -vals[5]
+    dense_c = gaussian(n, 17)                        # overwritten
+    dense_t = np.zeros(n, np.float32)
+    bad_c = hostselect.sparse_sum(dense_c, idx, vals, scale, segments=[700, 904])
+    bad_t = sparse_ops._scatter_add_numpy(dense_t, idx, vals, np.float32(1))
+    if scale is not None:
+        dense_t *= np.float32(scale)
+    np.testing.assert_array_equal(bits(dense_c), bits(dense_t))
+    assert int(bad_c) == int(bad_t) == 2

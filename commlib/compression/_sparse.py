@@ -91,12 +91,15 @@ class Sparsifier(Compression):
             transport, record, slots, n, wait, context,
             "in %s; nothing was written: arrays and residuals are unchanged" % where,
             on_headers)
-        add = hostselect.scatter_add if xp is np else scatter_add
-        flat[...] = 0
-        add(flat, all_indices, all_values, segments=counts)
-        if scale is not None:
-            flat *= np.float32(scale)
+        if xp is np:
+            hostselect.sparse_sum(flat, all_indices, all_values, scale, counts)
+        else:
+            flat[...] = 0
+            scatter_add(flat, all_indices, all_values, segments=counts)
+            if scale is not None:
+                flat *= np.float32(scale)
         if residual is not None:    # what was sent is no longer owed
+            add = hostselect.scatter_add if xp is np else scatter_add
             add(acc, indices, values, alpha=-1.0)
             workspace["residual"], workspace["acc"] = acc, residual
         scatter(flat, arrays)

@@ -301,3 +301,29 @@ Py_ssize_t commlib_accumulate_finite(const float *residual, const float *x, floa
     }
     return count;
 }
+
+Py_ssize_t commlib_sparse_sum(float *dense, Py_ssize_t n, const int32_t *indices,
+                              const float *values, Py_ssize_t m, float scale, int scaled)
+{
+    memset(dense, 0, (size_t)n * sizeof(float));
+    Py_ssize_t bad = commlib_scatter_add(dense, n, indices, values, m, 1.0f);
+    if (!scaled)
+        return bad;
+    if (signbit(scale)) {             /* 0 * scale is -0: every entry changes */
+        for (Py_ssize_t i = 0; i < n; ++i)
+            dense[i] = dense[i] * scale;
+        return bad;
+    }
+    uint8_t *seen = calloc((size_t)n / 8 + 1, 1);
+    if (seen == NULL)
+        return -1;
+    for (Py_ssize_t i = 0; i < m; ++i) {
+        int32_t j = indices[i];
+        if (j >= 0 && j < n && !(seen[j >> 3] & (1u << (j & 7)))) {
+            seen[j >> 3] |= (uint8_t)(1u << (j & 7));
+            dense[j] = dense[j] * scale;
+        }
+    }
+    free(seen);
+    return bad;
+}

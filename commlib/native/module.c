@@ -433,6 +433,31 @@ static PyObject *py_scatter_add(PyObject *self, PyObject *const *args, Py_ssize_
     return PyLong_FromSsize_t(bad);
 }
 
+/* sparse_sum(dense, indices, values, scale) -> out-of-range indices
+ * skipped, or -1 (nothing written) when an array does not qualify (as for
+ * scatter_add). dense becomes the sum of the entries, times `scale` (float
+ * or None). */
+static PyObject *py_sparse_sum(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (check_nargs("sparse_sum", nargs, 4))
+        return NULL;
+    int scaled = args[3] != Py_None;
+    double scale = scaled ? PyFloat_AsDouble(args[3]) : 1.0;
+    if (PyErr_Occurred())
+        return NULL;
+    Py_ssize_t n = 0, ni = 0, nv = 0;
+    float *dense = typed_data(args[0], NPY_FLOAT32, 1, &n);
+    int32_t *indices = typed_data(args[1], NPY_INT32, 0, &ni);
+    float *values = typed_data(args[2], NPY_FLOAT32, 0, &nv);
+    if (dense == NULL || indices == NULL || values == NULL || ni != nv || n > INT32_MAX)
+        return PyLong_FromLong(-1);
+    Py_ssize_t bad;
+    Py_BEGIN_ALLOW_THREADS
+    bad = commlib_sparse_sum(dense, n, indices, values, ni, (float)scale, scaled);
+    Py_END_ALLOW_THREADS
+    return bad < 0 ? PyErr_NoMemory() : PyLong_FromSsize_t(bad);
+}
+
 /* accumulate_finite(residual, x, acc) -> non-finite entries set to 0, or -1
  * (nothing written) when an array does not qualify (float32 of one size;
  * residual may be None; acc writeable and neither of the others). */
@@ -467,6 +492,7 @@ static PyMethodDef methods[] = {
     {"topk", (PyCFunction)(void (*)(void))py_topk, METH_FASTCALL, NULL},
     {"threshold", (PyCFunction)(void (*)(void))py_threshold, METH_FASTCALL, NULL},
     {"scatter_add", (PyCFunction)(void (*)(void))py_scatter_add, METH_FASTCALL, NULL},
+    {"sparse_sum", (PyCFunction)(void (*)(void))py_sparse_sum, METH_FASTCALL, NULL},
     {"accumulate_finite", (PyCFunction)(void (*)(void))py_accumulate_finite, METH_FASTCALL,
      NULL},
     {NULL, NULL, 0, NULL},

@@ -82,6 +82,12 @@ Py_ssize_t commlib_threshold(const float *x, Py_ssize_t n, uint32_t tkey, int32_
  * number of other indices outside [0, n), which are skipped. */
 Py_ssize_t commlib_scatter_add(float *dense, Py_ssize_t n, const int32_t *indices,
                                const float *values, Py_ssize_t m, float alpha);
+/* dense = 0, then the scatter-add of (indices, values), then dense *=
+ * scale when `scaled` (only the entries written, where that gives the same
+ * bits: scale not negative); returns the out-of-range count, or -1 when out
+ * of memory. */
+Py_ssize_t commlib_sparse_sum(float *dense, Py_ssize_t n, const int32_t *indices,
+                              const float *values, Py_ssize_t m, float scale, int scaled);
 /* acc = residual + x (acc = x when residual is NULL), then non-finite
  * entries of acc set to 0; returns how many there were. */
 Py_ssize_t commlib_accumulate_finite(const float *residual, const float *x, float *acc,

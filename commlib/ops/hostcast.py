@@ -23,16 +23,22 @@ _EXPONENT = {"float32": 0x7F800000, "float16": 0x7C00, "bfloat16": 0x7F80}
 PORTABLE, AVX2 = 0, 1
 
 
+def compiled(name):
+    """The compiled loop ``name`` of ``commlib._hostloops``, or None (not
+    built, turned off, or a build older than this module)."""
+    return getattr(_native.module(), name, None)
+
+
 def cast_into(x, out, scale=np.float32(1), accumulate=False):
     """``numpy_cast_into(x, out, scale, accumulate)``, compiled: write ``x``
     times ``scale`` (np.float32), cast to ``out``'s format (added to
     ``out`` when ``accumulate``), into ``out``; returns the number of
     non-finite values written (int). ``x``, ``out``: numpy arrays of one
     size with dtypes float32, float16 or uint16 (bfloat16)."""
-    ext = _native.module()
-    if ext is not None:
+    loop = compiled("cast")
+    if loop is not None:
         scale = np.float32(scale)
-        count = ext.cast(x, out, None if scale == 1 else float(scale), 1 if accumulate else 0)
+        count = loop(x, out, None if scale == 1 else float(scale), 1 if accumulate else 0)
         if count >= 0:
             return count
     return numpy_cast_into(x, out, scale, accumulate)
@@ -42,8 +48,8 @@ def reduce_into(a, b, op):
     """``b = op(b, a)`` elementwise, for float16 or uint16 (bfloat16) numpy
     arrays ``a`` and ``b`` of one dtype and size (see the module
     docstring); ``op``: ``"sum"``, ``"prod"``, ``"max"`` or ``"min"``."""
-    ext = _native.module()
-    if ext is not None and a.dtype == b.dtype and ext.cast(a, b, None, _OPS[op]) >= 0:
+    loop = compiled("cast")
+    if loop is not None and a.dtype == b.dtype and loop(a, b, None, _OPS[op]) >= 0:
         return
     numpy_reduce_into(a, b, op)
 
@@ -61,9 +67,9 @@ def numpy_reduce_into(a, b, op):
 def count_nonfinite(a, fmt):
     """The number of inf and NaN in numpy array ``a`` holding format
     ``fmt`` (``"float32"``, ``"float16"``, ``"bfloat16"``: uint16 bits)."""
-    ext = _native.module()
-    if ext is not None and format_of(a.dtype) == fmt:
-        count = ext.count_nonfinite(a)
+    loop = compiled("count_nonfinite")
+    if loop is not None and format_of(a.dtype) == fmt:
+        count = loop(a)
         if count >= 0:
             return count
     exponent = _EXPONENT[fmt]
@@ -76,8 +82,8 @@ def level(choose=None):
     :data:`PORTABLE` (the CPU's best unless chosen); ``choose`` sets it to
     at most ``choose`` (for tests; ``level(AVX2)`` restores the best). None
     without the compiled loops."""
-    ext = _native.module()
-    if ext is None:
+    loop = compiled("cast_level")
+    if loop is None:
         return None
-    return ext.cast_level(-1 if choose is None else int(choose))
+    return loop(-1 if choose is None else int(choose))
 

@@ -9,11 +9,11 @@ argument errors.
 """
 import numpy as np
 
-from . import _native
 from . import sparse as _sparse
 from . import threshold as _threshold
 from . import topk as _topk
 from ._select import check_count
+from .hostcast import compiled
 
 
 def _plain(*arrays):
@@ -23,11 +23,11 @@ def _plain(*arrays):
 def topk(x, k, *, residual=None):
     """:func:`commlib.ops.topk.topk` (same arguments, results and
     residual update) for numpy arrays."""
-    ext = _native.module()
-    if ext is not None and _plain(x, residual):
+    loop = compiled("topk")
+    if loop is not None and _plain(x, residual):
         kk = min(check_count(k, "k"), x.size)
         indices, values = np.empty(kk, np.int32), np.empty(kk, np.float32)
-        if ext.topk(x, residual, kk, indices, values) >= 0:
+        if loop(x, residual, kk, indices, values) >= 0:
             return indices, values
     return _topk.topk(x, k, residual=residual)
 
@@ -36,11 +36,11 @@ def threshold(x, t):
     """``(indices, values)`` of every element of ``x`` with ``|x| > t``,
     ascending: :func:`commlib.ops.threshold.threshold`'s entries cut to its
     count (int32 and float32 arrays of that length)."""
-    ext = _native.module()
-    if ext is not None and _plain(x):
+    loop = compiled("threshold")
+    if loop is not None and _plain(x):
         tkey = _threshold._threshold_key(t)
         indices, values = np.empty(x.size, np.int32), np.empty(x.size, np.float32)
-        count = ext.threshold(x, tkey, indices, values)
+        count = loop(x, tkey, indices, values)
         if count >= 0:
             return indices[:count], values[:count]
     indices, values, count = _threshold.threshold(x, t)
@@ -50,22 +50,41 @@ def threshold(x, t):
 def scatter_add(dense, indices, values, *, alpha=1.0, segments=None):
     """:func:`commlib.ops.sparse.scatter_add` for numpy arrays; returns
     ``bad``, a 0-d int64 array."""
-    ext = _native.module()
-    if ext is not None and _plain(dense, indices, values) \
+    loop = compiled("scatter_add")
+    if loop is not None and _plain(dense, indices, values) \
             and (segments is None or sum(int(c) for c in segments) == indices.size):
-        bad = ext.scatter_add(dense, indices, values, float(np.float32(alpha)))
+        bad = loop(dense, indices, values, float(np.float32(alpha)))
         if bad >= 0:
             return np.array(bad, dtype=np.int64)
     return _sparse.scatter_add(dense, indices, values, alpha=alpha, segments=segments)
+
+
+def sparse_sum(dense, indices, values, scale=None, segments=None):
+    """``dense[...] = 0``, then :func:`scatter_add` of every segment, then
+    ``dense *= np.float32(scale)`` unless ``scale`` is None, in one compiled
+    call (the multiply only where entries landed, which gives the same bits
+    for a scale that is not negative); returns ``bad`` as scatter_add."""
+    loop = compiled("sparse_sum")
+    if loop is not None and _plain(dense, indices, values) \
+            and (segments is None or sum(int(c) for c in segments) == indices.size):
+        bad = loop(dense, indices, values,
+                             None if scale is None else float(np.float32(scale)))
+        if bad >= 0:
+            return np.array(bad, dtype=np.int64)
+    dense[...] = 0
+    bad = scatter_add(dense, indices, values, segments=segments)
+    if scale is not None:
+        dense *= np.float32(scale)
+    return bad
 
 
 def accumulate_finite(residual, x, acc):
     """``acc = residual + x`` (``acc = x`` when ``residual`` is None), then
     its NaN and +-inf entries set to 0; returns how many (int). float32
     numpy arrays of one length; ``acc`` is neither of the others."""
-    ext = _native.module()
-    if ext is not None and _plain(residual, x, acc):
-        count = ext.accumulate_finite(residual, x, acc)
+    loop = compiled("accumulate_finite")
+    if loop is not None and _plain(residual, x, acc):
+        count = loop(residual, x, acc)
         if count >= 0:
             return count
     with np.errstate(over="ignore", invalid="ignore"):
