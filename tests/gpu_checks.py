@@ -136,6 +136,7 @@ def small_workload():
     threshold; scatter-add; pack/unpack."""
     import cupy
     from commlib.ops import pack as pack_mod, sparse, threshold, topk
+    from commlib.ops.topk import _topk_numpy
     rng = np.random.default_rng(1)
     for n, k in ((70001, 700), (70001, 30000), (5000, 5000), (4096 * 3 + 7, 1)):
         for kind in ("normal", "ties", "nan"):
@@ -180,13 +181,13 @@ def small_workload():
     print("small workload ok")
 
 
-def concurrent_streams():
-    """Two top-K and two threshold calls in flight at once on two streams
+def concurrent_streams(sizes=(25_000_000, 9_000_001)):
+    """Top-K and threshold calls in flight at once on one stream per size
     (each with its own workspace), compared with the twins."""
     import cupy
     from commlib.ops import threshold, topk
     rng = np.random.default_rng(2)
-    xs = [rng.standard_normal(n).astype(np.float32) for n in (25_000_000, 9_000_001)]
+    xs = [rng.standard_normal(n).astype(np.float32) for n in sizes]
     streams = [cupy.cuda.Stream(non_blocking=True) for _ in xs]
     out = []
     for x, s in zip(xs, streams):
@@ -203,14 +204,14 @@ def concurrent_streams():
     print("concurrent streams ok")
 
 
-def large_n():
-    """The largest length the selection kernels accept (2^31 - 1, int32
-    indices): k planted values, the last ones near the end, must be exactly
-    what top-K and threshold return."""
+def large_n(n=None, k=1000):
+    """The largest length the selection kernels accept (n = 2^31 - 1 by
+    default, int32 indices): k planted values, the last ones at the very end,
+    must be exactly what top-K and threshold return."""
     import cupy
     from commlib.ops import threshold, topk
     from commlib.ops._select import MAX_LEN
-    n, k = MAX_LEN, 1000
+    n = MAX_LEN if n is None else n
     x = cupy.random.default_rng(3).random(n, dtype=cupy.float32)   # [0, 1)
     pos = np.unique(np.concatenate([np.linspace(0, n - 1, k - 3).astype(np.int64),
                                     [n - 3, n - 2, n - 1]]))

@@ -50,3 +50,34 @@ def test_nccl_id_hex_round_trip_through_the_environment():
     import commlib
     nid = commlib.NcclId()
     assert commlib.NcclId.from_hex(str(nid)) == nid and len(nid.data) == 128
+
+
+def test_resident_blocks_match_the_drivers_occupancy():
+    # the grids are sized by _loader.resident_blocks (the occupancy rule on
+    # the kernel's attributes); the driver's own answer must agree
+    import cupy
+    from commlib.ops import _loader, _pack_cuda, cast as cast_mod
+    kernels = [("cast.cu", k) for k in cast_mod.KERNEL_NAMES]
+    kernels += [("pack.cu", k) for k in _pack_cuda.KERNEL_NAMES]
+    kernels += [("topk.cu", k) for k in ("topk_sample", "topk_hist1", "topk_hist1_resid",
+                                         "topk_hist1_resid_scalar", "topk_filter",
+                                         "topk_refine", "topk_compact")]
+    kernels += [("threshold.cu", "threshold_select"), ("sparse.cu", "scatter_add")]
+    bad = []
+    for source, name in kernels:
+        fn = _loader.get_function(source, name)
+        want = cupy.cuda.driver.occupancyMaxActiveBlocksPerMultiprocessor(fn.kernel.ptr, 256, 0)
+        got = _loader.resident_blocks(fn, 256)
+        if got != want or fn.attributes["local_size_bytes"] != 0:
+            bad.append((name, got, want, fn.attributes))
+    assert not bad, bad
+
+
+def test_every_kernel_path_small_against_the_twins():
+    import gpu_checks
+    gpu_checks.small_workload()
+
+
+def test_two_streams_at_once_against_the_twins():
+    import gpu_checks
+    gpu_checks.concurrent_streams()
