@@ -380,6 +380,44 @@ def deferred(comm):
     report(what="deferred", rank=rank, early=early)
 
 
+def gpu(comm):
+    """cupy arrays (NCCL where usable): the collective runs after the work
+    issued on the caller's stream before it, and work issued after wait()
+    on that stream sees its result, without host synchronisation; done()
+    turns True; a BackwardReducer over cupy flat_arrays equals the numpy
+    average of every rank's gradients."""
+    import cupy
+    rank, n = comm.rank, comm.size
+    stream = cupy.cuda.Stream(non_blocking=True)
+    with stream:
+        x = cupy.zeros(1 << 24, cupy.float32)
+        for _ in range(20):                          # still running when the call is issued
+            x += 0.05 * (rank + 1)
+        work = comm.all_reduce([x], op="sum", async_op=True)
+        y = work.wait()[0] * 2                       # ordered after the collective
+        got = cupy.asnumpy(y, stream=stream)
+        stream.synchronize()
+    want = 2 * sum(np.float32(0.05 * (r + 1)) * 20 for r in range(n))
+    assert np.allclose(got, want, rtol=1e-4), (got[:4], want)
+    deadline = time.monotonic() + 30
+    while not work.done():
+        assert time.monotonic() < deadline, "done() never turned True"
+        time.sleep(0.001)
+    grads = commlib.flat_arrays(SHAPES, "float32", xp=cupy)
+    red = commlib.BackwardReducer(comm, grads, bucket_bytes=1 << 20)
+    mine = []
+    for j, g in enumerate(grads):
+        host = np.random.default_rng([rank, j]).integers(-9, 10, g.shape).astype(np.float32)
+        g.set(host)
+        mine.append(host)
+    for j in np.random.default_rng(rank).permutation(len(grads)):
+        red.ready(int(j))
+    red.wait()
+    same([cupy.asnumpy(g) for g in grads], reference(WORLD.allgather(mine), "avg", n),
+         "gpu reducer")
+    report(what="gpu", rank=rank, backend=comm.backend)
+
+
 def main(scenario):
     comm = commlib.init()
     globals()[scenario](comm)

@@ -337,3 +337,10 @@ def test_mpi_ctrl_c_while_waiting():
     assert peer["error"] == "PeerError" and peer["culprits"] == [0], peer
     assert mine["untouched"] and peer["untouched"]
     assert mine["later"] == "ClosedError" and peer["later"] == "ClosedError"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("n", [1, 2])
+def test_gpu_async_stream_order_and_reducer(n):
+    records, _ = run(n, "gpu", timeout=240)
+    all_ok(records, n)
