@@ -50,9 +50,11 @@ def find_tool(name):
 
 NVCC = shutil.which("nvcc")
 CUOBJDUMP = find_tool("cuobjdump")
+NVDISASM = find_tool("nvdisasm")  # cuobjdump -sass runs it
 pytestmark = pytest.mark.skipif(
-    NVCC is None or CUOBJDUMP is None,
-    reason="needs nvcc and cuobjdump (pip install nvidia-cuda-cuobjdump)")
+    NVCC is None or CUOBJDUMP is None or NVDISASM is None,
+    reason="needs nvcc, cuobjdump and nvdisasm "
+           "(pip install nvidia-cuda-cuobjdump nvidia-cuda-nvdisasm)")
 
 # kernels whose loads and stores must be 128-bit ("ld", "st" or both)
 WIDE = dict({name: "ldst" for name in cast_mod.KERNEL_NAMES},
@@ -87,10 +89,15 @@ def build(source, arch, out_dir):
     return out, res.stdout + res.stderr
 
 
+def _cuobjdump(*args):
+    env = dict(os.environ, NVDISASM_PATH=os.path.dirname(NVDISASM or ""))
+    return subprocess.run([CUOBJDUMP, *args], capture_output=True, text=True, timeout=120,
+                          check=True, env=env).stdout
+
+
 def resources(cubin):
     """{kernel: {"REG", "STACK", "SHARED", "LOCAL", ...}} from ``cuobjdump -res-usage``."""
-    text = subprocess.run([CUOBJDUMP, "-res-usage", str(cubin)], capture_output=True,
-                          text=True, timeout=120, check=True).stdout
+    text = _cuobjdump("-res-usage", str(cubin))
     table = {}
     for name, fields in re.findall(r"Function (\w+):\s*\n\s*(.*)", text):
         table[name] = {k: int(v) for k, v in re.findall(r"(\w+)(?:\[\d+\])?:(\d+)", fields)}
@@ -106,8 +113,7 @@ def spills(ptxas_log):
 
 def memory_ops(cubin):
     """{kernel: set of memory instruction mnemonics}, e.g. ``LDG.E.128.CONSTANT``."""
-    text = subprocess.run([CUOBJDUMP, "-sass", str(cubin)], capture_output=True, text=True,
-                          timeout=120, check=True).stdout
+    text = _cuobjdump("-sass", str(cubin))
     ops = {}
     for name, body in re.findall(r"Function : (\w+)\n(.*?)(?=\n\s*\.{6,}|\n\s*Function : |\Z)",
                                  text, re.S):
