@@ -143,6 +143,7 @@ class Communicator:
         self._counted = {id(t): CountingTransport(t, self._stats) for t in self._transports}
         self._progress = None     # the queue of asynchronous collectives, made on first use
         self._side = None         # the side stream of asynchronous GPU collectives
+        self._reducers = itertools.count()   # BackwardReducers made (the same on every rank)
         #: run asynchronous collectives on a thread (None: decide, see _threaded())
         self.async_threaded = None
         self._bucket_bytes = options["bucket_bytes"]
@@ -508,21 +509,25 @@ class Communicator:
             return prepared.kind
         return self._array_checks(items, writeable=writeable, floating=floating)
 
-    def _fused(self, items, kind, key, prepared, writeable, step, compressed=None):
+    def _fused(self, items, kind, key, prepared, writeable, step, compressed=None, state=None):
         """Run ``step(transport, flat_buffer, bucket_index_or_None, prepared)``
         for every bucket and every in-place array of the list. With
         ``compressed = (strategy, op, scale, wait)``, a bucket or array
-        the compression strategy applies to goes to the strategy instead."""
+        the compression strategy applies to goes to the strategy instead;
+        ``state`` (hashable or None) separates its compression state from
+        that of other calls with the same layout."""
         transport = self._transport(kind)
         if prepared is None:
             plan = bucketing.plan_for(items, self._bucket_bytes_for(transport))
             prepared = self._fusion.prepare(key, items, plan, kind, writeable)
             prepared.digest = consistency.layout_digest(items)
         for i, buf in prepared.buckets():
-            self._unit(transport, items, prepared, i, i, buf, step, compressed)
+            self._unit(transport, items, prepared, i if state is None else (state, i), i, buf,
+                       step, compressed)
         for position, flat in zip(prepared.plan.direct, prepared.direct(items)):
-            self._unit(transport, items, prepared, ("direct", position), None, flat, step,
-                       compressed)
+            where = ("direct", position)
+            self._unit(transport, items, prepared, where if state is None else (state, where),
+                       None, flat, step, compressed)
 
     def _unit(self, transport, items, prepared, where, i, buf, step, compressed):
         """One bucket (``i``) or in-place array (``i`` None) of a fused
@@ -570,6 +575,14 @@ class Communicator:
                                                         division, compression),
                            async_op, arrays)
 
+    def _all_reduce_with_state(self, arrays, op, compression, state):
+        """Asynchronous all_reduce whose compression state (residuals,
+        partial windows) is kept apart under ``state`` (hashable, the same
+        on every rank), as a BackwardReducer's buckets need: buckets of the
+        same layout must not share it. Returns the Work."""
+        return self._issue("all_reduce", self._reduce, ("all_reduce", arrays, None, op, False,
+                                                        compression, state), True, arrays)
+
     def broadcast(self, arrays, root=0):
         """Copy ``arrays`` of rank ``root`` into every rank's ``arrays``, in place.
         Returns ``arrays``."""
@@ -607,8 +620,10 @@ class Communicator:
         return self._issue("reduce", self._reduce, ("reduce", arrays, root, op, division),
                            arrays=arrays)
 
-    def _reduce(self, name, arrays, root, op, division, compression=None):
-        """all_reduce (``root=None``: every rank receives) or reduce to ``root``."""
+    def _reduce(self, name, arrays, root, op, division, compression=None, state=None):
+        """all_reduce (``root=None``: every rank receives) or reduce to ``root``;
+        ``state``: see :meth:`_fused` (compared between ranks like the call's
+        parameters)."""
         averaging = op == "avg" or (division is True and op == "sum")
         receives = root is None or self._rank == root
         items, key, prepared, strategy = [], None, None, None
@@ -628,6 +643,8 @@ class Communicator:
         reduce_op = "sum" if op == "avg" else op
         params = (name, reduce_op, averaging, root,
                   None if compression is None else getattr(compression, "name", compression))
+        if state is not None:
+            params += (state,)
         kind, wait = self._begin(name, params, checks, lambda: (items, prepared))
         if kind is None:
             return arrays
@@ -651,7 +668,7 @@ class Communicator:
                 buf *= scale
 
         self._run(self._fused, items, kind, key, prepared, receives, step,
-                  (strategy, reduce_op, scale, wait) if strategy else None)
+                  (strategy, reduce_op, scale, wait) if strategy else None, state)
         return arrays
 
     def all_gather(self, array):

@@ -50,7 +50,11 @@ class BackwardReducer:
     Each step: :meth:`ready` for every index as its gradient becomes final,
     then :meth:`wait`. Results are bit-identical to
     ``comm.all_reduce([grads[j] for j in bucket], op=op, compression=compression)``
-    called bucket by bucket, for ``bucket`` in :attr:`buckets`.
+    called bucket by bucket, for ``bucket`` in :attr:`buckets`, except that
+    every bucket keeps compression state of its own (error-feedback
+    residuals, partial windows), where such calls share it between buckets
+    of the same shapes. Every rank makes its reducers of a communicator in
+    the same order (the consistency check compares them).
     """
 
     def __init__(self, comm, grads, bucket_bytes=None, op="avg", compression=None):
@@ -73,6 +77,7 @@ class BackwardReducer:
         self.op, self.compression = op, compression
         self.bucket_bytes = int(bucket_bytes)
         self._buckets = backward_buckets(self.grads, self.bucket_bytes)
+        self._serial = next(comm._reducers)
         self._lists = [[self.grads[j] for j in b] for b in self._buckets]   # reused each step
         self._bucket_of = [0] * len(self.grads)
         for k, bucket in enumerate(self._buckets):
@@ -110,8 +115,9 @@ class BackwardReducer:
         """Start the next buckets in order while ``may_start(k)``."""
         works = self._works
         while len(works) < len(self._buckets) and may_start(len(works)):
-            works.append(self.comm.all_reduce(self._lists[len(works)], op=self.op,
-                                              compression=self.compression, async_op=True))
+            k = len(works)
+            works.append(self.comm._all_reduce_with_state(
+                self._lists[k], self.op, self.compression, ("BackwardReducer", self._serial, k)))
 
     def wait(self):
         """Start the buckets not started yet (in order), wait for every one

@@ -195,6 +195,48 @@ def test_reducer_any_ready_order_equals_sync_per_bucket(n):
                 assert bits_equal(a, s) and bits_equal(a, w), (r, step)
 
 
+def test_reducer_buckets_of_one_layout_keep_their_own_residuals():
+    """Two buckets of the same shapes with top-K error feedback: each equals
+    the same steps reduced alone, on communicators of its own."""
+    shapes, steps, n = [(50,)] * 4, 3, 2
+
+    def grads_of(rank, step):
+        return [np.random.default_rng([step, rank, j]).standard_normal(s).astype(np.float32)
+                for j, s in enumerate(shapes)]
+
+    def body(comm):
+        grads = commlib.flat_arrays(shapes, "float32")
+        red = commlib.BackwardReducer(comm, grads, bucket_bytes=400, compression=TopK(0.1))
+        out = []
+        for step in range(steps):
+            for g, v in zip(grads, grads_of(comm.rank, step)):
+                g[...] = v
+            for j in range(len(grads)):
+                red.ready(j)
+            out.append([g.copy() for g in red.wait()])
+        return red.buckets, out
+
+    results = run_ranks(n, body)
+    buckets = results[0][0]
+    assert buckets == [[2, 3], [0, 1]]
+    for bucket in buckets:
+        def alone(comm):
+            arrays = [np.empty(shapes[j], np.float32) for j in bucket]
+            out = []
+            for step in range(steps):
+                for a, j in zip(arrays, bucket):
+                    a[...] = grads_of(comm.rank, step)[j]
+                comm.all_reduce(arrays, op="avg", compression=TopK(0.1))
+                out.append([a.copy() for a in arrays])
+            return out
+
+        want = run_ranks(n, alone)
+        for r in range(n):
+            for step in range(steps):
+                for a, j in zip(want[r][step], bucket):
+                    assert bits_equal(results[r][1][step][j], a), (bucket, r, step, j)
+
+
 def test_reducer_rejects_bad_calls():
     def body(comm):
         grads = [np.ones(4, np.float32), np.ones(4, np.float32)]
