@@ -258,6 +258,12 @@ def crash(comm):
     _failing(comm, fail)
 
 
+def killed(comm):
+    """Rank LATE is killed (SIGKILL): the others' wait() raises PeerError
+    naming it, if they notice before mpiexec ends the job."""
+    _failing(comm, lambda: (time.sleep(0.3), os.kill(os.getpid(), signal.SIGKILL)))
+
+
 def interrupt(comm):
     """Ctrl-C on rank 0 while it waits for an async all-reduce that rank LATE
     has not issued: rank 0's wait() raises KeyboardInterrupt at once and its

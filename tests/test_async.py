@@ -3,6 +3,8 @@ BackwardReducer: the front-end logic with ranks as threads
 (tests/inprocess.py), then real MPI ranks (rank programs in
 tests/async_programs.py) for results, order, errors and faults."""
 import json
+import os
+import sys
 
 import numpy as np
 import pytest
@@ -12,7 +14,7 @@ from commlib.compression import TopK
 from commlib.errors import ArgumentError, ClosedError, ConsistencyError
 from commlib.overlap import backward_buckets
 from inprocess import run_ranks
-from mpirun import run_mpi
+from mpirun import ROOT, run_bounded, run_mpi
 from test_frontend import inputs, reference
 
 SIZES = [1, 2, 3, 4]
@@ -369,6 +371,26 @@ def test_mpi_crashed_peer_raises_from_wait():
     assert rec["error"] == "PeerError" and rec["culprits"] == [1], rec
     assert rec["seconds"] <= DEADLINE + 5 and rec["untouched"], rec
     assert "breaks down" in rec["message"]
+
+
+def test_killed_peer_during_async_call_ends_the_job(tmp_path):
+    """kill -9 of rank 1 while the others wait for an async all-reduce: the
+    job ends within the bound, the launcher names rank 1, and a survivor
+    that noticed first raised PeerError naming it."""
+    script = tmp_path / "job.py"
+    script.write_text(CODE.replace("*sys.argv[1:]", "'killed'"))
+    env = dict(os.environ, COMMLIB_WATCHDOG_TIMEOUT=str(DEADLINE),
+               PYTHONPATH=os.pathsep.join([str(ROOT), str(ROOT / "tests"),
+                                           os.environ.get("PYTHONPATH", "")]))
+    proc = run_bounded([sys.executable, "-m", "commlib.launch", "-n", "3", "--backend", "mpi",
+                        script], DEADLINE * 4 + 60, env=env)
+    last = [line for line in proc.stderr.splitlines() if line.startswith("commlib.launch:")]
+    assert proc.returncode != 0 and last and "rank 1 " in last[-1] and "SIGKILL" in last[-1], \
+        proc.stderr
+    for line in proc.stdout.splitlines():
+        if '"what": "failed"' in line:
+            record = json.loads(line.split("ASYNC ", 1)[1])
+            assert record["error"] == "PeerError" and record["culprits"] == [1], record
 
 
 def test_mpi_ctrl_c_while_waiting():
