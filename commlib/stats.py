@@ -9,47 +9,39 @@ gather's send buffer; a barrier counts 0). What travels on the wire
 depends on the transport's algorithm (a ring all-reduce sends about
 ``2 (n-1)/n`` times that); the count is the same on every transport.
 """
-import threading
-
-
 class CommStats:
     """Counters of one communicator, since it was made or since :meth:`reset`.
 
     ``bytes_sent`` (int, bytes, see the module docstring), ``collectives``
     (int: collectives entered, sync or async, including failed ones),
     ``blocked_seconds`` (float: wall time the calling thread spent inside
-    blocking collective calls and :meth:`commlib.Work.wait`). Updated from
-    the communicator's progress thread too; reads are never torn.
+    blocking collective calls and :meth:`commlib.Work.wait`). The first two
+    are updated by whichever thread executes the collective (one at a time),
+    the third by the calling thread: no counter has two writers at once.
     """
 
-    __slots__ = ("bytes_sent", "collectives", "blocked_seconds", "_lock")
+    __slots__ = ("bytes_sent", "collectives", "blocked_seconds")
 
     def __init__(self):
-        self._lock = threading.Lock()
         self.reset()
 
     def reset(self):
-        """Set every counter to zero."""
-        with self._lock:
-            self.bytes_sent, self.collectives, self.blocked_seconds = 0, 0, 0.0
+        """Set every counter to zero (call it while no collective is outstanding)."""
+        self.bytes_sent, self.collectives, self.blocked_seconds = 0, 0, 0.0
 
     def snapshot(self):
         """The counters as a dict (a copy)."""
-        with self._lock:
-            return {"bytes_sent": self.bytes_sent, "collectives": self.collectives,
-                    "blocked_seconds": self.blocked_seconds}
+        return {"bytes_sent": self.bytes_sent, "collectives": self.collectives,
+                "blocked_seconds": self.blocked_seconds}
 
     def add_bytes(self, nbytes):
-        with self._lock:
-            self.bytes_sent += int(nbytes)
+        self.bytes_sent += int(nbytes)
 
     def add_collective(self):
-        with self._lock:
-            self.collectives += 1
+        self.collectives += 1
 
     def add_blocked(self, seconds):
-        with self._lock:
-            self.blocked_seconds += seconds
+        self.blocked_seconds += seconds
 
     def __repr__(self):
         return "CommStats(%s)" % ", ".join("%s=%r" % kv for kv in self.snapshot().items())
@@ -72,7 +64,7 @@ def _counting(name, at=0):
     """A CountingTransport method forwarding ``name``; argument ``at`` is
     the buffer whose bytes are counted."""
     def call(self, *args, **kwargs):
-        self.stats.add_bytes(args[at].nbytes)
+        self.stats.bytes_sent += args[at].nbytes
         return getattr(self.transport, name)(*args, **kwargs)
     call.__name__ = name
     return call
