@@ -5,6 +5,7 @@ tests/async_programs.py) for results, order, errors and faults."""
 import json
 import os
 import sys
+import time
 
 import numpy as np
 import pytest
@@ -66,6 +67,22 @@ def test_sync_call_runs_after_outstanding_async_ones():
     for done, gathered, value, again, twice in run_ranks(3, body):
         assert done and again and twice and value == 6.0
         assert gathered.reshape(-1).tolist() == [0, 1, 2]
+
+
+def test_wait_timeout_raises_and_the_collective_goes_on():
+    def body(comm):
+        x = [np.full(10, comm.rank + 1.0, np.float32)]
+        if comm.rank == 1:
+            time.sleep(0.5)
+        work = comm.all_reduce(x, async_op=True)
+        timed_out = False
+        if comm.rank == 0:
+            with pytest.raises(TimeoutError):
+                work.wait(timeout=0.05)
+            timed_out = not work.done()
+        return timed_out, work.wait()[0][0]
+
+    assert run_ranks(2, body) == [(True, 3.0), (False, 3.0)]
 
 
 def test_deferred_work_runs_when_waited_for():
