@@ -18,6 +18,7 @@ single step of top-K or threshold far from exact by design; it is the
 accumulated updates that match).
 """
 import argparse
+import contextlib
 import json
 import statistics
 import sys
@@ -31,6 +32,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))  # prefer the checkout's commlib
 import commlib  # noqa: E402
 from commlib.compression import BF16, FP16, Partial, Threshold, TopK  # noqa: E402
+from commlib.ops import hostcast, hostselect  # noqa: E402
 
 WORKLOADS = HERE / "workloads"
 STRATEGIES = {"none": None, "fp16": FP16(), "bf16": BF16(), "topk-1%": TopK(0.01),
@@ -47,6 +49,9 @@ def parse_args(argv=None):
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--device", choices=("cpu", "gpu"), default="cpu")
     p.add_argument("--json", default=None, help="also write the results here")
+    p.add_argument("--twins", action="store_true",
+                   help="also time every strategy with its numpy twins instead of the "
+                        "compiled host loops (casts, selection), on its own communicator")
     args = p.parse_args(argv)
     args.cases = [c for c in args.cases.split(",") if c]
     args.strategies = [s for s in args.strategies.split(",") if s]
@@ -54,6 +59,21 @@ def parse_args(argv=None):
     if unknown or args.repeats < 1:
         p.error("unknown strategies %s or --repeats < 1" % sorted(unknown))
     return args
+
+
+@contextlib.contextmanager
+def numpy_twins(on):
+    """With ``on``, the compression loops take their numpy twins (the
+    compiled casts and selections look unavailable)."""
+    if not on:
+        yield
+        return
+    saved = hostcast.compiled
+    hostcast.compiled = hostselect.compiled = lambda name: None
+    try:
+        yield
+    finally:
+        hostcast.compiled = hostselect.compiled = saved
 
 
 class WireCounter:
@@ -79,47 +99,57 @@ class WireCounter:
 def main(argv=None):
     args = parse_args(argv)
     world = MPI.COMM_WORLD
-    comm = commlib.Communicator.from_mpi(backend="mpi" if args.device == "cpu" else None)
+    backend = "mpi" if args.device == "cpu" else None
+    comm = commlib.Communicator.from_mpi(backend=backend)
     xp = np
     if args.device == "gpu":
         import cupy as xp
         xp.cuda.Device(comm.device).use()
-    transport = comm._transport("cupy" if xp is not np else "numpy")
-    counter = WireCounter(transport)
+    kind = "cupy" if xp is not np else "numpy"
+    # (strategy, with numpy twins) -> its communicator, its wire counter
+    runs = {(name, False): comm for name in args.strategies}
+    comms = [comm]          # in the same order on every rank
+    if args.twins:
+        comms.append(commlib.Communicator.from_mpi(backend=backend))
+        runs.update({(name, True): comms[1] for name in args.strategies if name != "none"})
+    counters = {c: WireCounter(c._transport(kind)) for c in comms}
     say = print if comm.rank == 0 else (lambda *a, **k: None)
     say("# compressed all-reduce, %d ranks, backend %s, %s, op=avg, median of %d; time = "
         "slowest rank" % (comm.size, comm.backend, args.device, args.repeats))
     rows = []
     for case in args.cases:
         shapes = [tuple(s) for s in json.loads((WORKLOADS / (case + ".json")).read_text())["shapes"]]
-        grads = {name: [xp.zeros(s, np.float32) for s in shapes] for name in args.strategies}
-        times = {name: [] for name in args.strategies}
+        grads = {run: [xp.zeros(s, np.float32) for s in shapes] for run in runs}
+        times = {run: [] for run in runs}
         wire = {}
         for rep in range(args.repeats + 1):            # the first is a warm-up
             rng = np.random.default_rng([rep, comm.rank])
             fresh = [rng.standard_normal(s).astype(np.float32) for s in shapes]
             exact = [sum(world.allgather(f)) / comm.size for f in fresh]
-            for name in args.strategies:
-                for g, f in zip(grads[name], fresh):
+            for run, run_comm in runs.items():
+                for g, f in zip(grads[run], fresh):
                     g[...] = xp.asarray(f)
+                counter = counters[run_comm]
                 world.Barrier()
                 counter.bytes = 0
                 start = time.perf_counter()
-                comm.all_reduce(grads[name], op="avg", compression=STRATEGIES[name])
+                with numpy_twins(run[1]):
+                    run_comm.all_reduce(grads[run], op="avg", compression=STRATEGIES[run[0]])
                 if xp is not np:
                     xp.cuda.Device().synchronize()
                 elapsed = world.allreduce(time.perf_counter() - start, op=MPI.MAX)
                 if rep:
-                    times[name].append(elapsed)
-                wire[name] = counter.bytes
+                    times[run].append(elapsed)
+                wire[run] = counter.bytes
         scale = max(float(np.abs(e).max()) for e in exact)
-        for name in args.strategies:
-            host = [g if xp is np else g.get() for g in grads[name]]
+        dense = wire.get(("none", False))
+        for run in runs:
+            host = [g if xp is np else g.get() for g in grads[run]]
             error = max(float(np.abs(h - e).max()) for h, e in zip(host, exact)) / scale
-            rows.append({"case": case, "strategy": name,
-                         "ms": statistics.median(times[name]) * 1e3,
-                         "wire_bytes": wire[name], "of_dense": wire[name] / wire["none"]
-                         if wire.get("none") else None, "error": error})
+            rows.append({"case": case, "strategy": run[0] + (" (numpy twins)" if run[1] else ""),
+                         "ms": statistics.median(times[run]) * 1e3,
+                         "wire_bytes": wire[run], "of_dense": wire[run] / dense
+                         if dense else None, "error": error})
     base = {r["case"]: r["ms"] for r in rows if r["strategy"] == "none"}
     say("| case | strategy | ms | vs none | wire bytes per rank | of dense | error |")
     say("| --- | --- | --- | --- | --- | --- | --- |")
@@ -131,7 +161,8 @@ def main(argv=None):
                r["error"]))
     if comm.rank == 0 and args.json:
         Path(args.json).write_text(json.dumps(rows, indent=1))
-    comm.close()
+    for c in comms:
+        c.close()
     return 0
 
 

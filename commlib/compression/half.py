@@ -13,7 +13,9 @@ does), so results carry its rounding (relative error about 2**-11 per
 addition for float16, 2**-8 for bfloat16); a float16 value beyond 65504
 becomes inf (bfloat16 has float32's range). bfloat16 travels as uint16 bit
 patterns, reduced by NCCL's bfloat16 type or an MPI operator that widens to
-float32 and rounds back to nearest even. Other dtypes are not compressed.
+float32 and rounds back to nearest even; numpy float16 wires take the same
+kind of MPI operator (both compiled, :mod:`commlib.ops.hostcast`), not the
+shared-memory reducer. Other dtypes are not compressed.
 
 ``nonfinite`` (see :mod:`._nonfinite`) looks at the reduced half-precision
 result, whose bits are the same on every rank, so every rank decides alike:
@@ -82,8 +84,12 @@ class HalfPrecision(Compression):
     def _all_reduce(self, transport, wire, op, wait):
         # overflow is counted and reported by _settle, not warned by numpy
         # (the MPI transport reduces half formats with numpy ufuncs)
+        # numpy float16 wires name their format too, which sends them to the
+        # MPI transport's compiled float16 operator rather than the
+        # shared-memory reducer's numpy float16 ufunc (several times slower)
+        fmt = self.fmt if type(wire) is np.ndarray else self._wire_fmt
         with np.errstate(over="ignore", invalid="ignore"):    # the wire buffer is commlib's
-            transport.all_reduce(wire, op, wait, fmt=self._wire_fmt, owned=True)
+            transport.all_reduce(wire, op, wait, fmt=fmt, owned=True)
 
     def _settle(self, transport, wire, sent, arrays, wait):
         """Count the NaN and inf in the reduced ``wire`` (one host read on
