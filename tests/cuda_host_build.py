@@ -168,8 +168,23 @@ def build(patches=None):
                          timeout=600)
     if res.returncode != 0:
         raise RuntimeError("host link failed:\n" + res.stderr[-6000:])
-    _libraries[key] = HostKernels(ctypes.CDLL(str(lib)))
+    _libraries[key] = HostKernels(ctypes.CDLL(str(lib)), lib, src)
     return _libraries[key]
+
+
+def _short(symbol):
+    """``f<T>(args)::var`` of a demangled static local, without the argument
+    list and the anonymous namespaces."""
+    symbol = symbol.replace("(anonymous namespace)::", "")
+    func, sep, var = symbol.rpartition("::")
+    if func.endswith(")"):
+        depth = 0
+        for i in range(len(func) - 1, -1, -1):
+            depth += {")": 1, "(": -1}.get(func[i], 0)
+            if depth == 0:
+                func = func[:i]
+                break
+    return func + sep + var
 
 
 def _address(a):
@@ -177,10 +192,14 @@ def _address(a):
 
 
 class HostKernels:
-    """Kernels of one host build, launched by name."""
+    """Kernels of one host build (library ``path``, sources copied to
+    ``source_dir``), launched by name."""
 
-    def __init__(self, lib):
+    def __init__(self, lib, path, source_dir):
         self.lib = lib
+        self.path = Path(path)
+        self.source_dir = Path(source_dir)
+        self._shared_symbols = None
         lib.coop_launch.argtypes = [ctypes.c_char_p, ctypes.c_uint, ctypes.c_uint,
                                     ctypes.POINTER(ctypes.c_uint64), ctypes.c_int,
                                     ctypes.POINTER(_Region), ctypes.c_int,
@@ -189,6 +208,8 @@ class HostKernels:
         lib.coop_signature.restype = ctypes.c_char_p
         lib.coop_signature.argtypes = [ctypes.c_char_p]
         lib.coop_kernels.restype = ctypes.c_char_p
+        lib.coop_spins.restype = ctypes.c_longlong
+        self.spins = 0  # __nanosleep calls (spins on another block's flag) of all launches
         self.names = frozenset(lib.coop_kernels().decode().split())
 
     def signature(self, name):
@@ -232,10 +253,41 @@ class HostKernels:
                       schedule.p_yield, schedule.seed, spin_limit, op_limit)
         rc = self.lib.coop_launch(name.encode(), grid, block, slots, len(sig), table, len(spans),
                                   ctypes.byref(cfg))
+        self.spins += self.lib.coop_spins()
         if rc != 0:
             raise KernelFault("%s [%s schedule, grid %d x %d]: %s"
                               % (name, schedule.name, grid, block,
-                                 self.lib.coop_errors().decode(errors="replace") or rc))
+                                 self._explain(self.lib.coop_errors().decode(errors="replace"))
+                                 or rc))
+
+    def _explain(self, text):
+        """Messages with source paths relative to kernels/ and shared-memory
+        offsets named by variable."""
+        text = text.replace(str(self.source_dir) + "/", "")
+
+        def name(m):
+            off = int(m.group(1))
+            for lo, size, sym in self.shared_symbols():
+                if lo <= off < lo + size:
+                    return "%s (%s + %d)" % (m.group(0), sym, off - lo)
+            return m.group(0)
+        return re.sub(r"byte (\d+) of shared memory", name, text)
+
+    def shared_symbols(self):
+        """(offset, size, name) of the __shared__ variables (section coop_shared)."""
+        if self._shared_symbols is None:
+            out = subprocess.run(["nm", "-C", "-S", "--defined-only", str(self.path)],
+                                 capture_output=True, text=True, timeout=60).stdout
+            rows = [line.split(None, 3) for line in out.splitlines()]
+            start = next((int(r[0], 16) for r in rows if r[-1] == "__start_coop_shared"), None)
+            stop = next((int(r[0], 16) for r in rows if r[-1] == "__stop_coop_shared"), None)
+            syms = []
+            if start is not None and stop is not None:
+                for r in rows:
+                    if len(r) == 4 and start <= int(r[0], 16) < stop:
+                        syms.append((int(r[0], 16) - start, int(r[1], 16), _short(r[3])))
+            self._shared_symbols = sorted(syms)
+        return self._shared_symbols
 
 
 # ---------------------------------------------------------------- cupy stand-in

@@ -9,6 +9,7 @@
 //       runs the kernel `name` over a 1-D grid of 1-D blocks; returns the
 //       number of errors found (0: clean), -1 unknown kernel, -2 wrong
 //       argument count. Messages: coop_errors().
+//   coop_spins()          __nanosleep calls of the last launch (spins on flags)
 //   coop_signature(name)  one character per parameter (p pointer, f float,
 //                         i/I 32-bit and q/Q 64-bit signed/unsigned), or NULL
 //   coop_kernels()        space-separated names of the registered kernels
@@ -19,6 +20,7 @@
 #include <cstdio>
 #include <map>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 #include "coop_cuda.h"
@@ -88,6 +90,19 @@ enum State { kReady, kAtBarrier, kAtWarp, kDone };
 
 struct Block;
 
+// Last accesses of one 4-byte word of shared memory, for the race check: an
+// access conflicts with an earlier one by another thread of the block in the
+// same barrier interval unless both are atomic or a warp collective of their
+// (common) warp completed in between.
+struct Access {
+  int tid = -1;  // -1 none, -2 several threads (reads only)
+  uint32_t epoch = 0, clock = 0;
+  bool atomic = false;
+};
+struct Shadow {
+  Access write, read;
+};
+
 struct Fiber {
 #if defined(__x86_64__)
   void* sp;
@@ -104,6 +119,7 @@ struct Fiber {
 
 struct Warp {
   unsigned arrived = 0, mask = 0, exited = 0;
+  uint32_t clock = 0;  // collectives completed: they order the accesses of their lanes
   int kind = -1, width = 32, line = 0;
   const char* file = "";
   uint64_t vals[32];
@@ -119,6 +135,8 @@ struct Block {
   const char* bfile = "";
   std::vector<unsigned char> image;
   size_t cursor = 0;
+  uint32_t epoch = 1;          // barriers completed + 1
+  std::vector<Shadow> shadow;  // one per 4-byte word of shared memory
 };
 
 const char* const kOpNames[] = {"__syncwarp", "__shfl_sync", "__shfl_up_sync",
@@ -212,6 +230,7 @@ void release_barrier_if_complete(Block* b) {
   if (b->at_barrier == n) {
     for (Fiber& f : b->fibers) f.state = kReady;
     b->at_barrier = 0;
+    ++b->epoch;
   } else if (b->at_barrier == b->live) {
     error("__syncthreads at %s:%d reached by %d of %d threads; the other %d exited", b->bfile,
           b->bline, b->at_barrier, n, n - b->live);
@@ -297,6 +316,7 @@ Block* start_block(unsigned id, int slot) {
   }
   b->live = (int)n;
   b->image.resize(shared_bytes());
+  b->shadow.assign((shared_bytes() + 3) / 4, Shadow());
   for (unsigned char& c : b->image) c = (unsigned char)next_random();  // uninitialised junk
   return b;
 }
@@ -425,6 +445,52 @@ void report_outside(uint64_t a, unsigned long long bytes, bool is_write) {
 
 }  // namespace
 
+namespace {
+bool ordered(const Access& prev, const Fiber* f) {
+  if (prev.tid < 0 && prev.tid != -2) return true;
+  if (prev.epoch != f->blk->epoch) return true;
+  if (prev.tid == f->index) return true;
+  return prev.tid >= 0 && prev.tid / 32 == f->index / 32 &&
+         f->blk->warps[f->index / 32].clock != prev.clock;
+}
+
+void race(const char* what, uint64_t offset, const Access& prev, const char* prev_what) {
+  if (prev.tid == -2)
+    error("shared memory race: %s of byte %llu of shared memory after reads by several other "
+          "threads, no __syncthreads between", what, (unsigned long long)offset);
+  else
+    error("shared memory race: %s of byte %llu of shared memory after %s by thread %d, no "
+          "__syncthreads between", what, (unsigned long long)offset, prev_what, prev.tid);
+}
+
+void check_shared(uint64_t offset, unsigned long long bytes, bool is_write, bool atomic) {
+  Fiber* f = g_cur;
+  Block* b = f->blk;
+  const uint32_t clock = b->warps[f->index / 32].clock;
+  for (uint64_t w = offset / 4; w <= (offset + bytes - 1) / 4 && w < b->shadow.size(); ++w) {
+    Shadow& sh = b->shadow[w];
+    if (!ordered(sh.write, f) && !(atomic && sh.write.atomic)) {
+      race(is_write ? (atomic ? "atomic" : "write") : "read", offset, sh.write,
+           sh.write.atomic ? "an atomic" : "a write");
+      continue;
+    }
+    if (is_write) {
+      if (!ordered(sh.read, f)) {
+        race(atomic ? "atomic" : "write", offset, sh.read, "a read");
+        continue;
+      }
+      sh.write = Access{f->index, b->epoch, clock, atomic};
+      sh.read = Access();
+    } else if (sh.read.tid >= 0 && sh.read.epoch == b->epoch && sh.read.tid != f->index &&
+               !ordered(sh.read, f)) {
+      sh.read.tid = -2;  // several readers: any other thread's write now conflicts
+    } else if (sh.read.tid != -2 || sh.read.epoch != b->epoch) {
+      sh.read = Access{f->index, b->epoch, clock, false};
+    }
+  }
+}
+}  // namespace
+
 void register_kernel(const char* name, Invoke call, const char* signature) {
   registry()[name] = Kernel{call, signature};
 }
@@ -434,7 +500,8 @@ dim3 block_idx() { return g_cur ? g_cur->blk->id : dim3{0, 0, 0}; }
 dim3 block_dim() { return g_block; }
 dim3 grid_dim() { return g_grid; }
 
-void check_access(const void* p, unsigned long long bytes, bool is_write, bool vector) {
+namespace {
+void check(const void* p, unsigned long long bytes, bool is_write, bool vector, bool atomic) {
   if (!g_active || g_cur == nullptr) return;
   const uint64_t a = (uint64_t)(uintptr_t)p;
   if (++g_ops > g_cfg.op_limit) {
@@ -449,6 +516,7 @@ void check_access(const void* p, unsigned long long bytes, bool is_write, bool v
   if (shared_bytes() != 0 && a >= sh_lo && a < sh_lo + shared_bytes()) {
     if (a + bytes > sh_lo + shared_bytes())
       error("%llu-byte shared access runs past the end of shared memory", bytes);
+    check_shared(a - sh_lo, bytes, is_write, atomic);
     maybe_yield();
     return;
   }
@@ -460,11 +528,20 @@ void check_access(const void* p, unsigned long long bytes, bool is_write, bool v
   if (r == nullptr || a + bytes > r->hi) report_outside(a, bytes, is_write);
   maybe_yield();
 }
+}  // namespace
 
-uint32_t atomic32(int op, void* p, uint32_t v, uint32_t cmp) {
-  check_access(p, 4, true, false);
-  uint32_t* q = static_cast<uint32_t*>(p);
-  const uint32_t old = *q;
+void check_access(const void* p, unsigned long long bytes, bool is_write, bool vector) {
+  check(p, bytes, is_write, vector, false);
+}
+
+namespace {
+// Read-modify-write of *p as one step: no fiber switch inside.
+template <class U>
+U atomic_rmw(int op, void* p, U v, U cmp) {
+  typedef std::make_signed_t<U> S;
+  check(p, sizeof(U), true, false, true);
+  U* q = static_cast<U*>(p);
+  const U old = *q;
   switch (op) {
     case kAdd: *q = old + v; break;
     case kOr: *q = old | v; break;
@@ -472,28 +549,25 @@ uint32_t atomic32(int op, void* p, uint32_t v, uint32_t cmp) {
     case kXor: *q = old ^ v; break;
     case kMaxU: *q = std::max(old, v); break;
     case kMinU: *q = std::min(old, v); break;
-    case kMaxS: *q = (uint32_t)std::max((int32_t)old, (int32_t)v); break;
-    case kMinS: *q = (uint32_t)std::min((int32_t)old, (int32_t)v); break;
+    case kMaxS: *q = (U)std::max((S)old, (S)v); break;
+    case kMinS: *q = (U)std::min((S)old, (S)v); break;
     case kExch: *q = v; break;
     case kCas: if (old == cmp) *q = v; break;
-    case kAddF: *q = bits_of(from_bits<float>(old) + from_bits<float>(v)) & 0xffffffffu; break;
+    case kAddF:
+      if constexpr (sizeof(U) == 4) *q = from_bits<U>(bits_of(from_bits<float>(old) +
+                                                              from_bits<float>(v)));
+      break;
   }
   return old;
 }
+}  // namespace
+
+uint32_t atomic32(int op, void* p, uint32_t v, uint32_t cmp) {
+  return atomic_rmw<uint32_t>(op, p, v, cmp);
+}
 
 uint64_t atomic64(int op, void* p, uint64_t v, uint64_t cmp) {
-  check_access(p, 8, true, false);
-  uint64_t* q = static_cast<uint64_t*>(p);
-  const uint64_t old = *q;
-  switch (op) {
-    case kAdd: *q = old + v; break;
-    case kOr: *q = old | v; break;
-    case kMaxU: *q = std::max(old, v); break;
-    case kExch: *q = v; break;
-    case kCas: if (old == cmp) *q = v; break;
-    default: error("unsupported 64-bit atomic %d", op);
-  }
-  return old;
+  return atomic_rmw<uint64_t>(op, p, v, cmp);
 }
 
 void fence() {
@@ -556,6 +630,7 @@ bool complete_collective(Block* b, int w) {
     f.state = kReady;
   }
   W.arrived = 0;
+  ++W.clock;
   return true;
 }
 }  // namespace
@@ -689,6 +764,8 @@ int coop_launch(const char* name, unsigned grid, unsigned block, const uint64_t*
 }
 
 const char* coop_errors() { return coop::g_errors.c_str(); }
+
+long long coop_spins() { return coop::g_spins; }
 
 const char* coop_signature(const char* name) {
   auto it = coop::registry().find(name);
