@@ -233,3 +233,10 @@ def test_sparse_sum(level, scale):
         dense_t *= np.float32(scale)
     np.testing.assert_array_equal(bits(dense_c), bits(dense_t))
     assert int(bad_c) == int(bad_t) == 2
+
+
+def test_the_build_has_every_loop_the_wrappers_use():
+    """A stale build would send the wrappers to the numpy twins silently."""
+    for name in ("cast", "count_nonfinite", "cast_level", "topk", "threshold", "scatter",
+                 "accumulate_finite"):
+        assert hostselect.compiled(name) is not None, name

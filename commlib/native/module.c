@@ -410,50 +410,42 @@ static PyObject *py_threshold(PyObject *self, PyObject *const *args, Py_ssize_t 
     return PyLong_FromSsize_t(c);
 }
 
-/* scatter_add(dense, indices, values, alpha) -> out-of-range indices
- * skipped, or -1 (nothing written) when an array does not qualify (dense
- * float32 writeable, indices int32 and values float32 of one length). */
-static PyObject *py_scatter_add(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+/* The (dense, indices, values) of a scatter: dense float32 writeable,
+ * indices int32 and values float32 of one length m, all plain aligned
+ * native arrays; 0, or -1 when they do not qualify. */
+static int scatter_arrays(PyObject *const *args, float **dense, Py_ssize_t *n,
+                          int32_t **indices, float **values, Py_ssize_t *m)
 {
-    if (check_nargs("scatter_add", nargs, 4))
-        return NULL;
-    double alpha = PyFloat_AsDouble(args[3]);
-    if (PyErr_Occurred())
-        return NULL;
-    Py_ssize_t n = 0, ni = 0, nv = 0;
-    float *dense = typed_data(args[0], NPY_FLOAT32, 1, &n);
-    int32_t *indices = typed_data(args[1], NPY_INT32, 0, &ni);
-    float *values = typed_data(args[2], NPY_FLOAT32, 0, &nv);
-    if (dense == NULL || indices == NULL || values == NULL || ni != nv)
-        return PyLong_FromLong(-1);
-    Py_ssize_t bad;
-    Py_BEGIN_ALLOW_THREADS
-    bad = commlib_scatter_add(dense, n, indices, values, ni, (float)alpha);
-    Py_END_ALLOW_THREADS
-    return PyLong_FromSsize_t(bad);
+    Py_ssize_t nv = 0;
+    *n = *m = 0;
+    *dense = typed_data(args[0], NPY_FLOAT32, 1, n);
+    *indices = typed_data(args[1], NPY_INT32, 0, m);
+    *values = typed_data(args[2], NPY_FLOAT32, 0, &nv);
+    return *dense == NULL || *indices == NULL || *values == NULL || *m != nv || *n > INT32_MAX
+           ? -1 : 0;
 }
 
-/* sparse_sum(dense, indices, values, scale) -> out-of-range indices
- * skipped, or -1 (nothing written) when an array does not qualify (as for
- * scatter_add). dense becomes the sum of the entries, times `scale` (float
- * or None). */
-static PyObject *py_sparse_sum(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+/* scatter(dense, indices, values, factor, summing) -> out-of-range indices
+ * skipped, or -1 (nothing written) when the arrays do not qualify (see
+ * scatter_arrays). Not `summing`: dense[indices[i]] += factor * values[i]
+ * (factor a float). `summing`: dense becomes the sum of the entries, times
+ * `factor` (a float, or None for none). See hostselect.c. */
+static PyObject *py_scatter(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
 {
-    if (check_nargs("sparse_sum", nargs, 4))
+    if (check_nargs("scatter", nargs, 5))
         return NULL;
-    int scaled = args[3] != Py_None;
-    double scale = scaled ? PyFloat_AsDouble(args[3]) : 1.0;
+    int scaled = args[3] != Py_None, summing = PyObject_IsTrue(args[4]);
+    double factor = scaled ? PyFloat_AsDouble(args[3]) : 1.0;
     if (PyErr_Occurred())
         return NULL;
-    Py_ssize_t n = 0, ni = 0, nv = 0;
-    float *dense = typed_data(args[0], NPY_FLOAT32, 1, &n);
-    int32_t *indices = typed_data(args[1], NPY_INT32, 0, &ni);
-    float *values = typed_data(args[2], NPY_FLOAT32, 0, &nv);
-    if (dense == NULL || indices == NULL || values == NULL || ni != nv || n > INT32_MAX)
+    float *dense, *values;
+    int32_t *indices;
+    Py_ssize_t n, m, bad;
+    if ((!summing && !scaled) || scatter_arrays(args, &dense, &n, &indices, &values, &m))
         return PyLong_FromLong(-1);
-    Py_ssize_t bad;
     Py_BEGIN_ALLOW_THREADS
-    bad = commlib_sparse_sum(dense, n, indices, values, ni, (float)scale, scaled);
+    bad = summing ? commlib_sparse_sum(dense, n, indices, values, m, (float)factor, scaled)
+                  : commlib_scatter_add(dense, n, indices, values, m, (float)factor);
     Py_END_ALLOW_THREADS
     return bad < 0 ? PyErr_NoMemory() : PyLong_FromSsize_t(bad);
 }
@@ -491,8 +483,7 @@ static PyMethodDef methods[] = {
     {"cast_level", (PyCFunction)(void (*)(void))py_cast_level, METH_FASTCALL, NULL},
     {"topk", (PyCFunction)(void (*)(void))py_topk, METH_FASTCALL, NULL},
     {"threshold", (PyCFunction)(void (*)(void))py_threshold, METH_FASTCALL, NULL},
-    {"scatter_add", (PyCFunction)(void (*)(void))py_scatter_add, METH_FASTCALL, NULL},
-    {"sparse_sum", (PyCFunction)(void (*)(void))py_sparse_sum, METH_FASTCALL, NULL},
+    {"scatter", (PyCFunction)(void (*)(void))py_scatter, METH_FASTCALL, NULL},
     {"accumulate_finite", (PyCFunction)(void (*)(void))py_accumulate_finite, METH_FASTCALL,
      NULL},
     {NULL, NULL, 0, NULL},

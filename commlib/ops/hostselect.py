@@ -50,10 +50,10 @@ def threshold(x, t):
 def scatter_add(dense, indices, values, *, alpha=1.0, segments=None):
     """:func:`commlib.ops.sparse.scatter_add` for numpy arrays; returns
     ``bad``, a 0-d int64 array."""
-    loop = compiled("scatter_add")
+    loop = compiled("scatter")
     if loop is not None and _plain(dense, indices, values) \
             and (segments is None or sum(int(c) for c in segments) == indices.size):
-        bad = loop(dense, indices, values, float(np.float32(alpha)))
+        bad = loop(dense, indices, values, float(np.float32(alpha)), False)
         if bad >= 0:
             return np.array(bad, dtype=np.int64)
     return _sparse.scatter_add(dense, indices, values, alpha=alpha, segments=segments)
@@ -64,11 +64,11 @@ def sparse_sum(dense, indices, values, scale=None, segments=None):
     ``dense *= np.float32(scale)`` unless ``scale`` is None, in one compiled
     call (the multiply only where entries landed, which gives the same bits
     for a scale that is not negative); returns ``bad`` as scatter_add."""
-    loop = compiled("sparse_sum")
+    loop = compiled("scatter")
     if loop is not None and _plain(dense, indices, values) \
             and (segments is None or sum(int(c) for c in segments) == indices.size):
         bad = loop(dense, indices, values,
-                             None if scale is None else float(np.float32(scale)))
+                   None if scale is None else float(np.float32(scale)), True)
         if bad >= 0:
             return np.array(bad, dtype=np.int64)
     dense[...] = 0
