@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# One-shot GPU check, at most about 8 minutes: environment, NVRTC compile of
+# One-shot GPU check, at most 8 minutes: environment, NVRTC compile of
 # every kernel module, the gpu-marked tests, the kernel benchmark with its
 # targets, compute-sanitizer runs, concurrent streams, the largest N.
 #
@@ -28,7 +28,7 @@ PY=${PYTHON:-$(command -v python3 || command -v python)}
 # Wheels carried in .whl/ (e.g. MPICH, where mpi4py has no MPI library beside
 # it) are installed into a scratch folder.
 if [ "$DRY" = 0 ] && ls .whl/*.whl >/dev/null 2>&1; then
-    "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+    timeout -k 2 18 "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
         --target /tmp/commlib-site .whl/*.whl \
         && export PYTHONPATH="$PYTHONPATH:/tmp/commlib-site" PATH="/tmp/commlib-site/bin:$PATH"
 fi
@@ -57,7 +57,7 @@ stage() {
         return 0
     fi
     t0=$(date +%s.%N)
-    timeout -k 10 "$limit" "$@" >> "$log" 2>&1
+    timeout -k 3 "$limit" "$@" >> "$log" 2>&1
     rc=$?
     t1=$(date +%s.%N)
     case $rc in
@@ -95,12 +95,16 @@ sanitize() {
     local rc=0 t
     for t in memcheck racecheck synccheck; do
         echo "-- $t"
-        "$tool" --tool "$t" --error-exitcode 3 "$PY" tests/gpu_checks.py small || rc=1
+        timeout -k 2 23 "$tool" --tool "$t" --error-exitcode 3 "$PY" tests/gpu_checks.py \
+            small-quick || { echo "$t: FAIL (exit $?)"; rc=1; }
     done
     return $rc
 }
 
-stage env 40 0 "$PY" -c "
+# limits: 15 + 60 + 110 + 100 + 75 + 25 + 40 = 425 s; with 3 s to kill each
+# stage that overruns, 20 s of wheel installs and 10 s of nvidia-smi, 476 s at
+# worst
+stage env 15 0 "$PY" -c "
 import platform, sys; print('python', sys.version.split()[0], platform.platform())
 import numpy; print('numpy', numpy.__version__)
 for m in ('cupy', 'torch', 'mpi4py'):
@@ -110,13 +114,13 @@ for m in ('cupy', 'torch', 'mpi4py'):
         print(m + ':', type(exc).__name__, exc)
 from commlib import _cuda; print('gpu:', _cuda.unavailable_reason() or 'available')
 "
-[ -z "$NO_GPU" ] && { timeout -k 5 20 nvidia-smi >> "$DEST/env.log" 2>&1 || true; }
-stage nvrtc 120 1 "$PY" tests/gpu_checks.py compile
-stage pytest-gpu 150 1 pytest_gpu
-stage benchmark 150 1 "$PY" benchmarks/kernels.py --sizes 1M,25M --repeats 10 --out "$DEST"
-stage sanitizer 120 1 sanitize
-stage streams 40 1 "$PY" tests/gpu_checks.py streams
-stage large-n 60 1 "$PY" tests/gpu_checks.py large
+[ -z "$NO_GPU" ] && { timeout -k 2 10 nvidia-smi >> "$DEST/env.log" 2>&1 || true; }
+stage nvrtc 60 1 "$PY" tests/gpu_checks.py compile
+stage pytest-gpu 110 1 pytest_gpu
+stage benchmark 100 1 "$PY" benchmarks/kernels.py --sizes 1M,25M --repeats 10 --out "$DEST"
+stage sanitizer 75 1 sanitize
+stage streams 25 1 "$PY" tests/gpu_checks.py streams
+stage large-n 40 1 "$PY" tests/gpu_checks.py large
 
 "$PY" - "$DEST" "$FAILED" <<'EOF' | tee "$DEST/summary.txt"
 import json, os, sys

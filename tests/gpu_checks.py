@@ -129,35 +129,87 @@ def _topk_twin(x, k, resid=None):
     return _topk_numpy(x.copy(), k, None if resid is None else resid.copy())
 
 
-def small_workload():
+K_LOW = 8  # kernels/topk.cu: workspace word of the sampled low bound
+
+
+class _forced_topk_path:
+    """Forces a top-K path: "sample_high" overwrites the sampled bound after
+    topk_sample with one above every key (the first pass gathers nothing, so
+    topk_filter compacts the bucket and above, or the input is read again);
+    "no_buffer" turns the candidate buffer off (no sample, every pass reads
+    the input); None leaves things as they are."""
+
+    def __init__(self, mode):
+        self.mode = mode
+
+    def __enter__(self):
+        from commlib.ops import _loader, topk
+        self.saved = (topk._candidate_capacity, _loader.get_function)
+        if self.mode == "no_buffer":
+            topk._candidate_capacity = lambda n, k: 0
+        elif self.mode == "sample_high":
+            real = self.saved[1]
+
+            def get_function(source, name, *a):
+                fn = real(source, name, *a)
+                if name != "topk_sample":
+                    return fn
+
+                def launch(grid, block, args, **kw):
+                    fn(grid, block, args, **kw)
+                    args[4][K_LOW] = 0x7F800001   # the workspace, same stream
+                return launch
+            _loader.get_function = get_function
+        return self
+
+    def __exit__(self, *exc):
+        from commlib.ops import _loader, topk
+        topk._candidate_capacity, _loader.get_function = self.saved
+        return False
+
+
+def _check_topk(topk, x, k, off, rng):
+    import cupy
+    from commlib.ops.topk import _topk_numpy
+    xd = cupy.asarray(np.concatenate([np.zeros(off, np.float32), x]))[off:]
+    got = [cupy.asnumpy(a) for a in topk.topk(xd, k)]
+    want = _topk_twin(x, k)
+    assert all(np.array_equal(g.view(np.uint32), w.view(np.uint32))
+               for g, w in zip(got, want)), ("topk", x.size, k, off)
+    r = rng.standard_normal(x.size).astype(np.float32)
+    # off and 1 - off: the residual misaligned like x, or differently
+    rd = cupy.asarray(np.concatenate([np.zeros(1 - off, np.float32), r]))[1 - off:]
+    got = [cupy.asnumpy(a) for a in topk.topk(xd, k, residual=rd)]
+    want_r = r.copy()
+    want = _topk_numpy(x, k, want_r)
+    assert np.array_equal(got[0], want[0]) and np.array_equal(got[1], want[1]), \
+        ("topk residual", x.size, k, off)
+    assert np.array_equal(cupy.asnumpy(rd), want_r, equal_nan=True)
+    return xd
+
+
+def small_workload(quick=False):
     """Small calls of every kernel path (for compute-sanitizer), each checked
-    against its twin: top-K with and without the candidate buffer, with
-    error feedback aligned and misaligned, all-NaN and tie-heavy inputs;
-    threshold; scatter-add; pack/unpack."""
+    against its twin: top-K with the candidate buffer gathered in the first
+    pass, filled by the second, or off, settled early (k = n), with error
+    feedback aligned and misaligned, NaN and tie-heavy inputs; threshold;
+    scatter-add; pack. ``quick``: fewer sizes and inputs."""
     import cupy
     from commlib.ops import pack as pack_mod, sparse, threshold, topk
-    from commlib.ops.topk import _topk_numpy
     rng = np.random.default_rng(1)
-    for n, k in ((70001, 700), (70001, 30000), (5000, 5000), (4096 * 3 + 7, 1)):
-        for kind in ("normal", "ties", "nan"):
+    sizes = ((70001, 700), (5000, 5000)) if quick else \
+        ((70001, 700), (70001, 30000), (5000, 5000), (4096 * 3 + 7, 1))
+    for n, k in sizes:
+        for kind in (("normal", "nan") if quick else ("normal", "ties", "nan")):
             x = rng.standard_normal(n).astype(np.float32)
             if kind == "ties":
                 x = np.round(x * 2).astype(np.float32)
             if kind == "nan":
                 x[::3] = np.nan
             for off in (0, 1):
-                xd = cupy.asarray(np.concatenate([np.zeros(off, np.float32), x]))[off:]
-                got = [cupy.asnumpy(a) for a in topk.topk(xd, k)]
-                want = _topk_twin(x, k)
-                assert all(np.array_equal(g.view(np.uint32), w.view(np.uint32))
-                           for g, w in zip(got, want)), ("topk", n, k, kind, off)
-                r = rng.standard_normal(n).astype(np.float32)
-                rd = cupy.asarray(np.concatenate([np.zeros(1 - off, np.float32), r]))[1 - off:]
-                got = [cupy.asnumpy(a) for a in topk.topk(xd, k, residual=rd)]
-                want_r = r.copy()
-                want = _topk_numpy(x, k, want_r)
-                assert np.array_equal(got[0], want[0]) and np.array_equal(got[1], want[1])
-                assert np.array_equal(cupy.asnumpy(rd), want_r, equal_nan=True)
+                for mode in (None, "sample_high", "no_buffer"):
+                    with _forced_topk_path(mode):
+                        xd = _check_topk(topk, x, k, off, rng)
                 idx, val, cnt = threshold.threshold(xd, 1.5)
                 widx, wval, wcnt = threshold._threshold_numpy(x, threshold._threshold_key(1.5), n)
                 m = int(wcnt)
@@ -225,5 +277,6 @@ def large_n(n=None, k=1000):
 
 if __name__ == "__main__":
     import sys
-    {"compile": compile_all, "small": small_workload, "streams": concurrent_streams,
+    {"compile": compile_all, "small": small_workload,
+     "small-quick": lambda: small_workload(quick=True), "streams": concurrent_streams,
      "large": large_n}[sys.argv[1]]()
