@@ -23,6 +23,8 @@ from pathlib import Path
 
 import numpy as np
 
+from commlib.errors import ArgumentError, ArrayTypeError, BackendUnavailableError
+
 ROOT = Path(__file__).resolve().parent.parent
 KERNELS = ROOT / "kernels"
 HOST_DIR = Path(__file__).resolve().parent / "cuda_host"
@@ -126,7 +128,7 @@ def build(patches=None):
     ``{file name: [(old, new), ...]}`` text substitutions (each ``old`` must
     occur). Cached per session and per patch set."""
     if GXX is None or OBJCOPY is None:
-        raise RuntimeError("g++ and objcopy are needed on PATH")
+        raise BackendUnavailableError("the host build needs g++ and objcopy on PATH")
     key = repr(sorted((patches or {}).items()))
     if key in _libraries:
         return _libraries[key]
@@ -135,7 +137,7 @@ def build(patches=None):
     for name, subs in (patches or {}).items():
         for old, new in subs:
             if old not in texts[name]:
-                raise ValueError("%s: patch text %r not found" % (name, old))
+                raise ArgumentError("patches[%r]: text %r not found" % (name, old))
             texts[name] = texts[name].replace(old, new)
     digest = hashlib.sha1(key.encode()).hexdigest()[:12]
     src = work / ("src-" + digest)
@@ -215,7 +217,7 @@ class HostKernels:
     def signature(self, name):
         sig = self.lib.coop_signature(name.encode())
         if sig is None:
-            raise KeyError("no kernel %r in the host build" % name)
+            raise ArgumentError("name: no kernel %r in the host build" % name)
         return sig.decode()
 
     def launch(self, name, grid, block, args, schedule=SCHEDULES[0], regions=(),
@@ -229,22 +231,26 @@ class HostKernels:
         block = int(block[0] if isinstance(block, tuple) else block)
         sig = self.signature(name)
         if len(args) != len(sig):
-            raise TypeError("%s takes %d arguments, got %d" % (name, len(sig), len(args)))
+            raise ArgumentError("args: %s takes %d arguments, got %d"
+                                % (name, len(sig), len(args)))
         slots = (ctypes.c_uint64 * max(1, len(sig)))()
         spans = list(regions)
         for i, (kind, a) in enumerate(zip(sig, args)):
             if kind == "p":
                 if not isinstance(a, np.ndarray):
-                    raise TypeError("%s argument %d: expected an array, got %r" % (name, i, a))
+                    raise ArrayTypeError("args[%d] of %s: expected an array, got %r"
+                                         % (i, name, a))
                 slots[i] = _address(a)
                 spans.append((_address(a), _address(a) + a.nbytes, "argument %d" % i))
             elif kind == "f":
                 if not isinstance(a, np.float32):
-                    raise TypeError("%s argument %d: expected np.float32, got %r" % (name, i, a))
+                    raise ArgumentError("args[%d] of %s: expected np.float32, got %r"
+                                        % (i, name, a))
                 slots[i] = int(np.asarray(a).view(np.uint32))
             else:
                 if isinstance(a, (np.ndarray, float, np.floating)):
-                    raise TypeError("%s argument %d: expected an integer, got %r" % (name, i, a))
+                    raise ArgumentError("args[%d] of %s: expected an integer, got %r"
+                                        % (i, name, a))
                 slots[i] = int(a) & 0xFFFFFFFFFFFFFFFF
         names = [s[2].encode() for s in spans]
         table = (_Region * max(1, len(spans)))(
@@ -401,7 +407,8 @@ class HostCupy:
 
     def get_function(self, source, name, options=()):
         if name not in self.kernels.names:
-            raise KeyError("%s: no kernel %r in the host build" % (source, name))
+            raise ArgumentError("kernel_name: no kernel %r of %s in the host build"
+                                % (name, source))
         return self.module.RawKernel(None, name)
 
     def install(self, monkeypatch):

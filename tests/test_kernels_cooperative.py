@@ -547,3 +547,21 @@ def test_collective_naming_an_exited_lane_is_reported(kernels, monkeypatch):
     msg = _faults_with(kernels, monkeypatch, "sparse.cu", "#pragma unroll\n  for (int d = 16;",
                        "if ((threadIdx.x & 31u) == 5) return;\n  for (int d = 16;", _scatter)
     assert "exited" in msg and "__shfl_xor_sync" in msg, msg
+
+
+def test_launch_arguments_are_checked(kernels):
+    from commlib.errors import ArgumentError, ArrayTypeError
+    x = np.zeros(4, np.float32)
+    counter = np.zeros((), np.uint64)
+    with pytest.raises(ArgumentError, match="takes 5 arguments, got 4"):
+        kernels.launch("cast_f32_f32", 1, 32, [x, x, np.int64(4), np.float32(1)])
+    with pytest.raises(ArgumentError, match=r"args\[3\] of cast_f32_f32: expected np.float32"):
+        kernels.launch("cast_f32_f32", 1, 32, [x, x, np.int64(4), 1.0, counter])
+    with pytest.raises(ArgumentError, match=r"args\[2\] of cast_f32_f32: expected an integer"):
+        kernels.launch("cast_f32_f32", 1, 32, [x, x, 4.0, np.float32(1), counter])
+    with pytest.raises(ArrayTypeError, match=r"args\[0\] of cast_f32_f32: expected an array"):
+        kernels.launch("cast_f32_f32", 1, 32, [0, x, np.int64(4), np.float32(1), counter])
+    with pytest.raises(ArgumentError, match="no kernel 'cast_f64_f32'"):
+        kernels.launch("cast_f64_f32", 1, 32, [])
+    with pytest.raises(KernelFault, match="bad launch configuration: grid 1, block 2048"):
+        kernels.launch("cast_f32_f32", 1, 2048, [x, x, np.int64(4), np.float32(1), counter])
