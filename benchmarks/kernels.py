@@ -13,7 +13,8 @@ the repeats. CPU timing: perf_counter around one call, a 64 MiB buffer written
 before each repeat. GB/s counts the bytes an operation must read plus write
 once; "% copy" compares it with a device-to-device copy moving as many bytes,
 measured in the same run. Every operation's result is checked once; a wrong
-result shows FAIL in the check column and makes the exit status 1.
+result shows FAIL in the check column and makes the exit status 1. On a GPU,
+"topk pass NAME" rows give the time of each top-K kernel (k = 1 %).
 """
 import argparse
 import json
@@ -384,6 +385,49 @@ def sparse_case(bench, n):
                 [(name, builtin)], ("max_us", SPARSE_MAX_US), check)
 
 
+def topk_pass_rows(bench, n, repeats):
+    """Rows of the time each top-K kernel takes (k = 1 % of ``n``, GPU only):
+    CUDA events around every launch of ``topk`` (the L2 flushed before each
+    call), medians over ``repeats`` calls; a pass whose predecessor settled
+    the selection shows the few microseconds of an early return."""
+    topk = _optional("topk", "topk")
+    if bench.kind != "gpu" or topk is None:
+        return []
+    from commlib.ops import _loader
+    cupy = bench.xp
+    x = bench.rng(4).standard_normal(n, dtype=np.float32)
+    k = max(1, n // 100)
+    times = {}
+    real = _loader.get_function
+
+    def timed(source, name, *args):
+        fn = real(source, name, *args)
+
+        def launch(grid, block, kargs, **kw):
+            start, end = cupy.cuda.Event(), cupy.cuda.Event()
+            start.record()
+            fn(grid, block, kargs, **kw)
+            end.record()
+            times.setdefault(name, []).append((start, end))
+        return launch
+
+    topk(x, k)                                   # compiled, warm
+    _loader.get_function = timed
+    try:
+        for _ in range(repeats):
+            bench._flush.fill(0)
+            topk(x, k)
+        cupy.cuda.get_current_stream().synchronize()
+    finally:
+        _loader.get_function = real
+    rows = []
+    for name, events in times.items():
+        ms = statistics.median(cupy.cuda.get_elapsed_time(a, b) for a, b in events)
+        rows.append({"name": "topk pass " + name, "N": n, "k": k, "bytes": 4 * n, "ms": ms,
+                     "gbps": 4 * n / ms / 1e6 if ms > 0 else None, "check": "-"})
+    return rows
+
+
 # ---------------------------------------------------------------- running
 
 def run_case(bench, case, repeats):
@@ -520,6 +564,9 @@ def main(argv=None):
                      "gbps": 8 * n / ms / 1e6, "copy_fraction": 1.0, "check": "-"})
         run(cast_cases(bench, n), n)
         run(select_cases(bench, n), n)
+        for r in topk_pass_rows(bench, n, args.repeats or 20):
+            rows.append(r)
+            print("  " + " | ".join(fmt_row(r)), file=sys.stderr, flush=True)
         run([sparse_case(bench, n)], n)
         _free(bench)
     if not args.no_pack:
