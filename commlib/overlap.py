@@ -127,12 +127,15 @@ class BackwardReducer:
         works = self._works
         self._reset()
         error = None
+        if works:                 # they complete in order: one wake-up waits for all
+            try:
+                works[-1].wait()
+            except Exception:
+                pass              # raised below, in bucket order
         for work in works:
             try:
                 work.wait()
-            except BaseException as exc:
-                if isinstance(exc, KeyboardInterrupt):
-                    raise
+            except Exception as exc:
                 error = error or exc
         if error is not None:
             raise error
