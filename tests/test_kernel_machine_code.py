@@ -70,8 +70,11 @@ SELECTION_BLOCKS = int(re.search(r"constexpr int kMinBlocks = (\d+);",
                                  (KERNELS / "select_common.cuh").read_text()).group(1))
 
 
-def _design_blocks(kernel):
-    return DESIGN_BLOCKS.get(kernel, SELECTION_BLOCKS)
+ARCH_DESIGN_BLOCKS = {("threshold_select", "sm_90"): 4}  # CL_THRESHOLD_BLOCKS
+
+
+def _design_blocks(kernel, arch):
+    return ARCH_DESIGN_BLOCKS.get((kernel, arch), DESIGN_BLOCKS.get(kernel, SELECTION_BLOCKS))
 
 
 def nvcc_options(arch):
@@ -151,7 +154,7 @@ def analyse(out_dir, jobs=4):
                 local_ops=local_ops(ops.get(name, ())),
                 ld128=wide(ops.get(name, ()), "LDG"), st128=wide(ops.get(name, ()), "STG"),
                 resident=_loader.occupancy(r["REG"], THREADS, r["SHARED"], sm_limits(arch)),
-                design=_design_blocks(name)))
+                design=_design_blocks(name, arch)))
     return rows
 
 
