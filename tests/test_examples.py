@@ -1,7 +1,12 @@
-"""The examples: MNIST training under mpiexec, the launcher and one process;
-the CNN's gradients; the forked-worker example (GPU only, a clear exit on CPU)."""
+"""The examples: MNIST training (SINGA's CNN through DistributedOptimizer) under
+mpiexec, the launcher and one process, on the shipped digits and on IDX files;
+the CNN's gradients and their ready order; the data reader; the comparison
+script; the forked-worker example (GPU only, a clear exit on CPU)."""
+import gzip
+import json
 import os
 import re
+import struct
 import sys
 
 import numpy as np
@@ -12,12 +17,14 @@ from mpirun import ROOT, mpiexec, run_bounded
 EXAMPLES = ROOT / "examples"
 MNIST = str(EXAMPLES / "mnist_train.py")
 CPU = ["--device", "cpu"]  # numpy arrays also on GPU machines, for comparable digests
-# measured (seed 0, 3 epochs): 0.928 with 2 workers and batch 32, the same with
-# 1 worker and batch 64; other seeds 0.925-0.939
-MIN_TEST_ACCURACY = 0.90
+# a short CNN run: 2 epochs of 1,280 training images (20 steps of 32 per rank at 2 ranks)
+SHORT = ["--epochs", "2", "--train-images", "1280", *CPU]
+CNN_FLOATS = 431080                       # the CNN's parameters (float32)
+# measured (seed 0, SHORT, 2 ranks): 0.858 (0.1 would be chance)
+MIN_SHORT_ACCURACY = 0.8
 
 
-def run(cmd, timeout=120):
+def run(cmd, timeout=180):
     """Run ``cmd`` from the repository root under a bound (see run_bounded)."""
     env = dict(os.environ, OMP_NUM_THREADS="1")  # the same BLAS threads in every run
     env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
@@ -25,101 +32,334 @@ def run(cmd, timeout=120):
 
 
 def metrics(stdout):
-    """(per-epoch [loss, train accuracy, test accuracy] rows, parameter digest)."""
+    """(per-epoch [loss, train accuracy, eval accuracy, MB sent] rows, parameter digest)."""
     train = re.findall(r"Training loss = ([\d.]+), training accuracy = ([\d.]+)", stdout)
-    test = re.findall(r"Evaluation accuracy = ([\d.]+)", stdout)
-    assert len(train) == len(test) and test, stdout
+    evaluation = re.findall(r"Evaluation accuracy = ([\d.]+)", stdout)
+    sent = re.findall(r"Images per second = \d+ \(all ranks\), time in communication = "
+                      r"[\d.]+ s, bytes sent = ([\d.e+-]+) MB \(per rank, so far\)", stdout)
+    assert len(train) == len(evaluation) == len(sent) and evaluation, stdout
     agree = re.search(r"Parameters identical on all \d+ ranks \(sha256 (\w+)\)", stdout)
     assert agree, "ranks disagree or no final check:\n" + stdout
-    return np.array([[float(a), float(b), float(c)] for (a, b), c in zip(train, test)]), \
-        agree.group(1)
+    return np.array([[float(a), float(b), float(c), float(d)]
+                     for (a, b), c, d in zip(train, evaluation, sent)]), agree.group(1)
+
+
+def example_modules(monkeypatch):
+    monkeypatch.syspath_prepend(str(EXAMPLES))
+    import cnn_model
+    import mnist_data
+    import mnist_train
+    return cnn_model, mnist_data, mnist_train
 
 
 @pytest.fixture(scope="module")
-def two_ranks():
-    proc = run([mpiexec(), "-n", "2", sys.executable, MNIST, *CPU])
+def two_ranks(tmp_path_factory):
+    log = tmp_path_factory.mktemp("log") / "run.json"
+    proc = run([mpiexec(), "-n", "2", sys.executable, MNIST, *SHORT, "--json", log])
     assert proc.returncode == 0, proc.stderr
-    return proc.stdout
+    return proc.stdout, json.loads(log.read_text())
 
 
-def test_mnist_two_ranks_trains_to_good_accuracy(two_ranks):
-    rows, _ = metrics(two_ranks)
-    assert "MNIST: 2 workers (" in two_ranks
-    assert len(rows) == 3 and two_ranks.count("Starting Epoch") == 3  # printed by rank 0 only
-    assert rows[-1, 2] > MIN_TEST_ACCURACY, two_ranks
+def test_mnist_two_ranks_trains_the_cnn_and_logs_like_the_seed(two_ranks):
+    stdout, log = two_ranks
+    rows, _ = metrics(stdout)
+    assert "MNIST: 2 workers (" in stdout and "model cnn, 1280 train / 1000 evaluation" in stdout
+    assert len(rows) == 2 and stdout.count("Starting Epoch") == 2  # printed by rank 0 only
+    assert rows[-1, 2] > MIN_SHORT_ACCURACY, stdout
     assert rows[-1, 0] < rows[0, 0]
-
-
-def test_mnist_one_rank_matches_two_ranks_with_the_same_global_batch(two_ranks):
-    proc = run([sys.executable, MNIST, "--batch-size", "64", *CPU])
-    assert proc.returncode == 0, proc.stderr
-    one, _ = metrics(proc.stdout)
-    two, _ = metrics(two_ranks)
-    assert one[-1, 2] > MIN_TEST_ACCURACY
-    np.testing.assert_allclose(one, two, atol=3e-3)
+    # plain averaging sends every float32 gradient once per step: 20 steps per epoch
+    steps = 1280 // 2 // 32
+    expected = [steps * (e + 1) * CNN_FLOATS * 4 for e in range(2)]
+    assert [e["bytes_sent"] for e in log["epochs"]] == expected
+    np.testing.assert_allclose(rows[:, 3], np.array(expected) / 1e6, rtol=1e-3)
+    assert all(e["comm_seconds"] > 0 and e["images_per_second"] > 0 for e in log["epochs"])
+    assert [e["eval_accuracy"] for e in log["epochs"]] == pytest.approx(rows[:, 2], abs=1e-6)
 
 
 def test_mnist_under_the_launcher_is_deterministic(two_ranks):
     proc = run([sys.executable, "-m", "commlib.launch", "--backend", "mpi", "-n", "2", MNIST,
-                *CPU])
+                *SHORT])
     assert proc.returncode == 0, proc.stderr
-    assert metrics(proc.stdout)[1] == metrics(two_ranks)[1], "same seed, different parameters"
+    assert metrics(proc.stdout)[1] == metrics(two_ranks[0])[1], "same seed, other parameters"
 
 
-def test_mnist_cnn_runs():
-    proc = run([mpiexec(), "-n", "2", sys.executable, MNIST, "--model", "cnn", "--epochs", "1",
-                *CPU])
-    assert proc.returncode == 0, proc.stderr
-    rows, _ = metrics(proc.stdout)
-    assert rows[0, 2] > 0.8, proc.stdout  # measured 0.88 after one epoch
-
-
-@pytest.mark.parametrize("compression", ["fp16", "bf16", "topk", "threshold", "partial"])
-def test_mnist_with_compression_trains_to_good_accuracy(compression, two_ranks):
-    """Every communication saving still trains (measured, seed 0, 2 workers:
-    fp16 0.930, bf16 0.931, topk 1 % 0.930, threshold 0.01 0.928, partial 1 % 0.925) and
-    changes the run (a different model than the uncompressed one)."""
-    proc = run([mpiexec(), "-n", "2", sys.executable, MNIST, "--compression", compression, *CPU])
+@pytest.mark.parametrize("compression, share, min_accuracy", [
+    ("fp16", (0.5, 0.5), 0.8), ("bf16", (0.5, 0.5), 0.8),       # measured 0.861, 0.860
+    ("topk", (0.01, 0.0205), 0.65),     # ceil(1 %) (index, value) pairs of 8 bytes per bucket;
+    # 0.704: its residuals hold back most of the first steps' gradients
+    ("threshold", (0.01, 0.1), 0.8),    # measured 5.0 % of plain's bytes, 0.854
+    ("partial", (0.01, 0.0105), 0.78)])  # --ratio 0.01 of the parameters per step; 0.840
+def test_mnist_with_compression_trains_and_sends_less(compression, share, min_accuracy,
+                                                      two_ranks):
+    """Every saving still trains (SHORT, seed 0), changes the run (another model than the
+    uncompressed one) and sends the share of plain's bytes it should."""
+    proc = run([mpiexec(), "-n", "2", sys.executable, MNIST, "--compression", compression,
+                *SHORT])
     assert proc.returncode == 0, proc.stderr
     rows, digest = metrics(proc.stdout)
-    assert rows[-1, 2] > MIN_TEST_ACCURACY, proc.stdout
-    assert digest != metrics(two_ranks)[1]
+    assert rows[-1, 2] > min_accuracy, proc.stdout
+    assert digest != metrics(two_ranks[0])[1]
+    plain = two_ranks[1]["epochs"][-1]["bytes_sent"]
+    assert share[0] * plain <= rows[-1, 3] * 1e6 <= share[1] * plain * 1.001, proc.stdout
 
 
-def test_mnist_rejects_bad_options():
+def test_mnist_one_process_mlp_on_idx_files(tmp_path, monkeypatch):
+    """Full-MNIST layout (four IDX files, two gzipped): the split they hold is used."""
+    _, mnist_data, _ = example_modules(monkeypatch)
+    (images, labels), (eval_images, eval_labels) = mnist_data.load()   # shuffled digits
+    write_idx(tmp_path / "train-images-idx3-ubyte.gz", images[:3000])
+    write_idx(tmp_path / "train-labels-idx1-ubyte", labels[:3000])
+    write_idx(tmp_path / "t10k-images-idx3-ubyte", eval_images[:500])
+    write_idx(tmp_path / "t10k-labels-idx1-ubyte.gz", eval_labels[:500])
+    proc = run([sys.executable, MNIST, "--model", "mlp", "--epochs", "3", "--data", tmp_path,
+                *CPU], timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert "3000 train / 500 evaluation images" in proc.stdout
+    rows, _ = metrics(proc.stdout)
+    assert rows[-1, 2] > 0.9, proc.stdout  # measured 0.928
+
+
+def test_mnist_rejects_bad_options(tmp_path):
     proc = run([sys.executable, MNIST, "--batch-size", "0"], timeout=60)
     assert proc.returncode == 2 and "--batch-size must be >= 1" in proc.stderr
     proc = run([sys.executable, MNIST, "--compression", "topk", "--ratio", "2"], timeout=60)
     assert proc.returncode == 2 and "ratio must be a number in (0, 1]" in proc.stderr
+    bad = tmp_path / "digits.npz"
+    bad.write_bytes(b"not a zip file")
+    proc = run([sys.executable, MNIST, "--data", bad], timeout=60)
+    assert proc.returncode == 2 and "%s: cannot read as npz" % bad in proc.stderr
 
+
+# -- the data reader --------------------------------------------------------------------------
+
+def load_shipped(mnist_data):
+    with np.load(mnist_data.SHIPPED) as d:
+        return d["images"], d["labels"]
+
+
+def write_idx(path, array, code=0x08):
+    """``array`` as an IDX file (gzipped when ``path`` ends in .gz)."""
+    dtype = {0x08: ">u1", 0x0B: ">i2", 0x0D: ">f4"}[code]
+    raw = bytes([0, 0, code, array.ndim]) + struct.pack(">%dI" % array.ndim, *array.shape) \
+        + np.asarray(array).astype(dtype).tobytes()
+    (gzip.open if str(path).endswith(".gz") else open)(path, "wb").write(raw)
+
+
+@pytest.mark.parametrize("name", ["x-idx3-ubyte", "x-idx3-ubyte.gz"])
+def test_read_idx_round_trips_the_shipped_digits(name, tmp_path, monkeypatch):
+    _, mnist_data, _ = example_modules(monkeypatch)
+    images, labels = load_shipped(mnist_data)
+    write_idx(tmp_path / name, images[:777])
+    got = mnist_data.read_idx(str(tmp_path / name))
+    assert got.dtype == np.uint8 and got.shape == (777, 28, 28)
+    np.testing.assert_array_equal(got, images[:777])
+    write_idx(tmp_path / ("y" + name[1:]), labels[:0])          # empty
+    assert mnist_data.read_idx(str(tmp_path / ("y" + name[1:]))).shape == (0,)
+    values = np.array([[1.5, -2.25, 3e9]], np.float32)           # other dtypes, big-endian
+    write_idx(tmp_path / "f.idx", values, code=0x0D)
+    got = mnist_data.read_idx(str(tmp_path / "f.idx"))
+    assert got.dtype == np.float32 and got.dtype.isnative
+    np.testing.assert_array_equal(got, values)
+
+
+def test_idx_directory_with_mirror_names_and_keras_npz(tmp_path, monkeypatch):
+    _, mnist_data, _ = example_modules(monkeypatch)
+    images, labels = load_shipped(mnist_data)
+    parts = {"train-images.idx3-ubyte": images[:301], "train-labels.idx1-ubyte": labels[:301],
+             "t10k-images.idx3-ubyte.gz": images[301:400],
+             "t10k-labels.idx1-ubyte.gz": labels[301:400]}
+    for name, array in parts.items():
+        write_idx(tmp_path / name, array)
+    (tx, ty), (ex, ey) = mnist_data.load(str(tmp_path))
+    np.testing.assert_array_equal(tx, images[:301])
+    np.testing.assert_array_equal(ey, labels[301:400])
+    assert ty.dtype == np.int64 and ex.shape == (99, 28, 28)
+    keras = tmp_path / "mnist.npz"
+    np.savez(keras, x_train=images[:50], y_train=labels[:50], x_test=images[50:60],
+             y_test=labels[50:60])
+    (tx, ty), (ex, ey) = mnist_data.load(str(keras))
+    assert tx.shape == (50, 28, 28) and ey.tolist() == labels[50:60].tolist()
+
+
+def test_shipped_npz_split_is_fixed_and_complete(monkeypatch):
+    _, mnist_data, _ = example_modules(monkeypatch)
+    images, labels = load_shipped(mnist_data)
+    (tx, ty), (ex, ey) = mnist_data.load(eval_fraction=0.2)
+    assert len(ty) == 4000 and len(ey) == 1000
+    # together the two parts are the shipped digits, each once
+    both = np.concatenate([tx, ex]).reshape(5000, -1)
+    order = np.lexsort(both.T[::-1])
+    ref = images.reshape(5000, -1)
+    np.testing.assert_array_equal(both[order], ref[np.lexsort(ref.T[::-1])])
+    assert np.bincount(np.concatenate([ty, ey])).tolist() == np.bincount(labels).tolist()
+    (tx2, _), _ = mnist_data.load(eval_fraction=0.2)
+    np.testing.assert_array_equal(tx, tx2)
+    (tx3, _), (ex3, _) = mnist_data.load(eval_fraction=0.1)
+    assert len(tx3) == 4500 and len(ex3) == 500
+
+
+@pytest.mark.parametrize("damage, message", [
+    (lambda raw: b"\x08\x03" + raw[2:], "not an IDX file"),
+    (lambda raw: raw[:6], "truncated IDX header"),
+    (lambda raw: raw[:-5], "bytes, but an IDX array of shape (40, 28, 28)"),
+    (lambda raw: raw + b"\x00", "bytes, but an IDX array of shape (40, 28, 28)"),
+    (lambda raw: b"", "not an IDX file")])
+def test_bad_idx_files_name_the_file(damage, message, tmp_path, monkeypatch):
+    _, mnist_data, _ = example_modules(monkeypatch)
+    images, _ = load_shipped(mnist_data)
+    good = tmp_path / "good-idx3-ubyte"
+    write_idx(good, images[:40])
+    bad = tmp_path / "bad-idx3-ubyte"
+    bad.write_bytes(damage(good.read_bytes()))
+    with pytest.raises(mnist_data.DataError, match=re.escape(message)) as info:
+        mnist_data.read_idx(str(bad))
+    assert str(info.value).startswith(str(bad) + ": ")
+    gz = tmp_path / "bad-idx3-ubyte.gz"
+    gz.write_bytes(b"\x1f\x8b garbage")
+    with pytest.raises(mnist_data.DataError, match=re.escape(str(gz) + ": cannot read")):
+        mnist_data.read_idx(str(gz))
+
+
+def test_inconsistent_or_missing_data_names_the_files(tmp_path, monkeypatch):
+    _, mnist_data, _ = example_modules(monkeypatch)
+    images, labels = load_shipped(mnist_data)
+    write_idx(tmp_path / "train-images-idx3-ubyte", images[:10])
+    write_idx(tmp_path / "train-labels-idx1-ubyte", labels[:9])
+    with pytest.raises(mnist_data.DataError, match="no t10k-images-idx3-ubyte"):
+        mnist_data.load(str(tmp_path))
+    write_idx(tmp_path / "t10k-images-idx3-ubyte", images[:5])
+    write_idx(tmp_path / "t10k-labels-idx1-ubyte", labels[:5])
+    with pytest.raises(mnist_data.DataError, match=r"labels of shape \(9,\) for 10 images"):
+        mnist_data.load(str(tmp_path / "train-images-idx3-ubyte"))   # a file: its directory
+    write_idx(tmp_path / "train-labels-idx1-ubyte", labels[:10] + 10)
+    with pytest.raises(mnist_data.DataError, match="labels 0 to 9"):
+        mnist_data.load(str(tmp_path))
+    odd = tmp_path / "odd.npz"
+    np.savez(odd, pictures=images[:3])
+    with pytest.raises(mnist_data.DataError, match=re.escape("%s: holds ['pictures']" % odd)):
+        mnist_data.load(str(odd))
+    with pytest.raises(mnist_data.DataError, match="no such file or directory"):
+        mnist_data.load(str(tmp_path / "absent.npz"))
+
+
+# -- the model and the training loop's pieces ---------------------------------------------------
 
 def test_cnn_gradients_match_finite_differences(monkeypatch):
-    monkeypatch.syspath_prepend(str(EXAMPLES))
-    import mnist_train as m
-    layers = m.build_model("cnn", np)
-    m.init_params(layers, seed=0)
+    cnn_model, _, _ = example_modules(monkeypatch)
+    net = cnn_model.CNN(dtype="float64")
+    net.init_params(seed=0)
     rng = np.random.default_rng(0)
-    for layer in layers:  # float64 copies, nonzero biases, for an accurate check
-        if layer.params:
-            w, b = layer.params
-            layer.params = [w.astype(np.float64), rng.normal(0, 0.1, b.shape)]
-            layer.grads = [np.zeros(p.shape) for p in layer.params]
+    for p in net.params[1::2]:                    # nonzero biases, for an accurate check
+        p[...] = rng.normal(0, 0.1, p.shape)
     x, y = rng.normal(size=(3, 28, 28, 1)), np.array([1, 4, 7])
-    _, _, dlogits = m.softmax_cross_entropy(m.forward(layers, x), y)
-    m.backward(layers, dlogits)
+    _, _, dlogits = cnn_model.softmax_cross_entropy(net.forward(x), y)
+    net.backward(dlogits)
     eps = 1e-6
-    for layer in layers:
-        for p, g in zip(layer.params, layer.grads):
-            flat, gflat = p.reshape(-1), g.reshape(-1)
-            for j in rng.choice(flat.size, 3, replace=False):
-                old = flat[j]
-                flat[j] = old + eps
-                up = m.softmax_cross_entropy(m.forward(layers, x), y)[0]
-                flat[j] = old - eps
-                down = m.softmax_cross_entropy(m.forward(layers, x), y)[0]
-                flat[j] = old
-                assert (up - down) / (2 * eps) == pytest.approx(gflat[j], rel=1e-5, abs=1e-8)
+    for p, g in zip(net.params, net.grads):
+        flat, gflat = p.reshape(-1), g.reshape(-1)
+        for j in rng.choice(flat.size, 3, replace=False):
+            old = flat[j]
+            flat[j] = old + eps
+            up = cnn_model.softmax_cross_entropy(net.forward(x), y)[0]
+            flat[j] = old - eps
+            down = cnn_model.softmax_cross_entropy(net.forward(x), y)[0]
+            flat[j] = old
+            assert (up - down) / (2 * eps) == pytest.approx(gflat[j], rel=1e-4, abs=1e-8)
 
+
+def test_backward_marks_each_gradient_ready_once_final_last_layer_first(monkeypatch):
+    cnn_model, _, _ = example_modules(monkeypatch)
+    net = cnn_model.CNN()
+    net.init_params(seed=1)
+    assert sum(p.size for p in net.params) == CNN_FLOATS and len(net.params) == 8
+    x = np.random.default_rng(2).normal(size=(5, 28, 28, 1)).astype(np.float32)
+    _, _, dlogits = cnn_model.softmax_cross_entropy(net.forward(x), np.arange(5))
+    seen = {}
+    net.backward(dlogits, ready=lambda i: seen.setdefault(i, net.grads[i].copy()))
+    assert list(seen) == [7, 6, 5, 4, 3, 2, 1, 0]
+    for i, g in seen.items():                     # nothing written after ready(i)
+        np.testing.assert_array_equal(g, net.grads[i])
+        assert np.abs(g).max() > 0
+    grads = commlib_flat(net)
+    net.bind_grads(grads)
+    net.backward(dlogits)
+    for i, mine in enumerate(grads):              # the same values in the bound arrays
+        np.testing.assert_array_equal(mine, seen[i])
+    with pytest.raises(ValueError, match="grads: shapes"):
+        net.bind_grads(grads[:-1])
+
+
+def commlib_flat(net):
+    import commlib
+    return commlib.flat_arrays([p.shape for p in net.params], "float32")
+
+
+def test_shifted_images_are_translates_with_background_border(monkeypatch):
+    _, mnist_data, mnist_train = example_modules(monkeypatch)
+    images, _ = load_shipped(mnist_data)
+    x = mnist_data.normalise(images[::500])            # one of each digit
+    assert mnist_train.shifted(x, None, 0) is x
+    out = mnist_train.shifted(x, np.random.default_rng(0), 2)
+    assert out.shape == x.shape and out.dtype == x.dtype
+    offsets = set()
+    for a, b in zip(x[..., 0], out[..., 0]):
+        matches = [(dy, dx) for dy in range(-2, 3) for dx in range(-2, 3)
+                   if np.array_equal(b, translate(a, dy, dx, mnist_data.BACKGROUND))]
+        assert matches, "not a translate of its input by at most 2 pixels"
+        offsets.add(matches[0])
+    assert len(offsets) > 1
+
+
+def translate(a, dy, dx, fill):
+    """``a`` (H, W) moved so that out[i, j] = a[i + dy, j + dx], ``fill`` outside."""
+    out = np.full_like(a, fill)
+    h, w = a.shape
+    out[max(0, -dy):h - max(0, dy), max(0, -dx):w - max(0, dx)] = \
+        a[max(0, dy):h + min(0, dy), max(0, dx):w + min(0, dx)]
+    return out
+
+
+def test_learning_rate_warms_up_then_decays_to_zero(monkeypatch):
+    _, _, mnist_train = example_modules(monkeypatch)
+    lr = mnist_train.learning_rate
+    assert lr(0.1, 0.0, 10, 1) == 0 and lr(0.1, 0.5, 10, 1) == pytest.approx(0.05)
+    assert lr(0.1, 1.0, 10, 1) == pytest.approx(0.1)
+    assert lr(0.1, 5.5, 10, 1) == pytest.approx(0.05)
+    assert lr(0.1, 10.0, 10, 1) == pytest.approx(0.0, abs=1e-12)
+    assert lr(0.1, 1.0, 1, 1) == pytest.approx(0.1)       # all warm-up: no division by 0
+    assert lr(0.1, 3.0, 10, 0) == pytest.approx(0.1 * 0.5 * (1 + np.cos(np.pi * 0.3)))
+
+
+# -- the comparison script ----------------------------------------------------------------------
+
+def test_compare_compression_writes_table_json_and_plot(tmp_path):
+    """Six one-epoch trainings of the perceptron on 640 images: the outputs are written
+    and consistent with each run's own log."""
+    proc = run([sys.executable, ROOT / "scripts" / "compare_compression.py", "--epochs", "1",
+                "--out", tmp_path, "--", "--model", "mlp", "--train-images", "640"],
+               timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    doc = json.loads((tmp_path / "compression_runs.json").read_text())
+    names = [r["name"] for r in doc["runs"]]
+    assert names == ["plain", "fp16", "bf16", "top-K 1 %", "threshold 0.03", "partial 10 %"]
+    plain = doc["runs"][0]["epochs"][-1]["bytes_sent"]
+    assert plain == 10 * (784 * 256 + 256 + 256 * 10 + 10) * 4     # 10 steps of 32 per rank
+    assert doc["runs"][1]["epochs"][-1]["bytes_sent"] == plain // 2
+    table = (tmp_path / "compression_runs.md").read_text()
+    for run_ in doc["runs"]:
+        last = run_["epochs"][-1]
+        row = next(line for line in table.splitlines() if line.startswith("| %s |" % run_["name"]))
+        cells = [c.strip() for c in row.strip("|").split("|")]
+        assert cells[1] == "%.2f %%" % (100 * last["eval_accuracy"])
+        assert float(cells[2].replace(",", "").split()[0]) == pytest.approx(
+            last["bytes_sent"] / 1e6, rel=5e-3)
+        assert cells[3] == "%.2f %%" % (100 * last["bytes_sent"] / plain)
+        assert run_["sha256"] and run_["identical"]
+    png = (tmp_path / "accuracy_vs_bytes.png").read_bytes()
+    assert png.startswith(b"\x89PNG") and len(png) > 10000
+
+
+# -- the forked-worker example --------------------------------------------------------------
 
 def test_forked_workers_without_gpu_exits_with_a_reason():
     from commlib import _cuda
@@ -139,7 +379,8 @@ def test_forked_workers_on_gpu():
 
 @pytest.mark.gpu
 def test_mnist_on_gpu():
-    proc = run([sys.executable, "-m", "commlib.launch", "-n", "1", MNIST, "--device", "gpu"])
+    proc = run([sys.executable, "-m", "commlib.launch", "-n", "1", MNIST, "--device", "gpu",
+                "--epochs", "2", "--train-images", "1280"])
     assert proc.returncode == 0, proc.stderr
     rows, _ = metrics(proc.stdout)
-    assert "cupy" in proc.stdout and rows[-1, 2] > MIN_TEST_ACCURACY
+    assert "cupy" in proc.stdout and rows[-1, 2] > MIN_SHORT_ACCURACY
