@@ -20,7 +20,13 @@ interleaved repeat by repeat, each the slowest rank's time, median of
   the gradients, fused), and max(compute, comm): the best overlap can do;
 * the step without overlap (compute, then ``all_reduce``) and with it;
 * ``compute in step``: the time the backward pass itself took inside the
-  overlapped step: how much the progress thread slows the compute.
+  overlapped step: how much the progress thread slows the compute;
+* how many buckets had completed when the backward pass ended.
+
+``--compute sleep`` replaces the computation by sleeps of the same
+shape: the CPU is free during the backward pass, as with a GPU (and as
+the transports' CPU work needs, on a machine whose cores the computation
+fills).
 
 ``--links`` runs the rank program once per link: ``local`` (this machine's
 transports: shared memory between the ranks) and rates such as ``1gbit``
@@ -50,16 +56,22 @@ def layers(workload):
 
 class Backward:
     """The compute stand-in of one backward pass over ``grads``: layer i
-    costs ``np.sin`` over ``factor * grads[i].size`` doubles."""
+    costs ``np.sin`` over ``factor * grads[i].size`` doubles (``mode="sin"``:
+    the CPU computes) or a sleep of ``factor * grads[i].size`` ns
+    (``mode="sleep"``: the CPU waits, as for a GPU kernel)."""
 
-    def __init__(self, grads, rank):
-        self.grads, self.rank = grads, rank
+    def __init__(self, grads, rank, mode="sin"):
+        self.grads, self.rank, self.mode = grads, rank, mode
         self.sizes = [g.size for g in grads]
         self.scratch = np.random.default_rng(rank).random(max(self.sizes) + 1)
         self.out = np.empty_like(self.scratch)
         self.factor = 1.0
 
     def layer(self, i):
+        if self.mode == "sleep":
+            time.sleep(self.sizes[i] * self.factor * 1e-9)
+            self.grads[i].fill(self.rank + 1 + i % 7)
+            return
         todo = int(self.sizes[i] * self.factor)
         step = self.scratch.size
         while todo > 0:
@@ -86,7 +98,7 @@ def rank_program(args):
     comm = commlib.init()
     shapes, dtype = layers(args.workload)
     grads = commlib.flat_arrays(shapes, dtype)
-    backward = Backward(grads, comm.rank)
+    backward = Backward(grads, comm.rank, args.compute)
     reducer = commlib.BackwardReducer(comm, grads, bucket_bytes=args.bucket_bytes)
 
     def slowest(fn):
@@ -134,6 +146,7 @@ def rank_program(args):
     med = {name: statistics.median(t) for name, t in times.items()}
     best = max(med["compute"], med["comm"])
     result = {"workload": args.workload, "ranks": comm.size, "backend": comm.backend,
+              "compute": args.compute,
               "buckets": len(reducer.buckets), "bucket_bytes": reducer.bucket_bytes,
               "bytes": int(sum(g.nbytes for g in grads)), "compute_factor": factor,
               "repeats": len(times["compute"]), "link": os.environ.get("OVERLAP_LINK", "local"),
@@ -157,10 +170,10 @@ def table(r):
             ("max(compute, comm)", r["ms_max"]), ("step without overlap", ms["no_overlap"]),
             ("step with overlap", ms["overlap"]),
             ("compute inside the overlapped step", r["ms_compute_in_overlap"])]
-    lines = ["%s, %d ranks, %s link, backend %s, %d buckets of <= %d bytes, %.0f MB, "
-             "median of %d (slowest rank)" % (r["workload"], r["ranks"], r["link"], r["backend"],
-                                               r["buckets"], r["bucket_bytes"], r["bytes"] / 1e6,
-                                               r["repeats"]),
+    lines = ["%s, %d ranks, %s link, backend %s, compute %s, %d buckets of <= %d bytes, "
+             "%.0f MB, median of %d (slowest rank)"
+             % (r["workload"], r["ranks"], r["link"], r["backend"], r["compute"], r["buckets"],
+                r["bucket_bytes"], r["bytes"] / 1e6, r["repeats"]),
              "", "| time | ms |", "| --- | --- |"]
     lines += ["| %s | %.1f |" % row for row in rows]
     lines += ["| buckets complete when the backward pass ended | %g of %d |"
@@ -205,6 +218,9 @@ def main():
     parser.add_argument("--budget-s", type=float, default=40.0,
                         help="stop repeating after this many seconds (at least 3 repeats)")
     parser.add_argument("--bucket-bytes", type=int, default=None)
+    parser.add_argument("--compute", choices=("sin", "sleep"), default="sin",
+                        help="the compute stand-in: np.sin on the CPU, or a sleep (a GPU's "
+                             "kernel: the CPU is free)")
     parser.add_argument("--compute-ratio", type=float, default=1.0,
                         help="backward compute time / all-reduce time")
     parser.add_argument("--json", default=None)

@@ -15,7 +15,7 @@ from commlib.compression import TopK
 from commlib.errors import ArgumentError, ClosedError, ConsistencyError
 from commlib.overlap import backward_buckets
 from inprocess import run_ranks
-from mpirun import ROOT, run_bounded, run_mpi
+from mpirun import ROOT, mpiexec, run_bounded, run_mpi
 from test_frontend import inputs, reference
 
 SIZES = [1, 2, 3, 4]
@@ -425,3 +425,18 @@ def test_mpi_ctrl_c_while_waiting():
 def test_gpu_async_stream_order_and_reducer(n):
     records, _ = run(n, "gpu", timeout=240)
     all_ok(records, n)
+
+
+def test_overlap_benchmark_smoke(tmp_path):
+    out = tmp_path / "overlap.json"
+    proc = run_bounded([mpiexec(), "-n", "2", sys.executable, ROOT / "benchmarks" / "overlap.py",
+                        "--workload", "mnist_cnn", "--repeats", "3", "--budget-s", "5",
+                        "--bucket-bytes", "4096", "--json", out], 120)
+    assert proc.returncode == 0, proc.stderr
+    r = json.loads(out.read_text())
+    ms = r["ms"]
+    assert r["ranks"] == 2 and r["buckets"] > 1 and r["repeats"] == 3
+    assert r["ms_max"] == max(ms["compute"], ms["comm"])
+    assert abs(r["overlap_to_max"] - ms["overlap"] / r["ms_max"]) < 1e-9
+    assert 0 <= r["buckets_done_after_compute"] <= r["buckets"]
+    assert "| step with overlap |" in proc.stdout
