@@ -237,6 +237,56 @@ def test_sparse_sum(level, scale):
 
 def test_the_build_has_every_loop_the_wrappers_use():
     """A stale build would send the wrappers to the numpy twins silently."""
-    for name in ("cast", "count_nonfinite", "cast_level", "topk", "threshold", "scatter",
-                 "accumulate_finite"):
+    for name in ("cast", "count_nonfinite", "cast_level", "topk", "topk_accumulate",
+                 "threshold", "scatter", "accumulate_finite"):
         assert hostselect.compiled(name) is not None, name
+
+
+def reference_accumulate(residual, x):
+    with np.errstate(over="ignore", invalid="ignore"):
+        acc = x.copy() if residual is None else np.add(residual, x)
+    return _nonfinite.drop(acc), acc
+
+
+@pytest.mark.parametrize("n", [0, 1, 17, 70001, 262147, 1 << 21])
+@pytest.mark.parametrize("with_residual", [True, False])
+def test_topk_accumulate(level, n, with_residual):
+    rng = np.random.default_rng(n + with_residual)
+    x = gaussian(n, n)
+    residual = gaussian(n, n + 1) if with_residual else None
+    if n > 100:
+        x[rng.integers(0, n, n // 50)] = np.nan
+        x[rng.integers(0, n, 10)] = np.float32(3e38)
+        if with_residual:
+            residual[rng.integers(0, n, 10)] = np.float32(3e38)     # sums overflow
+            residual[rng.integers(0, n, 10)] = -np.inf
+    count_ref, acc_ref = reference_accumulate(residual, x)
+    for k in sorted({0, 1, max(1, n // 100), n // 8 + 1, n}):
+        acc = np.full(n, 7.0, np.float32)
+        count, i_c, v_c = hostselect.topk_accumulate(residual, x, acc, k)
+        i_t, v_t = twin_topk(acc_ref, k)
+        assert count == count_ref
+        np.testing.assert_array_equal(bits(acc), bits(acc_ref))
+        np.testing.assert_array_equal(i_c, i_t)
+        np.testing.assert_array_equal(bits(v_c), bits(v_t))
+
+
+def test_topk_accumulate_misleading_samples(level):
+    n = 1 << 20
+    grid = (np.arange(8192) * n) // 8192
+    x = np.full(n, 0.5, np.float32)
+    x[grid] = 100.0                   # the sampled bound is too high
+    residual = np.zeros(n, np.float32)
+    for k in (10000, 3):
+        acc = np.empty(n, np.float32)
+        count, i_c, v_c = hostselect.topk_accumulate(residual, x, acc, k)
+        i_t, v_t = twin_topk(x, k)
+        assert count == 0
+        np.testing.assert_array_equal(bits(acc), bits(x))
+        np.testing.assert_array_equal(i_c, i_t)
+        np.testing.assert_array_equal(bits(v_c), bits(v_t))
+    x = np.full(n, 100.0, np.float32)
+    x[grid] = 0.001                   # too low: too many candidates
+    acc = np.empty(n, np.float32)
+    count, i_c, v_c = hostselect.topk_accumulate(None, x, acc, 5000)
+    np.testing.assert_array_equal(i_c, twin_topk(x, 5000)[0])

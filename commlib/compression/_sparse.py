@@ -56,6 +56,14 @@ class Sparsifier(Compression):
         duplicate check sorts), and float32 values of the same length."""
         raise NotImplementedError
 
+    def accumulate_and_select(self, residual, flat, acc):
+        """numpy buckets: ``acc = residual + flat`` (``flat`` alone when
+        ``residual`` is None) with its NaN and +-inf set to 0, then
+        :meth:`select`; returns ``(non-finite count, indices, values)``.
+        A subclass may fuse the two."""
+        nonfinite = hostselect.accumulate_finite(residual, flat, acc)
+        return (nonfinite,) + tuple(self.select(acc))
+
     def reduce(self, transport, arrays, op, scale, wait, workspace):
         flat = gather(arrays, workspace)
         xp, n = array_module(flat), flat.size
@@ -63,15 +71,15 @@ class Sparsifier(Compression):
         residual = None
         if self.error_feedback:
             residual = buffer(workspace, "residual", xp, n, np.float32, zero=True)
-        if xp is np:                 # one compiled pass
-            nonfinite = hostselect.accumulate_finite(residual, flat, acc)
+        if xp is np:                 # compiled passes
+            nonfinite, indices, values = self.accumulate_and_select(residual, flat, acc)
         else:
             if residual is None:
                 acc[...] = flat
             else:
                 xp.add(residual, flat, out=acc)
             nonfinite = _nonfinite.drop(acc)
-        indices, values = self.select(acc)
+            indices, values = self.select(acc)
         slots = self.count_for(n)
         record = _payload.encode(xp, indices, values, nonfinite, slots)
         context = "rank %d: compression %s" % (transport.rank, self.name)

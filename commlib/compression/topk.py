@@ -51,3 +51,9 @@ class TopK(Sparsifier):
         if type(acc) is np.ndarray:
             return hostselect.topk(acc, self.k_for(acc.size))
         return topk(acc, self.k_for(acc.size))
+
+    def accumulate_and_select(self, residual, flat, acc):
+        if type(self).select is not TopK.select:     # a subclass selects its own way
+            return super().accumulate_and_select(residual, flat, acc)
+        # one compiled pass: the sum, its non-finite entries and the candidates
+        return hostselect.topk_accumulate(residual, flat, acc, self.k_for(flat.size))

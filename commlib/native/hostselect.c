@@ -72,9 +72,30 @@ static uint32_t kth_largest(uint32_t *keys, Py_ssize_t m, Py_ssize_t s, Py_ssize
     return prefix;
 }
 
+/* The key of element i of a top-k input: its magnitude bits (`b` = the
+ * float32 bits), or, for the fused accumulation, that of residual + x with a
+ * non-finite sum as 0 (`b` = x, `r` = residual or NULL). */
+typedef uint32_t (*key_fn)(const uint32_t *b, const float *r, Py_ssize_t i);
+
+static uint32_t plain_key(const uint32_t *b, const float *r, Py_ssize_t i)
+{
+    (void)r;
+    return key_of(b, i);
+}
+
+static uint32_t accumulated_key(const uint32_t *b, const float *r, Py_ssize_t i)
+{
+    float v = r != NULL ? r[i] + ((const float *)b)[i] : ((const float *)b)[i];
+    uint32_t u;
+    memcpy(&u, &v, sizeof u);
+    return (u & INF_KEY) == INF_KEY ? 0u : u & 0x7FFFFFFFu;
+}
+
 /* A key bound likely below the kk-th largest non-NaN key, from up to
- * SAMPLES keys (one in 64) at evenly spaced positions; 0 when sampling cannot help. */
-static uint32_t sampled_bound(const uint32_t *bits, Py_ssize_t n, Py_ssize_t kk)
+ * SAMPLES keys (one in 64) at evenly spaced positions; 0 when sampling
+ * cannot help. */
+static uint32_t sampled_bound(key_fn key, const uint32_t *b, const float *r, Py_ssize_t n,
+                              Py_ssize_t kk)
 {
     const Py_ssize_t samples = n / 64 < SAMPLES ? n / 64 : SAMPLES;
     if (samples < 1024 || kk > n / 8)
@@ -84,7 +105,7 @@ static uint32_t sampled_bound(const uint32_t *bits, Py_ssize_t n, Py_ssize_t kk)
         return 0;
     Py_ssize_t m = 0;
     for (Py_ssize_t j = 0; j < samples; ++j) {
-        uint32_t k = key_of(bits, (Py_ssize_t)((double)j * (double)n / (double)samples));
+        uint32_t k = key(b, r, (Py_ssize_t)((double)j * (double)n / (double)samples));
         if (k <= INF_KEY)
             keys[m++] = k;
     }
@@ -200,6 +221,32 @@ static int exact_bound(const uint32_t *bits, Py_ssize_t n, Py_ssize_t s, uint32_
     return 0;
 }
 
+/* The s (1 <= s <= m) largest keys of src among its candidates cand[0..m)
+ * (ascending indices), ties to the lowest index, into indices/values in
+ * ascending order; returns s, or -1 when out of memory. */
+static Py_ssize_t pick(const float *src, const int32_t *cand, Py_ssize_t m, Py_ssize_t s,
+                       int32_t *indices, float *values)
+{
+    const uint32_t *bits = (const uint32_t *)src;
+    uint32_t *keys = malloc((size_t)m * sizeof(uint32_t));
+    if (keys == NULL)
+        return -1;
+    for (Py_ssize_t j = 0; j < m; ++j)
+        keys[j] = key_of(bits, cand[j]);
+    Py_ssize_t ties;
+    uint32_t kth = kth_largest(keys, m, s, &ties);
+    free(keys);
+    Py_ssize_t out = 0;
+    for (Py_ssize_t j = 0; j < m && out < s; ++j) {
+        uint32_t k = key_of(bits, cand[j]);
+        if (k > kth || (k == kth && ties-- > 0)) {
+            indices[out] = cand[j];
+            values[out++] = src[cand[j]];
+        }
+    }
+    return s;
+}
+
 Py_ssize_t commlib_topk(const float *x, float *residual, Py_ssize_t n, Py_ssize_t kk,
                         int32_t *indices, float *values)
 {
@@ -216,7 +263,7 @@ Py_ssize_t commlib_topk(const float *x, float *residual, Py_ssize_t n, Py_ssize_
     if (kk == 0 || n == 0)
         return 0;
     const uint32_t *bits = (const uint32_t *)src;
-    uint32_t bound = sampled_bound(bits, n, kk);
+    uint32_t bound = sampled_bound(plain_key, bits, NULL, n, kk);
     Py_ssize_t nan = 0, cap = bound ? 2 * kk + n / 64 + 4096 : n;
     int32_t *cand = malloc((size_t)cap * sizeof(int32_t));
     if (cand == NULL)
@@ -234,33 +281,12 @@ Py_ssize_t commlib_topk(const float *x, float *residual, Py_ssize_t n, Py_ssize_
         nan = 0;
         m = scan(src, n, bound, cand, NULL, total, &nan);
     }
-    if (s == 0) {
-        free(cand);
-        return 0;
-    }
-    uint32_t *keys = malloc((size_t)m * sizeof(uint32_t));
-    if (keys == NULL) {
-        free(cand);
-        return -1;
-    }
-    for (Py_ssize_t j = 0; j < m; ++j)
-        keys[j] = key_of(bits, cand[j]);
-    Py_ssize_t ties;
-    uint32_t kth = kth_largest(keys, m, s, &ties);
-    free(keys);
-    Py_ssize_t out = 0;
-    for (Py_ssize_t j = 0; j < m && out < s; ++j) {
-        uint32_t k = key_of(bits, cand[j]);
-        if (k > kth || (k == kth && ties-- > 0)) {
-            indices[out] = cand[j];
-            values[out++] = src[cand[j]];
-        }
-    }
+    Py_ssize_t picked = s == 0 ? 0 : pick(src, cand, m, s, indices, values);
     free(cand);
-    if (residual != NULL)
+    if (residual != NULL && picked > 0)
         for (Py_ssize_t j = 0; j < s; ++j)
             residual[indices[j]] = 0.0f;
-    return s;
+    return picked;
 }
 
 Py_ssize_t commlib_threshold(const float *x, Py_ssize_t n, uint32_t tkey, int32_t *indices,
@@ -326,4 +352,91 @@ Py_ssize_t commlib_sparse_sum(float *dense, Py_ssize_t n, const int32_t *indices
     }
     free(seen);
     return bad;
+}
+
+/* acc[i] = residual[i] + x[i] (x[i] without a residual), non-finite sums
+ * as 0, for i in [from, n), counting those into *bad; indices whose acc key
+ * is >= bound go to cand (room for cap) from position c, which is
+ * returned advanced by their number. */
+static Py_ssize_t accumulate_scan_portable(const float *residual, const float *x, float *acc,
+                                           Py_ssize_t from, Py_ssize_t n, uint32_t bound,
+                                           int32_t *cand, Py_ssize_t c, Py_ssize_t cap,
+                                           Py_ssize_t *bad)
+{
+    uint32_t *a = (uint32_t *)acc;
+    Py_ssize_t nonfinite = 0;
+    for (Py_ssize_t i = from; i < n; ++i) {
+        float v = residual != NULL ? residual[i] + x[i] : x[i];
+        uint32_t u;
+        memcpy(&u, &v, sizeof u);
+        int drop = (u & INF_KEY) == INF_KEY;
+        nonfinite += drop;
+        a[i] = drop ? 0u : u;
+        if (!drop && (u & 0x7FFFFFFFu) >= bound) {
+            if (c < cap)
+                cand[c] = (int32_t)i;
+            ++c;
+        }
+    }
+    *bad += nonfinite;
+    return c;
+}
+
+#ifdef SELECT_X86
+__attribute__((target("avx2,popcnt")))
+static Py_ssize_t accumulate_scan_avx2(const float *residual, const float *x, float *acc,
+                                       Py_ssize_t n, uint32_t bound, int32_t *cand,
+                                       Py_ssize_t cap, Py_ssize_t *bad)
+{
+    const __m256i magnitude = _mm256_set1_epi32(0x7FFFFFFF);
+    const __m256i inf = _mm256_set1_epi32((int32_t)INF_KEY);
+    const __m256i below = _mm256_set1_epi32((int32_t)bound - 1);   /* bound >= 1 */
+    Py_ssize_t c = 0, nonfinite = 0, i = 0;
+    for (; i + 8 <= n; i += 8) {
+        __m256 v = _mm256_loadu_ps(x + i);
+        if (residual != NULL)
+            v = _mm256_add_ps(_mm256_loadu_ps(residual + i), v);
+        __m256i u = _mm256_castps_si256(v);
+        __m256i drop = _mm256_cmpeq_epi32(_mm256_and_si256(u, inf), inf);
+        u = _mm256_andnot_si256(drop, u);
+        _mm256_storeu_si256((__m256i *)(acc + i), u);
+        nonfinite += __builtin_popcount((unsigned)_mm256_movemask_ps(_mm256_castsi256_ps(drop)));
+        __m256i hit = _mm256_cmpgt_epi32(_mm256_and_si256(u, magnitude), below);
+        for (unsigned h = (unsigned)_mm256_movemask_ps(_mm256_castsi256_ps(hit)); h; h &= h - 1) {
+            if (c < cap)
+                cand[c] = (int32_t)(i + __builtin_ctz(h));
+            ++c;
+        }
+    }
+    *bad += nonfinite;
+    return accumulate_scan_portable(residual, x, acc, i, n, bound, cand, c, cap, bad);
+}
+#endif
+
+Py_ssize_t commlib_topk_accumulate(const float *residual, const float *x, float *acc,
+                                   Py_ssize_t n, Py_ssize_t kk, int32_t *indices,
+                                   float *values, Py_ssize_t *nonfinite)
+{
+    *nonfinite = 0;
+    uint32_t bound = kk > 0 ? sampled_bound(accumulated_key, (const uint32_t *)x, residual, n,
+                                            kk) : 0;
+    Py_ssize_t cap = 2 * kk + n / 64 + 4096, m = -1;
+    int32_t *cand = bound ? malloc((size_t)cap * sizeof(int32_t)) : NULL;
+    if (cand != NULL) {
+#ifdef SELECT_X86
+        if (commlib_cast_level(-1) == COMMLIB_CAST_AVX2)
+            m = accumulate_scan_avx2(residual, x, acc, n, bound, cand, cap, nonfinite);
+        else
+#endif
+            m = accumulate_scan_portable(residual, x, acc, 0, n, bound, cand, 0, cap, nonfinite);
+        if (m >= kk && m <= cap) {      /* acc holds no NaN: kk entries exist */
+            Py_ssize_t picked = pick(acc, cand, m, kk, indices, values);
+            free(cand);
+            return picked;
+        }
+        free(cand);
+    }
+    if (m < 0)                          /* no sampled bound: accumulate first */
+        *nonfinite = commlib_accumulate_finite(residual, x, acc, n);
+    return commlib_topk(acc, NULL, n, kk, indices, values);
 }

@@ -386,6 +386,37 @@ static PyObject *py_topk(PyObject *self, PyObject *const *args, Py_ssize_t nargs
     return s < 0 ? PyErr_NoMemory() : PyLong_FromSsize_t(s);
 }
 
+/* topk_accumulate(residual, x, acc, k, indices, values) -> the non-finite
+ * sums set to 0 in acc, or -1 (nothing written) when an array does not
+ * qualify: residual (or None), x and acc float32 of one size n < 2**31, acc
+ * writeable and neither of the others, indices int32 and values float32 of
+ * min(k, n) entries, writeable. acc = residual + x (non-finite sums 0),
+ * then its top-k as topk(acc). See hostselect.c. */
+static PyObject *py_topk_accumulate(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (check_nargs("topk_accumulate", nargs, 6))
+        return NULL;
+    Py_ssize_t k = PyLong_AsSsize_t(args[3]);
+    if (PyErr_Occurred())
+        return NULL;
+    Py_ssize_t n = 0, rn = 0, an = 0, ni = 0, nv = 0;
+    float *residual = args[0] == Py_None ? NULL : typed_data(args[0], NPY_FLOAT32, 0, &rn);
+    float *x = typed_data(args[1], NPY_FLOAT32, 0, &n);
+    float *acc = typed_data(args[2], NPY_FLOAT32, 1, &an);
+    int32_t *indices = typed_data(args[4], NPY_INT32, 1, &ni);
+    float *values = typed_data(args[5], NPY_FLOAT32, 1, &nv);
+    Py_ssize_t kk = k < n ? k : n;
+    if (x == NULL || acc == NULL || indices == NULL || values == NULL || k < 0
+            || n > INT32_MAX || an != n || acc == x || acc == residual || ni != kk || nv != kk
+            || (args[0] != Py_None && (residual == NULL || rn != n)))
+        return PyLong_FromLong(-1);
+    Py_ssize_t s, nonfinite;
+    Py_BEGIN_ALLOW_THREADS
+    s = commlib_topk_accumulate(residual, x, acc, n, kk, indices, values, &nonfinite);
+    Py_END_ALLOW_THREADS
+    return s < 0 ? PyErr_NoMemory() : PyLong_FromSsize_t(nonfinite);
+}
+
 /* threshold(x, tkey, indices, values) -> entries qualifying, or -1 (nothing
  * written) when an array does not qualify (x float32 of n < 2**31 entries,
  * indices int32 and values float32 of one capacity, writeable). */
@@ -482,6 +513,7 @@ static PyMethodDef methods[] = {
     {"count_nonfinite", (PyCFunction)(void (*)(void))py_count_nonfinite, METH_FASTCALL, NULL},
     {"cast_level", (PyCFunction)(void (*)(void))py_cast_level, METH_FASTCALL, NULL},
     {"topk", (PyCFunction)(void (*)(void))py_topk, METH_FASTCALL, NULL},
+    {"topk_accumulate", (PyCFunction)(void (*)(void))py_topk_accumulate, METH_FASTCALL, NULL},
     {"threshold", (PyCFunction)(void (*)(void))py_threshold, METH_FASTCALL, NULL},
     {"scatter", (PyCFunction)(void (*)(void))py_scatter, METH_FASTCALL, NULL},
     {"accumulate_finite", (PyCFunction)(void (*)(void))py_accumulate_finite, METH_FASTCALL,

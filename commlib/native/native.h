@@ -74,6 +74,12 @@ int commlib_cast_level(int level);
  * the number selected, or -1 when out of memory. */
 Py_ssize_t commlib_topk(const float *x, float *residual, Py_ssize_t n, Py_ssize_t kk,
                         int32_t *indices, float *values);
+/* commlib_accumulate_finite(residual, x, acc, n) (its count into
+ * *nonfinite), then commlib_topk(acc, NULL, n, kk, ...), in one pass over
+ * the data when a sampled bound holds. */
+Py_ssize_t commlib_topk_accumulate(const float *residual, const float *x, float *acc,
+                                   Py_ssize_t n, Py_ssize_t kk, int32_t *indices,
+                                   float *values, Py_ssize_t *nonfinite);
 /* Entries with |x| > the float32 of magnitude bits `tkey` (NaN never), in
  * ascending order, at most `capacity` written; returns how many qualify. */
 Py_ssize_t commlib_threshold(const float *x, Py_ssize_t n, uint32_t tkey, int32_t *indices,

@@ -32,6 +32,21 @@ def topk(x, k, *, residual=None):
     return _topk.topk(x, k, residual=residual)
 
 
+def topk_accumulate(residual, x, acc, k):
+    """:func:`accumulate_finite` then :func:`topk` of ``acc``, in one
+    compiled pass where it can: returns ``(nonfinite, indices, values)``;
+    ``acc`` holds ``residual + x`` with its non-finite sums 0."""
+    loop = compiled("topk_accumulate")
+    if loop is not None and _plain(residual, x, acc):
+        kk = min(check_count(k, "k"), x.size)
+        indices, values = np.empty(kk, np.int32), np.empty(kk, np.float32)
+        nonfinite = loop(residual, x, acc, kk, indices, values)
+        if nonfinite >= 0:
+            return nonfinite, indices, values
+    nonfinite = accumulate_finite(residual, x, acc)
+    return (nonfinite,) + tuple(topk(acc, k))
+
+
 def threshold(x, t):
     """``(indices, values)`` of every element of ``x`` with ``|x| > t``,
     ascending: :func:`commlib.ops.threshold.threshold`'s entries cut to its
