@@ -152,6 +152,7 @@ class Communicator:
         self._board, self._segment = board, segment
         self._wait = Wait(board=board, rank=rank)
         self._fusion = bucketing.FusionCache()
+        self._state_fusion = {}   # state (see _fused) -> its own FusionCache
         self._workspaces = {}     # compression state, see _workspace()
         self._seq = 0             # collectives entered
         self._failure = None      # the error that left the communicator unusable
@@ -515,11 +516,14 @@ class Communicator:
         ``compressed = (strategy, op, scale, wait)``, a bucket or array
         the compression strategy applies to goes to the strategy instead;
         ``state`` (hashable or None) separates its compression state from
-        that of other calls with the same layout."""
+        that of other calls with the same layout, and its lists are
+        remembered apart (a BackwardReducer's bucket lists take turns, which
+        the communicator's own cache of the last lists would not keep)."""
         transport = self._transport(kind)
         if prepared is None:
             plan = bucketing.plan_for(items, self._bucket_bytes_for(transport))
-            prepared = self._fusion.prepare(key, items, plan, kind, writeable)
+            fusion = self._fusion if state is None else self._state_fusion[state]
+            prepared = fusion.prepare(key, items, plan, kind, writeable)
             prepared.digest = consistency.layout_digest(items)
         for i, buf in prepared.buckets():
             self._unit(transport, items, prepared, i if state is None else (state, i), i, buf,
@@ -583,6 +587,16 @@ class Communicator:
         return self._issue("all_reduce", self._reduce, ("all_reduce", arrays, None, op, False,
                                                         compression, state), True, arrays)
 
+    def _forget_states(self, owner):
+        """Drop the fusion caches and compression state of every ``state``
+        whose first two items are ``owner`` (a BackwardReducer that died)."""
+        for state in [k for k in self._state_fusion if k[:2] == owner]:
+            del self._state_fusion[state]
+        for table in self._workspaces.values():
+            for key in [k for k in table if isinstance(k[1], tuple) and
+                        isinstance(k[1][0], tuple) and k[1][0][:2] == owner]:
+                del table[key]
+
     def broadcast(self, arrays, root=0):
         """Copy ``arrays`` of rank ``root`` into every rank's ``arrays``, in place.
         Returns ``arrays``."""
@@ -627,11 +641,14 @@ class Communicator:
         averaging = op == "avg" or (division is True and op == "sum")
         receives = root is None or self._rank == root
         items, key, prepared, strategy = [], None, None, None
+        fusion = self._fusion if state is None else \
+            self._state_fusion.get(state) or self._state_fusion.setdefault(
+                state, bucketing.FusionCache(max_entries=1))
 
         def checks():
             nonlocal items, key, prepared, strategy
             items = validation.as_list(arrays, rank=self._rank)[0]
-            key, prepared = self._fusion.lookup(items)
+            key, prepared = fusion.lookup(items)
             if root is not None:
                 validation.check_root(root, self._size, self._rank)
             validation.check_op(op, division, self._rank)
@@ -819,6 +836,7 @@ class Communicator:
         if not self._quiesce():
             return        # a collective still runs on the progress thread: keep its memory
         self._fusion.clear()
+        self._state_fusion.clear()
         for transport in self._transports:
             transport.close()
         if self._segment is not None:

@@ -12,6 +12,7 @@ so the ranks issue the same collectives in the same order however their
 ``ready`` calls interleave.
 """
 import numbers
+import weakref
 
 from .errors import ArgumentError
 from .ops._arrays import is_cupy
@@ -78,6 +79,8 @@ class BackwardReducer:
         self.bucket_bytes = int(bucket_bytes)
         self._buckets = backward_buckets(self.grads, self.bucket_bytes)
         self._serial = next(comm._reducers)
+        # the communicator keeps each bucket's plan and compression state until then
+        weakref.finalize(self, comm._forget_states, ("BackwardReducer", self._serial))
         self._lists = [[self.grads[j] for j in b] for b in self._buckets]   # reused each step
         self._bucket_of = [0] * len(self.grads)
         for k, bucket in enumerate(self._buckets):

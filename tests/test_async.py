@@ -256,6 +256,30 @@ def test_reducer_buckets_of_one_layout_keep_their_own_residuals():
                     assert bits_equal(results[r][1][step][j], a), (bucket, r, step, j)
 
 
+def test_reducer_buckets_reuse_their_plans(monkeypatch):
+    """Bucket lists take turns every step; each keeps its fusion plan from
+    its second step on (no checks and planning again per bucket)."""
+    import commlib.bucketing
+    made = []
+    plan_for = commlib.bucketing.plan_for
+    monkeypatch.setattr(commlib.bucketing, "plan_for", lambda *a: made.append(1) or plan_for(*a))
+
+    def body(comm):
+        grads = commlib.flat_arrays([(100,)] * 12, "float32")
+        red = commlib.BackwardReducer(comm, grads, bucket_bytes=800)
+        counts = []
+        for step in range(4):
+            before = len(made)
+            for j in reversed(range(len(grads))):
+                red.ready(j)
+            red.wait()
+            counts.append(len(made) - before)
+        return counts, len(red.buckets)
+
+    counts, buckets = run_ranks(1, body)[0]
+    assert buckets == 6 and counts == [6, 6, 0, 0]
+
+
 def test_reducer_rejects_bad_calls():
     def body(comm):
         grads = [np.ones(4, np.float32), np.ones(4, np.float32)]
