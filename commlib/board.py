@@ -153,7 +153,7 @@ class StatusBoard:
             self._mine[ENTERED] = seq
         code = waiting.spin_py(self._lines[:, ENTERED], seq, self._lines[:, GONE], seq,
                                self.rank, waiting.slice_end(deadline))
-        if code != -3:
+        if code != 0:
             return code
         same = (self._lines[:, at:at + 2] == np.array(slot[:2])).all()
         return 0 if same else 1
@@ -174,7 +174,7 @@ class StatusBoard:
             else:
                 code = waiting.spin_py(self._lines[:, word], target, self._lines[:, GONE], seq,
                                        self.rank, waiting.slice_end(deadline))
-            if code == -3:
+            if code == 0:
                 return
             if code <= -2:
                 raise self._left(-2 - code, seq, what)

@@ -162,7 +162,7 @@ def poll(done, wait):
 def spin_py(words, target, gone, seq, rank, until):
     """Python twin of the compiled wait (``commlib/native/flag_wait.c``):
     ``words`` and ``gone`` are per-rank numpy views (``gone`` may be None).
-    Returns -3 when every other rank's word reached ``target``, -2 - r when
+    Returns 0 when every other rank's word reached ``target``, -2 - r when
     rank r left (``0 < gone[r] <= seq``), -1 once ``until`` passed. On a
     relaxed thread (:func:`relaxed`) it sleeps between polls instead of
     yielding."""
@@ -180,7 +180,7 @@ def spin_py(words, target, gone, seq, rank, until):
                     os.sched_yield()
                 if time.monotonic() >= until:
                     return -1
-    return -3
+    return 0
 
 
 def slice_end(deadline):

@@ -196,7 +196,7 @@ static PyObject *wait_status(int status, long done)
 }
 
 /* wait_flags(flags, rank, nranks, stride, seq, first, deadline, slice, gone,
- * gone_stride, board_seq) -> -3 once every rank reached `seq` (on the
+ * gone_stride, board_seq) -> 0 once every rank reached `seq` (on the
  * `first` slice of a wait this rank's `seq` is published first); -1 when
  * `slice` seconds (or the deadline, time.monotonic() seconds or None)
  * passed first; -2 - r when rank r left (0 < gone[r * gone_stride] <=
@@ -226,7 +226,7 @@ static PyObject *py_wait_flags(PyObject *self, PyObject *const *args, Py_ssize_t
     status = commlib_wait_flags(flags, (int)rank, (int)nranks, stride, seq, first, until, gone,
                                 gone_stride, board_seq);
     Py_END_ALLOW_THREADS
-    return wait_status(status, -3);
+    return wait_status(status, 0);
 }
 
 /* board_enter(words, stride, nranks, rank, entered_at, gone_at, slot_at, seq,

@@ -202,9 +202,9 @@ class SharedMemoryReducer:
                                         None if gone is None else
                                         gone[:self.size * gone_stride:gone_stride],
                                         wait.seq, self.rank, waiting.slice_end(wait.deadline))
-            if found == -3 and all(flags[r * stride] >= seq for r in range(self.size)):
+            if found == 0:
                 return
-            if found <= -2:       # -3 is also "rank 1 left"
+            if found <= -2:
                 board.check_peers(wait.seq, wait.what, [-2 - found])
             if backoff is not None:
                 backoff.pause()
