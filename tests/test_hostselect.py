@@ -290,3 +290,25 @@ def test_topk_accumulate_misleading_samples(level):
     acc = np.empty(n, np.float32)
     count, i_c, v_c = hostselect.topk_accumulate(None, x, acc, 5000)
     np.testing.assert_array_equal(i_c, twin_topk(x, 5000)[0])
+
+
+@pytest.mark.parametrize("with_residual", [True, False])
+def test_threshold_accumulate(level, with_residual):
+    n = 300007
+    rng = np.random.default_rng(18)
+    x = gaussian(n, 19)
+    residual = gaussian(n, 20) if with_residual else None
+    x[rng.integers(0, n, 300)] = np.nan
+    x[rng.integers(0, n, 10)] = np.float32(3e38)
+    if with_residual:
+        residual[rng.integers(0, n, 10)] = np.float32(3e38)
+    count_ref, acc_ref = reference_accumulate(residual, x)
+    for t in (0.0, 1.0, 2.576, 1e30):
+        acc = np.full(n, 7.0, np.float32)
+        count, i_c, v_c = hostselect.threshold_accumulate(residual, x, acc, t)
+        assert count == count_ref > 0
+        np.testing.assert_array_equal(bits(acc), bits(acc_ref))
+        i_t, v_t = hostselect.threshold(acc_ref, t)
+        np.testing.assert_array_equal(i_c, np.flatnonzero(np.abs(acc_ref) > t))
+        np.testing.assert_array_equal(i_c, i_t)
+        np.testing.assert_array_equal(bits(v_c), bits(acc_ref[i_c]))

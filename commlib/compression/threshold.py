@@ -46,3 +46,9 @@ class Threshold(Sparsifier):
         indices, values, count = threshold(acc, self.threshold)
         count = int(count)                   # the record's size: a host sync on GPUs
         return indices[:count], values[:count]
+
+    def accumulate_and_select(self, residual, flat, acc):
+        if type(self).select is not Threshold.select:   # a subclass selects its own way
+            return super().accumulate_and_select(residual, flat, acc)
+        # one compiled pass: the sum, its non-finite entries and the selection
+        return hostselect.threshold_accumulate(residual, flat, acc, self.threshold)

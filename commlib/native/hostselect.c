@@ -413,6 +413,18 @@ static Py_ssize_t accumulate_scan_avx2(const float *residual, const float *x, fl
 }
 #endif
 
+/* The accumulate_scan of the code path in use. */
+static Py_ssize_t accumulate_scan(const float *residual, const float *x, float *acc,
+                                  Py_ssize_t n, uint32_t bound, int32_t *cand, Py_ssize_t cap,
+                                  Py_ssize_t *bad)
+{
+#ifdef SELECT_X86
+    if (commlib_cast_level(-1) == COMMLIB_CAST_AVX2)
+        return accumulate_scan_avx2(residual, x, acc, n, bound, cand, cap, bad);
+#endif
+    return accumulate_scan_portable(residual, x, acc, 0, n, bound, cand, 0, cap, bad);
+}
+
 Py_ssize_t commlib_topk_accumulate(const float *residual, const float *x, float *acc,
                                    Py_ssize_t n, Py_ssize_t kk, int32_t *indices,
                                    float *values, Py_ssize_t *nonfinite)
@@ -423,12 +435,7 @@ Py_ssize_t commlib_topk_accumulate(const float *residual, const float *x, float 
     Py_ssize_t cap = 2 * kk + n / 64 + 4096, m = -1;
     int32_t *cand = bound ? malloc((size_t)cap * sizeof(int32_t)) : NULL;
     if (cand != NULL) {
-#ifdef SELECT_X86
-        if (commlib_cast_level(-1) == COMMLIB_CAST_AVX2)
-            m = accumulate_scan_avx2(residual, x, acc, n, bound, cand, cap, nonfinite);
-        else
-#endif
-            m = accumulate_scan_portable(residual, x, acc, 0, n, bound, cand, 0, cap, nonfinite);
+        m = accumulate_scan(residual, x, acc, n, bound, cand, cap, nonfinite);
         if (m >= kk && m <= cap) {      /* acc holds no NaN: kk entries exist */
             Py_ssize_t picked = pick(acc, cand, m, kk, indices, values);
             free(cand);
@@ -439,4 +446,16 @@ Py_ssize_t commlib_topk_accumulate(const float *residual, const float *x, float 
     if (m < 0)                          /* no sampled bound: accumulate first */
         *nonfinite = commlib_accumulate_finite(residual, x, acc, n);
     return commlib_topk(acc, NULL, n, kk, indices, values);
+}
+
+Py_ssize_t commlib_threshold_accumulate(const float *residual, const float *x, float *acc,
+                                        Py_ssize_t n, uint32_t tkey, int32_t *indices,
+                                        float *values, Py_ssize_t capacity,
+                                        Py_ssize_t *nonfinite)
+{
+    *nonfinite = 0;
+    Py_ssize_t c = accumulate_scan(residual, x, acc, n, tkey + 1, indices, capacity, nonfinite);
+    for (Py_ssize_t j = 0; j < (c < capacity ? c : capacity); ++j)
+        values[j] = acc[indices[j]];
+    return c;
 }

@@ -417,28 +417,38 @@ static PyObject *py_topk_accumulate(PyObject *self, PyObject *const *args, Py_ss
     return s < 0 ? PyErr_NoMemory() : PyLong_FromSsize_t(nonfinite);
 }
 
-/* threshold(x, tkey, indices, values) -> entries qualifying, or -1 (nothing
- * written) when an array does not qualify (x float32 of n < 2**31 entries,
- * indices int32 and values float32 of one capacity, writeable). */
+/* threshold(residual, x, acc, tkey, indices, values) -> (entries
+ * qualifying, non-finite sums), or -1 (nothing written) when an array does
+ * not qualify: x float32 of n < 2**31 entries, indices int32 and values
+ * float32 of one capacity, writeable; acc None (select from x) or float32
+ * of n, writeable, neither x nor residual, which is None or float32 of n.
+ * With acc: acc = residual + x (non-finite sums 0) and the selection is
+ * acc's. */
 static PyObject *py_threshold(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
 {
-    if (check_nargs("threshold", nargs, 4))
+    if (check_nargs("threshold", nargs, 6))
         return NULL;
-    long long tkey = PyLong_AsLongLong(args[1]);
+    long long tkey = PyLong_AsLongLong(args[3]);
     if (PyErr_Occurred())
         return NULL;
-    Py_ssize_t n = 0, ni = 0, nv = 0;
-    float *x = typed_data(args[0], NPY_FLOAT32, 0, &n);
-    int32_t *indices = typed_data(args[2], NPY_INT32, 1, &ni);
-    float *values = typed_data(args[3], NPY_FLOAT32, 1, &nv);
+    Py_ssize_t n = 0, rn = 0, an = 0, ni = 0, nv = 0;
+    float *residual = args[0] == Py_None ? NULL : typed_data(args[0], NPY_FLOAT32, 0, &rn);
+    float *x = typed_data(args[1], NPY_FLOAT32, 0, &n);
+    float *acc = args[2] == Py_None ? NULL : typed_data(args[2], NPY_FLOAT32, 1, &an);
+    int32_t *indices = typed_data(args[4], NPY_INT32, 1, &ni);
+    float *values = typed_data(args[5], NPY_FLOAT32, 1, &nv);
     if (x == NULL || indices == NULL || values == NULL || ni != nv || n > INT32_MAX
-            || tkey < 0 || tkey > 0x7F800000LL)
+            || tkey < 0 || tkey > 0x7F800000LL
+            || (args[2] != Py_None && (acc == NULL || an != n || acc == x || acc == residual))
+            || (args[0] != Py_None && (args[2] == Py_None || residual == NULL || rn != n)))
         return PyLong_FromLong(-1);
-    Py_ssize_t c;
+    Py_ssize_t c, nonfinite = 0;
     Py_BEGIN_ALLOW_THREADS
-    c = commlib_threshold(x, n, (uint32_t)tkey, indices, values, ni);
+    c = acc == NULL ? commlib_threshold(x, n, (uint32_t)tkey, indices, values, ni)
+                    : commlib_threshold_accumulate(residual, x, acc, n, (uint32_t)tkey, indices,
+                                                   values, ni, &nonfinite);
     Py_END_ALLOW_THREADS
-    return PyLong_FromSsize_t(c);
+    return Py_BuildValue("nn", c, nonfinite);
 }
 
 /* The (dense, indices, values) of a scatter: dense float32 writeable,

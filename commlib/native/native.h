@@ -84,6 +84,12 @@ Py_ssize_t commlib_topk_accumulate(const float *residual, const float *x, float 
  * ascending order, at most `capacity` written; returns how many qualify. */
 Py_ssize_t commlib_threshold(const float *x, Py_ssize_t n, uint32_t tkey, int32_t *indices,
                              float *values, Py_ssize_t capacity);
+/* commlib_accumulate_finite(residual, x, acc, n) (its count into
+ * *nonfinite), then commlib_threshold(acc, ...), in one pass. */
+Py_ssize_t commlib_threshold_accumulate(const float *residual, const float *x, float *acc,
+                                        Py_ssize_t n, uint32_t tkey, int32_t *indices,
+                                        float *values, Py_ssize_t capacity,
+                                        Py_ssize_t *nonfinite);
 /* dense[indices[i]] += alpha * values[i] in order; -1 skipped; returns the
  * number of other indices outside [0, n), which are skipped. */
 Py_ssize_t commlib_scatter_add(float *dense, Py_ssize_t n, const int32_t *indices,

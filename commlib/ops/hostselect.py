@@ -55,11 +55,25 @@ def threshold(x, t):
     if loop is not None and _plain(x):
         tkey = _threshold._threshold_key(t)
         indices, values = np.empty(x.size, np.int32), np.empty(x.size, np.float32)
-        count = loop(x, tkey, indices, values)
-        if count >= 0:
-            return indices[:count], values[:count]
+        found = loop(None, x, None, tkey, indices, values)
+        if found != -1:
+            return indices[:found[0]], values[:found[0]]
     indices, values, count = _threshold.threshold(x, t)
     return indices[:int(count)], values[:int(count)]
+
+
+def threshold_accumulate(residual, x, acc, t):
+    """:func:`accumulate_finite` then :func:`threshold` of ``acc``, in one
+    compiled pass: returns ``(nonfinite, indices, values)``."""
+    loop = compiled("threshold")
+    if loop is not None and _plain(residual, x, acc):
+        tkey = _threshold._threshold_key(t)
+        indices, values = np.empty(x.size, np.int32), np.empty(x.size, np.float32)
+        found = loop(residual, x, acc, tkey, indices, values)
+        if found != -1:
+            return found[1], indices[:found[0]], values[:found[0]]
+    nonfinite = accumulate_finite(residual, x, acc)
+    return (nonfinite,) + tuple(threshold(acc, t))
 
 
 def scatter_add(dense, indices, values, *, alpha=1.0, segments=None):
