@@ -359,6 +359,24 @@ def test_compare_compression_writes_table_json_and_plot(tmp_path):
     assert png.startswith(b"\x89PNG") and len(png) > 10000
 
 
+def test_committed_comparison_table_is_what_its_runs_say(tmp_path):
+    """docs/compression_runs.md and the README table come from docs/compression_runs.json,
+    whose runs each logged ten epochs of 4,000 images at 2 ranks and finished identical."""
+    docs = ROOT / "docs"
+    proc = run([sys.executable, ROOT / "scripts" / "compare_compression.py", "--from-json",
+                docs / "compression_runs.json", "--out", tmp_path], timeout=120)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert (tmp_path / "compression_runs.md").read_text() == \
+        (docs / "compression_runs.md").read_text()
+    doc = json.loads((docs / "compression_runs.json").read_text())
+    assert (doc["workers"], doc["epochs"], doc["train_images"]) == (2, 10, 4000)
+    for run_ in doc["runs"]:
+        assert len(run_["epochs"]) == 10 and run_["identical"] and run_["workers"] == 2
+    table = (docs / "compression_runs.md").read_text()
+    rows = table[table.index("| strategy"):table.index("![")].strip()
+    assert rows in (EXAMPLES / "README.md").read_text()
+
+
 # -- the forked-worker example --------------------------------------------------------------
 
 def test_forked_workers_without_gpu_exits_with_a_reason():
