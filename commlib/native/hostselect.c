@@ -72,6 +72,18 @@ static uint32_t kth_largest(uint32_t *keys, Py_ssize_t m, Py_ssize_t s, Py_ssize
     return prefix;
 }
 
+/* The bits of residual[i] + x[i] (x[i] when residual is NULL), 0 for a
+ * non-finite sum, which *dropped tells. */
+static inline uint32_t finite_sum(const float *residual, const float *x, Py_ssize_t i,
+                                  int *dropped)
+{
+    float v = residual != NULL ? residual[i] + x[i] : x[i];
+    uint32_t u;
+    memcpy(&u, &v, sizeof u);
+    *dropped = (u & INF_KEY) == INF_KEY;
+    return *dropped ? 0u : u;
+}
+
 /* The key of element i of a top-k input: its magnitude bits (`b` = the
  * float32 bits), or, for the fused accumulation, that of residual + x with a
  * non-finite sum as 0 (`b` = x, `r` = residual or NULL). */
@@ -85,10 +97,8 @@ static uint32_t plain_key(const uint32_t *b, const float *r, Py_ssize_t i)
 
 static uint32_t accumulated_key(const uint32_t *b, const float *r, Py_ssize_t i)
 {
-    float v = r != NULL ? r[i] + ((const float *)b)[i] : ((const float *)b)[i];
-    uint32_t u;
-    memcpy(&u, &v, sizeof u);
-    return (u & INF_KEY) == INF_KEY ? 0u : u & 0x7FFFFFFFu;
+    int dropped;
+    return finite_sum(r, (const float *)b, i, &dropped) & 0x7FFFFFFFu;
 }
 
 /* A key bound likely below the kk-th largest non-NaN key, from up to
@@ -318,12 +328,9 @@ Py_ssize_t commlib_accumulate_finite(const float *residual, const float *x, floa
     Py_ssize_t count = 0;
     uint32_t *a = (uint32_t *)acc;
     for (Py_ssize_t i = 0; i < n; ++i) {
-        float v = residual != NULL ? residual[i] + x[i] : x[i];
-        uint32_t u;
-        memcpy(&u, &v, sizeof u);
-        int bad = (u & INF_KEY) == INF_KEY;
-        count += bad;
-        a[i] = bad ? 0u : u;
+        int dropped;
+        a[i] = finite_sum(residual, x, i, &dropped);
+        count += dropped;
     }
     return count;
 }
@@ -366,13 +373,10 @@ static Py_ssize_t accumulate_scan_portable(const float *residual, const float *x
     uint32_t *a = (uint32_t *)acc;
     Py_ssize_t nonfinite = 0;
     for (Py_ssize_t i = from; i < n; ++i) {
-        float v = residual != NULL ? residual[i] + x[i] : x[i];
-        uint32_t u;
-        memcpy(&u, &v, sizeof u);
-        int drop = (u & INF_KEY) == INF_KEY;
-        nonfinite += drop;
-        a[i] = drop ? 0u : u;
-        if (!drop && (u & 0x7FFFFFFFu) >= bound) {
+        int dropped;
+        uint32_t u = a[i] = finite_sum(residual, x, i, &dropped);
+        nonfinite += dropped;
+        if ((u & 0x7FFFFFFFu) >= bound) {          /* bound >= 1: never a dropped 0 */
             if (c < cap)
                 cand[c] = (int32_t)i;
             ++c;
