@@ -18,6 +18,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import time
 import types
 from pathlib import Path
 
@@ -65,7 +66,8 @@ SCHEDULES = (
 
 
 class _Region(ctypes.Structure):
-    _fields_ = [("lo", ctypes.c_uint64), ("hi", ctypes.c_uint64), ("name", ctypes.c_char_p)]
+    _fields_ = [("lo", ctypes.c_uint64), ("hi", ctypes.c_uint64), ("name", ctypes.c_char_p),
+                ("writes", ctypes.c_void_p)]
 
 
 class _Config(ctypes.Structure):
@@ -170,8 +172,14 @@ def build(patches=None):
                          timeout=600)
     if res.returncode != 0:
         raise RuntimeError("host link failed:\n" + res.stderr[-6000:])
-    _libraries[key] = HostKernels(ctypes.CDLL(str(lib)), lib, src)
+    _libraries[key] = open_library(lib, src)
     return _libraries[key]
+
+
+def open_library(path, source_dir):
+    """:class:`HostKernels` of a library that :func:`build` made (for another
+    process: a build lives as long as the process that made it)."""
+    return HostKernels(ctypes.CDLL(str(path)), path, source_dir)
 
 
 def _short(symbol):
@@ -221,12 +229,14 @@ class HostKernels:
         return sig.decode()
 
     def launch(self, name, grid, block, args, schedule=SCHEDULES[0], regions=(),
-               spin_limit=2_000_000, op_limit=400_000_000):
+               args_are_regions=True, spin_limit=2_000_000, op_limit=400_000_000):
         """Run kernel ``name`` over ``grid`` blocks of ``block`` threads (ints
         or 1-tuples). Array arguments (numpy arrays or their subclasses) pass
-        their address and become the regions the kernel may touch, with the
-        extra ``regions`` ((lo, hi, name) byte ranges). Raises KernelFault
-        with the host build's messages."""
+        their address and (with ``args_are_regions``) become regions the
+        kernel may touch, after the ``regions``: (lo, hi, name) byte ranges,
+        or (lo, hi, name, counts) where ``counts`` (uint8, hi - lo entries)
+        receives the number of stores to each byte (saturating at 255).
+        Raises KernelFault with the host build's messages."""
         grid = int(grid[0] if isinstance(grid, tuple) else grid)
         block = int(block[0] if isinstance(block, tuple) else block)
         sig = self.signature(name)
@@ -241,7 +251,8 @@ class HostKernels:
                     raise ArrayTypeError("args[%d] of %s: expected an array, got %r"
                                          % (i, name, a))
                 slots[i] = _address(a)
-                spans.append((_address(a), _address(a) + a.nbytes, "argument %d" % i))
+                if args_are_regions:
+                    spans.append((_address(a), _address(a) + a.nbytes, "argument %d" % i))
             elif kind == "f":
                 if not isinstance(a, np.float32):
                     raise ArgumentError("args[%d] of %s: expected np.float32, got %r"
@@ -253,8 +264,12 @@ class HostKernels:
                                         % (i, name, a))
                 slots[i] = int(a) & 0xFFFFFFFFFFFFFFFF
         names = [s[2].encode() for s in spans]
+        for s in spans:
+            if len(s) == 4 and (s[3].dtype != np.uint8 or s[3].size != s[1] - s[0]):
+                raise ArgumentError("regions: counts of %r must be %d uint8" % (s[2], s[1] - s[0]))
         table = (_Region * max(1, len(spans)))(
-            *[_Region(lo, hi, n) for (lo, hi, _), n in zip(spans, names)])
+            *[_Region(s[0], s[1], n, _address(s[3]) if len(s) == 4 else None)
+              for s, n in zip(spans, names)])
         cfg = _Config(schedule.order, min(schedule.resident, 1 << 20), schedule.policy,
                       schedule.p_yield, schedule.seed, spin_limit, op_limit)
         rc = self.lib.coop_launch(name.encode(), grid, block, slots, len(sig), table, len(spans),
@@ -317,14 +332,19 @@ def _pack_segments(kernel, table, nseg):
 class HostCupy:
     """A ``cupy`` module for the wrappers: ``ndarray`` (numpy subclass in host
     memory, allocations 256-byte aligned between red zones), ``empty``,
-    ``zeros``, ``asarray``, ``cuda`` (one device, ``sm_count`` SMs) and
-    ``RawKernel`` launches through ``kernels`` under ``schedule``. Each
-    launch is logged in ``launches`` as (name, grid, block, args)."""
+    ``zeros``, ``asarray`` and every other numpy function (results copied
+    into such allocations), ``random``, ``cuda`` (one device, ``sm_count``
+    SMs; events time on the host clock), and ``RawModule``/``RawKernel``
+    launching through ``kernels`` under ``schedule``. Kernels the build does
+    not have raise NotImplementedError when called, or do nothing with
+    ``lenient``. Each launch is logged in ``launches`` as (name, grid,
+    block, args)."""
 
-    def __init__(self, kernels, schedule=SCHEDULES[0], sm_count=2):
+    def __init__(self, kernels, schedule=SCHEDULES[0], sm_count=2, lenient=False):
         self.kernels = kernels
         self.schedule = schedule
         self.sm_count = sm_count
+        self.lenient = lenient
         self.launches = []
         self.after_launch = None  # called as after_launch(name, args) after each launch
         self.module = self._make_module()
@@ -359,16 +379,38 @@ class HostCupy:
             return a
 
         def asarray(a, dtype=None):
+            if isinstance(a, ndarray) and (dtype is None or np.dtype(dtype) == a.dtype):
+                return a
             src = np.asarray(a, dtype=dtype)
             out = empty(src.shape, src.dtype)
             out[...] = src
             return out
+
+        def on_device(r):
+            if isinstance(r, np.ndarray):
+                return asarray(r)
+            if isinstance(r, tuple):
+                return tuple(on_device(x) for x in r)
+            return r
+
+        def device_functions(obj):
+            """obj's callables with their array results on the device."""
+            def attr(name):
+                f = getattr(obj, name)
+                if isinstance(f, type) or not callable(f):
+                    return f
+                return lambda *a, **k: on_device(f(*a, **k))
+            return attr
 
         class RawKernel:
             def __init__(self, code=None, name=None, **kwargs):
                 self.name = name
 
             def __call__(self, grid, block, args, shared_mem=0, **kwargs):
+                if self.name not in host.kernels.names:
+                    if host.lenient:
+                        return
+                    raise NotImplementedError("no host build of kernel %r" % self.name)
                 if shared_mem:
                     raise NotImplementedError("dynamic shared memory is not modelled")
                 regions = []
@@ -379,23 +421,50 @@ class HostCupy:
                 if host.after_launch is not None:
                     host.after_launch(self.name, args)
 
+        class RawModule:
+            def __init__(self, code=None, options=(), name_expressions=None, **kwargs):
+                pass
+
+            def get_function(self, name):
+                return RawKernel(None, name)
+
         class _Stream:
             def synchronize(self):
                 pass
 
+        class _Event:
+            def __init__(self, *args, **kwargs):
+                self.t = 0.0
+
+            def record(self, stream=None):
+                self.t = time.perf_counter()
+
+            def synchronize(self):
+                pass
+
         props = {"multiProcessorCount": self.sm_count, "maxThreadsPerMultiProcessor": 2048,
-                 "name": b"cooperative host build", "major": 0, "minor": 0}
+                 "name": b"cooperative host build", "l2CacheSize": 1 << 20,
+                 "totalGlobalMem": 1 << 33, "major": 0, "minor": 0}
         cuda = types.SimpleNamespace(
-            Device=_Device, get_current_stream=lambda: _Stream(),
+            Device=_Device, Event=_Event, Stream=types.SimpleNamespace(null=_Stream()),
+            get_current_stream=lambda: _Stream(),
+            get_elapsed_time=lambda a, b: (b.t - a.t) * 1e3,
             runtime=types.SimpleNamespace(getDevice=lambda: 0, getDeviceCount=lambda: 1,
-                                          getDeviceProperties=lambda i: dict(props)))
+                                          getDeviceProperties=lambda i: dict(props),
+                                          runtimeGetVersion=lambda: 0,
+                                          driverGetVersion=lambda: 0))
+        rng = device_functions(np.random)
         mod = types.ModuleType("cupy")
-        mod.__dict__.update(ndarray=ndarray, empty=empty, zeros=zeros, asarray=asarray,
-                            RawKernel=RawKernel, cuda=cuda, __version__="coop-host",
-                            asnumpy=np.array)
-        for t in ("float16", "float32", "float64", "int8", "int16", "int32", "int64", "uint8",
-                  "uint16", "uint32", "uint64", "bool_"):
-            setattr(mod, t, getattr(np, t))
+        mod.__dict__.update(
+            ndarray=ndarray, empty=empty, zeros=zeros, asarray=asarray, asnumpy=np.array,
+            RawKernel=RawKernel, RawModule=RawModule, cuda=cuda, __version__="coop-host",
+            random=types.SimpleNamespace(default_rng=lambda seed=None: types.SimpleNamespace(
+                **{n: device_functions(np.random.default_rng(seed))(n)
+                   for n in ("random", "standard_normal", "integers", "normal", "uniform",
+                             "permutation", "choice")}), **{n: rng(n) for n in
+                                                              ("rand", "randn", "randint")}),
+            get_default_memory_pool=lambda: types.SimpleNamespace(free_all_blocks=lambda: None),
+            __getattr__=device_functions(np))
         self.props = props
         return mod
 
@@ -441,3 +510,23 @@ class _Device:
 
     def synchronize(self):
         pass
+
+
+def write_cupy_package(directory, kernels):
+    """Write ``cupy`` and ``cupyx`` packages into ``directory`` that make
+    ``import cupy`` in another process a :class:`HostCupy` of ``kernels``
+    (lenient when COMMLIB_HOST_KERNELS_LENIENT is set there)."""
+    directory = Path(directory)
+    (directory / "cupy").mkdir(exist_ok=True)
+    (directory / "cupy" / "__init__.py").write_text(
+        '"""cupy stand-in: the cooperative host build of kernels/ (tests/cuda_host_build.py)."""\n'
+        "import os\nimport sys\n\nsys.path.insert(0, %r)\nimport cuda_host_build as _build  # noqa\n\n"
+        "_host = _build.HostCupy(_build.open_library(%r, %r),\n"
+        "                        lenient=bool(os.environ.get('COMMLIB_HOST_KERNELS_LENIENT')))\n"
+        "globals().update({k: v for k, v in vars(_host.module).items() if not k.startswith('__')"
+        " or k in ('__getattr__', '__version__')})\n"
+        % (str(Path(__file__).resolve().parent), str(kernels.path), str(kernels.source_dir)))
+    (directory / "cupyx").mkdir(exist_ok=True)
+    (directory / "cupyx" / "__init__.py").write_text(
+        "import numpy as np\n\n\ndef scatter_add(a, slices, value):\n"
+        "    np.add.at(a, slices, value)\n")

@@ -71,6 +71,7 @@ namespace coop {
 struct Region {
   uint64_t lo, hi;
   const char* name;
+  unsigned char* writes;  // null, or one saturating store count per byte of the region
 };
 
 struct Config {
@@ -417,10 +418,31 @@ void schedule() {
   g_loaded = nullptr;
 }
 
+// Regions sorted by start when none overlap (binary search), else in the
+// caller's order (the first region holding an address wins).
+bool g_disjoint = false;
+
+void prepare_regions() {
+  std::vector<Region> sorted = g_regions;
+  std::sort(sorted.begin(), sorted.end(),
+            [](const Region& x, const Region& y) { return x.lo < y.lo; });
+  g_disjoint = true;
+  for (size_t i = 1; i < sorted.size(); ++i)
+    if (sorted[i].lo < sorted[i - 1].hi) g_disjoint = false;
+  if (g_disjoint) g_regions.swap(sorted);
+}
+
 const Region* region_of(uint64_t a) {
-  for (const Region& r : g_regions)
-    if (a >= r.lo && a < r.hi) return &r;
-  return nullptr;
+  if (!g_disjoint) {
+    for (const Region& r : g_regions)
+      if (a >= r.lo && a < r.hi) return &r;
+    return nullptr;
+  }
+  auto it = std::upper_bound(g_regions.begin(), g_regions.end(), a,
+                             [](uint64_t x, const Region& r) { return x < r.lo; });
+  if (it == g_regions.begin()) return nullptr;
+  --it;
+  return a < it->hi ? &*it : nullptr;
 }
 
 void report_outside(uint64_t a, unsigned long long bytes, bool is_write) {
@@ -525,7 +547,12 @@ void check(const void* p, unsigned long long bytes, bool is_write, bool vector, 
     error("misaligned %llu-byte %s at %#llx", bytes, is_write ? "store" : "load",
           (unsigned long long)a);
   const Region* r = region_of(a);
-  if (r == nullptr || a + bytes > r->hi) report_outside(a, bytes, is_write);
+  if (r == nullptr || a + bytes > r->hi) {
+    report_outside(a, bytes, is_write);
+  } else if (is_write && r->writes != nullptr) {
+    for (uint64_t i = a - r->lo; i < a - r->lo + bytes; ++i)
+      if (r->writes[i] != 255) ++r->writes[i];
+  }
   maybe_yield();
 }
 }  // namespace
@@ -736,6 +763,7 @@ int coop_launch(const char* name, unsigned grid, unsigned block, const uint64_t*
   g_grid = dim3{grid, 1, 1};
   g_block = dim3{block, 1, 1};
   g_regions.assign(regions, regions + nregions);
+  prepare_regions();
   g_cfg = *config;
   g_rng = config->seed * 2654435761u + 0x9E3779B97F4A7C15ull;
   g_errors.clear();
