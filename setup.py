@@ -56,7 +56,11 @@ setup(
     install_requires=["numpy>=1.22"],
     extras_require={
         "mpi": ["mpi4py>=4.0", "mpich"],
-        "test": ["pytest>=7", "hypothesis>=6", "mpi4py>=4.0", "mpich", "ml_dtypes"],
+        "test": ["pytest>=7", "hypothesis>=6", "mpi4py>=4.0", "mpich", "ml_dtypes", "matplotlib",
+                 # NVRTC of both CUDA majors and the machine-code readers, for the
+                 # kernel checks that need no GPU (tests/test_kernel_*.py)
+                 "nvidia-cuda-nvrtc-cu12>=12.0,<13", "nvidia-cuda-nvrtc>=13,<14",
+                 "nvidia-cuda-cuobjdump>=13.2,<14", "nvidia-cuda-nvdisasm>=13.2,<14"],
         "cuda12": ["cupy-cuda12x>=13", "nvidia-nccl-cu12"],
         "cuda13": ["cupy-cuda13x>=14", "nvidia-nccl-cu13"],
     },
