@@ -565,3 +565,35 @@ def test_launch_arguments_are_checked(kernels):
         kernels.launch("cast_f64_f32", 1, 32, [])
     with pytest.raises(KernelFault, match="bad launch configuration: grid 1, block 2048"):
         kernels.launch("cast_f32_f32", 1, 2048, [x, x, np.int64(4), np.float32(1), counter])
+
+
+def test_every_output_byte_is_stored_once(kernels):
+    # the kernels launched directly, each output byte's stores counted
+    from commlib.ops import _pack_cuda
+    for n, xoff, ooff in ((0, 0, 0), (1, 1, 0), (37, 3, 1), (4099, 2, 5)):
+        x = adversarial("float32", n + 8, n)[xoff:xoff + n]
+        out = np.zeros(n + 8, np.uint16)[ooff:ooff + n]
+        counts = np.zeros(out.nbytes, np.uint8)
+        counter = np.zeros((), np.uint64)
+        for sched in SCHEDULES[:3]:
+            counts[:] = 0
+            kernels.launch("cast_f32_bf16", 3, 64, [x, out, np.int64(n), np.float32(1), counter],
+                           sched, [(out.ctypes.data, out.ctypes.data + out.nbytes, "out", counts)])
+            assert np.all(counts == 1), (n, xoff, ooff, sched.name)
+    arrays = [adversarial("float16", s, s) for s in (3, 9000, 1, 8193)]
+    bucket = np.zeros(sum(a.size for a in arrays) + 3, np.float32)[1:]
+    total = sum(a.size for a in arrays)
+    counts = np.zeros(4 * total, np.uint8)
+    (launch,) = _pack_cuda.plan("pack", [a.dtype for a in arrays], [a.size for a in arrays],
+                                [a.ctypes.data for a in arrays], bucket.dtype,
+                                bucket.ctypes.data, "cast")
+    table, nchunks = _pack_cuda.build_table(launch.segments, launch.chunk)
+    regions = [(bucket.ctypes.data, bucket.ctypes.data + 4 * total, "bucket", counts)]
+    regions += chb._pack_segments(launch.kernel, table, len(launch.segments))
+    kernels.launch(launch.kernel, min(nchunks, 3), 256,
+                   [table, np.int64(len(launch.segments)), np.int64(launch.chunk), bucket,
+                    np.float32(0.5), np.zeros((), np.uint64)], SCHEDULES[3], regions)
+    assert np.all(counts == 1)
+    want = np.zeros(total, np.float32)
+    pack_mod.pack(arrays, want, 0.5)
+    assert same_bits(bucket[:total], want)

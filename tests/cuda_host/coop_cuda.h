@@ -16,9 +16,9 @@
 //                         __nanosleep yields, so spin loops on a flag let
 //                         the flag's writer run
 // Every load and store of the kernel code (g++ -fsanitize=kernel-address
-// with callbacks, see coop_runtime.cpp) and every float4/int4 access and
-// cl_ld16/cl_st16 (16-byte alignment) is checked against the regions the
-// launch registered; fiber stacks and shared memory are always allowed.
+// with callbacks, see coop_runtime.cpp) is checked against the regions the
+// launch registered (fiber stacks and shared memory are always allowed);
+// float4/int4 copies and cl_ld16/cl_st16 are checked for 16-byte alignment.
 #ifndef COOP_CUDA_H
 #define COOP_CUDA_H
 
@@ -43,6 +43,8 @@ unsigned activemask();
 void nanosleep_yield();
 void fence();
 void check_access(const void* p, unsigned long long bytes, bool is_write, bool vector);
+// A 16-byte access (instrumented as narrower ones): alignment and bounds.
+void check_vector(const void* p, bool is_write);
 uint32_t atomic32(int op, void* p, uint32_t v, uint32_t cmp);
 uint64_t atomic64(int op, void* p, uint64_t v, uint64_t cmp);
 enum { kAdd, kOr, kAnd, kXor, kMaxU, kMinU, kMaxS, kMinS, kExch, kCas, kAddF };
@@ -137,11 +139,11 @@ struct Registrar {
     T x, y, z, w;                                                                   \
     NAME() = default;                                                               \
     NAME(const NAME& o) {                                                           \
-      ::coop::check_access(&o, 16, false, true);                                    \
+      ::coop::check_vector(&o, false);                                              \
       x = o.x; y = o.y; z = o.z; w = o.w;                                           \
     }                                                                               \
     NAME& operator=(const NAME& o) {                                                \
-      ::coop::check_access(this, 16, true, true);                                   \
+      ::coop::check_vector(this, true);                                             \
       x = o.x; y = o.y; z = o.z; w = o.w;                                           \
       return *this;                                                                 \
     }                                                                               \
@@ -153,7 +155,7 @@ struct alignas(16) uint4 { unsigned x, y, z, w; };  // cl_ld16/cl_st16 check it
 
 #ifndef CL_CHECK_ACCESS
 #define CL_CHECK_ACCESS(ptr, bytes, is_write) \
-  ::coop::check_access((const void*)(ptr), (bytes), (is_write), (bytes) == 16)
+  ((bytes) == 16 ? ::coop::check_vector((const void*)(ptr), (is_write)) : (void)0)
 #endif
 
 // ---------------------------------------------------------------- intrinsics
