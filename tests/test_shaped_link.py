@@ -25,6 +25,12 @@ def _usable():
     return None
 
 
+def _namespaces():
+    proc = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True, timeout=30)
+    return {line.split()[0] for line in proc.stdout.splitlines()
+            if line.startswith("commlib-")}
+
+
 REASON = _usable()
 pytestmark = pytest.mark.skipif(REASON is not None, reason="no shaped link here: %s" % REASON)
 NAME = "commlib-%d" % os.getpid()
@@ -96,3 +102,31 @@ def test_ctrl_c_deletes_the_namespace():
             proc.kill()
     assert proc.returncode != 0
     assert not shaped_link.namespace_exists(name)
+
+
+def test_break_even_table_over_shm_and_a_shaped_link(tmp_path):
+    """benchmarks/break_even.py end to end on the MNIST CNN: every strategy
+    on both links, wire bytes as the strategies promise, dense faster
+    unshaped than at 200 Mbit/s."""
+    import json
+    before = _namespaces()
+    out = tmp_path / "be.json"
+    script = str(ROOT / "benchmarks" / "break_even.py")
+    proc = subprocess.run([sys.executable, script, "--cases", "mnist_cnn", "--links",
+                           "shm,200mbit", "--repeats", "1", "--compute-repeats", "1",
+                           "--json", str(out)], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    rows = json.loads(out.read_text())["rows"]
+    got = {(r["link"], r["strategy"]): r for r in rows}
+    strategies = ["none", "fp16", "bf16", "topk-1%", "topk-0.1%", "threshold-1%", "partial-10%"]
+    assert set(got) == {(link, s) for link in ("shm", "200mbit") for s in strategies}
+    dense = got["shm", "none"]["wire_bytes"]
+    assert dense == 4 * 431080                             # the CNN's float32 parameters
+    for link in ("shm", "200mbit"):
+        assert got[link, "fp16"]["wire_bytes"] == dense // 2
+        assert got[link, "topk-1%"]["wire_bytes"] < dense // 20
+        assert all(r["compute_ms"] > 0 and len(r["times"]) == 1 for r in rows)
+    # 1.7 MB at 200 Mbit/s per rank takes at least 69 ms
+    assert got["200mbit", "none"]["ms"] >= 60
+    assert "| mnist_cnn | 200mbit | none |" in proc.stdout
+    assert _namespaces() == before                          # its namespace is gone
