@@ -33,11 +33,25 @@ def scatter(flat, arrays):
         hostcopy.scatter_any(flat, arrays)
 
 
-def cast_parts(arrays, wire, scale=np.float32(1), into_wire=True):
-    """Cast numpy ``arrays`` straight into their consecutive parts of the
-    1-D ``wire`` (times ``scale``, np.float32), or back when not
-    ``into_wire``, with :func:`commlib.ops.hostcast.cast_into` (no flat
-    float32 copy of the bucket); returns the non-finite values written."""
+#: arrays of fewer elements than this on average are cast through one flat
+#: copy of the bucket (one C call each way), larger ones one by one
+SMALL_ARRAYS = 4096
+
+
+def cast_parts(arrays, wire, workspace, scale=np.float32(1), into_wire=True):
+    """Cast numpy ``arrays`` into their consecutive parts of the 1-D ``wire``
+    (times ``scale``, np.float32), or back when not ``into_wire``, with
+    :func:`commlib.ops.hostcast.cast_into`; returns the non-finite values
+    written. Each array is cast straight from (or into) its own memory,
+    unless they are many small ones: then through ``workspace["flat"]``
+    (one gather or scatter and one cast, fewer calls from Python)."""
+    if len(arrays) > 1 and wire.size < SMALL_ARRAYS * len(arrays):
+        if into_wire:
+            return hostcast.cast_into(gather(arrays, workspace), wire, scale)
+        flat = buffer(workspace, "flat", np, wire.size, np.float32)
+        count = hostcast.cast_into(wire, flat)
+        scatter(flat, arrays)
+        return count
     count, at = 0, 0
     for a in arrays:
         part = wire[at:at + a.size]

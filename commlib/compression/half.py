@@ -4,7 +4,8 @@ Horovod's ``Compression.fp16``, PyTorch DDP's ``fp16_compress_hook`` and
 
 A bucket of float32 arrays is cast to float16 or bfloat16 into one flat
 wire buffer (the batched pack kernel on GPUs; on CPUs each array straight
-into its part of it, by the compiled host cast, ``commlib/ops/hostcast.py``),
+into its part of it, or many small ones through one flat copy, by the
+compiled host cast, ``commlib/ops/hostcast.py``),
 all-reduced in that format, and cast back into the arrays: half the bytes on
 the wire. When averaging, values are divided by the number of ranks
 *before* the cast, so the half-precision sum cannot overflow where the
@@ -72,12 +73,12 @@ class HalfPrecision(Compression):
             self._all_reduce(transport, wire, op, wait)
             warning = self._settle(transport, wire, sent, arrays, wait)
             _pack.unpack(wire, arrays)
-        else:   # numpy: each array cast straight into its part of the wire and back
-            sent = _flat.cast_parts(arrays, wire,
+        else:   # numpy: the arrays cast into their parts of the wire and back
+            sent = _flat.cast_parts(arrays, wire, workspace,
                                     np.float32(1) if scale is None else np.float32(scale))
             self._all_reduce(transport, wire, op, wait)
             warning = self._settle(transport, wire, sent, arrays, wait)
-            _flat.cast_parts(arrays, wire, into_wire=False)
+            _flat.cast_parts(arrays, wire, workspace, into_wire=False)
         if warning:
             _nonfinite.warn(warning)
 
