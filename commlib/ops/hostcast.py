@@ -45,9 +45,12 @@ def cast_into(x, out, scale=np.float32(1), accumulate=False):
 
 
 def reduce_into(a, b, op):
-    """``b = op(b, a)`` elementwise, for float16 or uint16 (bfloat16) numpy
-    arrays ``a`` and ``b`` of one dtype and size (see the module
-    docstring); ``op``: ``"sum"``, ``"prod"``, ``"max"`` or ``"min"``."""
+    """``b = op(b, a)`` elementwise, for float16, bfloat16 (``ml_dtypes``)
+    or uint16 (bfloat16 bits) numpy arrays ``a`` and ``b`` of one dtype and
+    size (see the module docstring); ``op``: ``"sum"``, ``"prod"``,
+    ``"max"`` or ``"min"``."""
+    if a.dtype.name == "bfloat16":          # ml_dtypes: the same bits as uint16
+        a, b = a.view(np.uint16), b.view(np.uint16)
     loop = compiled("cast")
     if loop is not None and a.dtype == b.dtype and loop(a, b, None, _OPS[op]) >= 0:
         return

@@ -15,7 +15,7 @@ import numpy as np
 
 from .. import board, waiting
 from ..dtypes import UFUNCS
-from ..ops.cast import numpy_cast_into
+from ..ops import hostcast
 from .base import Transport
 
 
@@ -47,19 +47,17 @@ class ThreadGroup:
 
 
 def _reduce(values, op, fmt=None):
-    """``op`` over ``values`` in rank order; ``fmt="bfloat16"``: uint16 bit
-    patterns, widened to float32 and rounded back after each step."""
-    ufunc = UFUNCS[op]
+    """``op`` over ``values`` in rank order; 16-bit floats (float16,
+    bfloat16, or uint16 bit patterns with ``fmt="bfloat16"``) as the MPI
+    transport's operators reduce them (:func:`commlib.ops.hostcast.reduce_into`)."""
     acc = values[0].copy()
+    half = fmt is not None or acc.dtype.name in ("float16", "bfloat16")
     with np.errstate(all="ignore"):
         for value in values[1:]:
-            if fmt is None:
-                ufunc(acc, value, out=acc)
-                continue
-            wide, other = np.empty(acc.size, np.float32), np.empty(acc.size, np.float32)
-            numpy_cast_into(acc, wide)
-            numpy_cast_into(value, other)
-            numpy_cast_into(ufunc(wide, other), acc)
+            if half:
+                hostcast.reduce_into(value, acc, op)
+            else:
+                UFUNCS[op](acc, value, out=acc)
     return acc
 
 
