@@ -15,8 +15,8 @@
 //   atomic*, __nanosleep  checked, atomic (no fiber switch inside); a
 //                         __nanosleep yields, so spin loops on a flag let
 //                         the flag's writer run
-// Every load and store of the kernel code (g++ -fsanitize=kernel-address
-// with callbacks, see coop_runtime.cpp) is checked against the regions the
+// Every load and store of the kernel code (g++ -fsanitize=thread, see
+// coop_runtime.cpp) is checked against the regions the
 // launch registered (fiber stacks and shared memory are always allowed);
 // float4/int4 copies and cl_ld16/cl_st16 are checked for 16-byte alignment.
 #ifndef COOP_CUDA_H

@@ -1,8 +1,8 @@
 // Cooperative scheduler and checks behind coop_cuda.h. Built without
 // instrumentation; the kernel translation units are built with
-// -fsanitize=kernel-address and asan-instrumentation-with-call-threshold=0,
-// so every load and store they make calls __asan_{load,store}N_noabort,
-// defined here to check the access (and maybe yield, see Config::p_yield).
+// -fsanitize=thread, so every load and store they make calls
+// __tsan_{read,write}N, defined here to check the access (and maybe yield,
+// see Config::p_yield).
 //
 // C API (ctypes):
 //   coop_launch(name, grid, block, slots, nslots, regions, nregions, config)
@@ -742,20 +742,28 @@ void syncthreads(const char* file, int line) {
 using coop::check_access;
 
 extern "C" {
-#define COOP_ASAN(N)                                                                     \
-  void __asan_load##N##_noabort(uintptr_t a) { check_access((void*)a, N, false, false); } \
-  void __asan_store##N##_noabort(uintptr_t a) { check_access((void*)a, N, true, false); }
-COOP_ASAN(1)
-COOP_ASAN(2)
-COOP_ASAN(4)
-COOP_ASAN(8)
-COOP_ASAN(16)
-#undef COOP_ASAN
-void __asan_loadN_noabort(uintptr_t a, size_t n) { check_access((void*)a, n, false, false); }
-void __asan_storeN_noabort(uintptr_t a, size_t n) { check_access((void*)a, n, true, false); }
-void __asan_handle_no_return() {}
-void __asan_before_dynamic_init(const char*) {}
-void __asan_after_dynamic_init() {}
+// g++ -fsanitize=thread (--param tsan-distinguish-volatile=1) instruments
+// every load and store of the kernel units separately (unlike
+// -fsanitize=address, which drops the check of a store to an address a load
+// just checked): the calls land here.
+void __tsan_init() {}
+void __tsan_func_entry(void*) {}
+void __tsan_func_exit() {}
+#define COOP_TSAN(N)                                                                      \
+  void __tsan_read##N(void* a) { check_access(a, N, false, false); }                     \
+  void __tsan_write##N(void* a) { check_access(a, N, true, false); }                     \
+  void __tsan_unaligned_read##N(void* a) { check_access(a, N, false, false); }           \
+  void __tsan_unaligned_write##N(void* a) { check_access(a, N, true, false); }           \
+  void __tsan_volatile_read##N(void* a) { check_access(a, N, false, false); }            \
+  void __tsan_volatile_write##N(void* a) { check_access(a, N, true, false); }
+COOP_TSAN(1)
+COOP_TSAN(2)
+COOP_TSAN(4)
+COOP_TSAN(8)
+COOP_TSAN(16)
+#undef COOP_TSAN
+void __tsan_read_range(void* a, unsigned long n) { check_access(a, n, false, false); }
+void __tsan_write_range(void* a, unsigned long n) { check_access(a, n, true, false); }
 
 int coop_launch(const char* name, unsigned grid, unsigned block, const uint64_t* slots,
                 int nslots, const coop::Region* regions, int nregions,
