@@ -691,27 +691,37 @@ class _Signals:
 
 
 def supervise(job, timeout=None, grace=5.0):
-    """Wait for ``job`` (:class:`ForkedWorkers` or :class:`MpiJob`); end it on
-    a failure, a signal or after ``timeout`` seconds. Returns the exit status."""
+    """Wait for ``job`` (:class:`ForkedWorkers` or :class:`MpiJob`, or a
+    callable that starts one: a signal that arrives while it starts is then
+    caught too, not left to kill the launcher and orphan the workers); end
+    it on a failure, a signal or after ``timeout`` seconds. Returns the exit
+    status."""
+    with _Signals() as signals:
+        if not hasattr(job, "poll"):
+            job = job()
+        return _watch(job, signals, timeout, grace)
+
+
+def _watch(job, signals, timeout, grace):
+    """supervise's loop, its signal handlers installed; closes ``job``."""
     deadline = None if timeout is None else time.monotonic() + timeout
     try:
-        with _Signals() as signals:
-            while True:
-                ended, failed = job.poll()
-                if signals.received is not None:
-                    _say("received %s; ending all workers" % _signal_name(signals.received))
-                    job.end(grace)
-                    return 128 + signals.received
-                if failed:
-                    _settle(job, grace)
-                    return report(job)
-                if ended:
-                    return report(job)
-                if deadline is not None and time.monotonic() > deadline:
-                    _say("timed out after %g s; ending all workers" % timeout)
-                    job.end(grace)
-                    return EXIT_TIMEOUT
-                time.sleep(POLL_S)
+        while True:
+            ended, failed = job.poll()
+            if signals.received is not None:
+                _say("received %s; ending all workers" % _signal_name(signals.received))
+                job.end(grace)
+                return 128 + signals.received
+            if failed:
+                _settle(job, grace)
+                return report(job)
+            if ended:
+                return report(job)
+            if deadline is not None and time.monotonic() > deadline:
+                _say("timed out after %g s; ending all workers" % timeout)
+                job.end(grace)
+                return EXIT_TIMEOUT
+            time.sleep(POLL_S)
     finally:
         job.close()
 
@@ -903,17 +913,26 @@ def main(argv=None):
         run = run_supervisor if argv[0] == WORKER_FLAG else run_worker
         return run(argv[1], argv[2:])
     ns = parse_args(argv)
+    failed = []
+
+    def start():
+        try:
+            backend = choose_backend(ns.backend, ns.nprocs)
+            if backend == "nccl":
+                from .bootstrap import NcclId
+                return ForkedWorkers.start_script(ns.script, ns.args, ns.nprocs, str(NcclId()))
+            return MpiJob.start(ns.script, ns.args, ns.nprocs)
+        except CommlibError as exc:
+            failed.append(exc)
+            raise
+
     try:
-        backend = choose_backend(ns.backend, ns.nprocs)
-        if backend == "nccl":
-            from .bootstrap import NcclId
-            job = ForkedWorkers.start_script(ns.script, ns.args, ns.nprocs, str(NcclId()))
-        else:
-            job = MpiJob.start(ns.script, ns.args, ns.nprocs)
+        return supervise(start, timeout=ns.timeout, grace=ns.grace)
     except CommlibError as exc:
+        if exc not in failed:
+            raise
         _say("error: %s" % exc)
         return 2
-    return supervise(job, timeout=ns.timeout, grace=ns.grace)
 
 
 if __name__ == "__main__":

@@ -386,8 +386,9 @@ def test_supervisor_forwards_sigterm_to_its_rank(tmp_path):
 
 
 MPI_LAUNCHER = ["-m", "commlib.launch", "--backend", "mpi", "-n", "2"]
+# the workers start inside supervise(), its signal handlers already installed
 FORKED_LAUNCHER = ["-c", "import sys; from commlib import launch; sys.exit(launch.supervise("
-                         "launch.ForkedWorkers.start([sys.executable, sys.argv[1]], 2, %r)))"
+                         "lambda: launch.ForkedWorkers.start([sys.executable, sys.argv[1]], 2, %r)))"
                    % FAKE_ID]
 
 
