@@ -12,6 +12,7 @@ so the ranks issue the same collectives in the same order however their
 ``ready`` calls interleave.
 """
 import numbers
+import os
 import weakref
 
 from .errors import ArgumentError
@@ -38,6 +39,27 @@ def backward_buckets(grads, bucket_bytes):
     return buckets
 
 
+def usable_cores():
+    """CPU cores this process may run on."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
+
+
+def early_start_pays(comm, grads):
+    """``overlap="auto"``'s choice: whether starting buckets during the
+    backward pass can shorten the step. Not when the arrays are numpy
+    arrays reduced through shared memory (the reduction is then memory-bound
+    CPU work) and every usable core of the node already runs a rank (the
+    backward pass of a numpy loop fills it): started early, the reduction
+    only competes with the computation for the same cores (ResNet-50 at 2
+    ranks on 2 cores: 2-9 % slower, ``benchmarks/overlap.py``)."""
+    if not grads or is_cupy(grads[0]) or comm._transport("numpy").name != "shm":
+        return True
+    return usable_cores() > comm.local_size
+
+
 class BackwardReducer:
     """Bucketed asynchronous all-reduce of ``grads`` over ``comm`` during
     the backward pass.
@@ -46,7 +68,11 @@ class BackwardReducer:
     parameter order) that the backward pass writes into each step.
     ``bucket_bytes`` (bytes; default the communicator's ``bucket_bytes``,
     else its transport's default, see :mod:`commlib.bucketing`), ``op`` and
-    ``compression`` as for :meth:`Communicator.all_reduce`.
+    ``compression`` as for :meth:`Communicator.all_reduce`. ``overlap``:
+    True starts each bucket as soon as it is ready; False starts them all
+    in :meth:`wait`; ``"auto"`` (default) is True unless
+    :func:`early_start_pays` says the early start cannot pay on this node.
+    The results are the same bits either way.
 
     Each step: :meth:`ready` for every index as its gradient becomes final,
     then :meth:`wait`. Results are bit-identical to
@@ -58,8 +84,12 @@ class BackwardReducer:
     the same order (the consistency check compares them).
     """
 
-    def __init__(self, comm, grads, bucket_bytes=None, op="avg", compression=None):
+    def __init__(self, comm, grads, bucket_bytes=None, op="avg", compression=None,
+                 overlap="auto"):
         rank = comm.rank
+        if overlap not in (True, False, "auto"):
+            raise ArgumentError("rank %d: BackwardReducer: overlap must be True, False or "
+                                "'auto', got %r" % (rank, overlap))
         if not isinstance(grads, (list, tuple)):
             raise ArgumentError("rank %d: BackwardReducer: grads must be a list of arrays, got "
                                 "%s" % (rank, type(grads).__name__))
@@ -77,6 +107,8 @@ class BackwardReducer:
         self.comm, self.grads = comm, list(grads)
         self.op, self.compression = op, compression
         self.bucket_bytes = int(bucket_bytes)
+        #: whether ready() starts buckets (else wait() starts them all)
+        self.overlap = early_start_pays(comm, grads) if overlap == "auto" else bool(overlap)
         self._buckets = backward_buckets(self.grads, self.bucket_bytes)
         self._serial = next(comm._reducers)
         # the communicator keeps each bucket's plan and compression state until then
@@ -112,7 +144,8 @@ class BackwardReducer:
                                 % (rank, i))
         self._is_ready[i] = 1
         self._missing[self._bucket_of[i]] -= 1
-        self._start(lambda k: self._missing[k] == 0)
+        if self.overlap:
+            self._start(lambda k: self._missing[k] == 0)
 
     def _start(self, may_start):
         """Start the next buckets in order while ``may_start(k)``."""

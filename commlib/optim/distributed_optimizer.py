@@ -76,9 +76,11 @@ class DistributedOptimizer:
     ``TopK``, ``Threshold``), applied to the gradients; a
     :class:`~commlib.compression.Partial` makes every step a partial update
     (see :meth:`update_partial`). ``bucket_bytes``: the gradient buckets'
-    size (default: the transport's). ``overlap``: :meth:`grad_ready` starts
-    a bucket's all-reduce as soon as its gradients are ready (the result is
-    bit-identical either way). ``accumulate``: micro-batches per update.
+    size (default: the transport's). ``overlap``: True: :meth:`grad_ready`
+    starts a bucket's all-reduce as soon as its gradients are ready;
+    ``"auto"`` (default): the same unless it cannot pay on this node (see
+    :func:`commlib.overlap.early_start_pays`); False: every bucket starts in
+    :meth:`step`. The result is bit-identical either way. ``accumulate``: micro-batches per update.
 
     The backward pass writes into :attr:`grads` (same shapes and dtypes as
     ``params``), calls :meth:`grad_ready(i) <grad_ready>` when ``grads[i]``
@@ -87,7 +89,7 @@ class DistributedOptimizer:
     """
 
     def __init__(self, comm, params, rule, *, compression=None, bucket_bytes=None,
-                 overlap=True, accumulate=1):
+                 overlap="auto", accumulate=1):
         rank = getattr(comm, "rank", None)
         if rank is None or not callable(getattr(comm, "all_reduce", None)):
             raise ArgumentError("DistributedOptimizer: comm must be a commlib.Communicator, "
@@ -106,8 +108,8 @@ class DistributedOptimizer:
                 or not isinstance(accumulate, (int, np.integer)) or accumulate < 1):
             raise ArgumentError("rank %d: accumulate must be an int >= 1, got %r"
                                 % (rank, accumulate))
-        if not isinstance(overlap, (bool, np.bool_)):
-            raise ArgumentError("rank %d: overlap must be True or False, got %r"
+        if not (isinstance(overlap, (bool, np.bool_)) or overlap == "auto"):
+            raise ArgumentError("rank %d: overlap must be True, False or 'auto', got %r"
                                 % (rank, overlap))
         if bucket_bytes is not None and (
                 isinstance(bucket_bytes, (bool, np.bool_))
@@ -117,7 +119,8 @@ class DistributedOptimizer:
         self.comm, self.params, self.rule = comm, params, rule
         self.compression = _compression.resolve(compression, rank)
         self.bucket_bytes = None if bucket_bytes is None else int(bucket_bytes)
-        self.overlap, self.accumulate = bool(overlap), int(accumulate)
+        self.overlap = overlap if overlap == "auto" else bool(overlap)
+        self.accumulate = int(accumulate)
         self.grads = _like(params)
         # a built-in rule updates each run of parameters that lie back to back
         # (flat_arrays) as one array: elementwise, so the same bits, fewer calls
@@ -281,7 +284,7 @@ class DistributedOptimizer:
         if found is None:
             found = self._reducers[name] = BackwardReducer(
                 self.comm, self.grads, bucket_bytes=self.bucket_bytes, op="avg",
-                compression=strategy)
+                compression=strategy, overlap=self.overlap or False)
         return found
 
     def _reduce(self, strategy):
