@@ -159,15 +159,15 @@ def poll(done, wait):
             next_check = clock() + CHECK_EVERY_S
 
 
-def spin_py(words, target, gone, seq, rank, until):
+def spin_py(words, target, gone, seq, rank, until, may_sleep=True):
     """Python twin of the compiled wait (``commlib/native/flag_wait.c``):
     ``words`` and ``gone`` are per-rank numpy views (``gone`` may be None).
     Returns 0 when every other rank's word reached ``target``, -2 - r when
     rank r left (``0 < gone[r] <= seq``), -1 once ``until`` passed. On a
     relaxed thread (:func:`relaxed`) it sleeps between polls instead of
-    yielding."""
+    yielding, unless ``may_sleep`` is False."""
     polls = 0
-    backoff = Backoff() if relaxed() else None
+    backoff = Backoff() if may_sleep and relaxed() else None
     for r in range(len(words)):
         while r != rank and words[r] < target:
             if gone is not None and 0 < gone[r] <= seq:

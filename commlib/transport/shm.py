@@ -188,31 +188,26 @@ class SharedMemoryReducer:
         if ext is None:
             flags[self.rank * stride] = seq
         first = True
-        # never relaxed: every rank is inside this collective, so the peers'
-        # flags follow within microseconds; sleeping between polls here cost
-        # a progress thread up to 0.5 ms per piece (two syncs per 2 MiB)
-        backoff = None
-        next_check = time.monotonic() + waiting.CHECK_EVERY_S
+        # never relaxed (see waiting.relaxed): every rank is inside this
+        # collective, so the peers' flags follow within microseconds; a
+        # progress thread sleeping between these polls paid up to 0.5 ms per
+        # piece (two syncs per 2 MiB)
         while True:
             if ext is not None:      # spins in C, without the GIL
                 found = ext.wait_flags(flags, self.rank, self.size, stride, seq, first,
-                                       0.0 if backoff else wait.deadline,
-                                       waiting.CHECK_EVERY_S, gone, gone_stride, wait.seq)
+                                       wait.deadline, waiting.CHECK_EVERY_S, gone, gone_stride,
+                                       wait.seq)
                 first = False
             else:
                 found = waiting.spin_py(flags[:self.size * stride:stride], seq,
                                         None if gone is None else
                                         gone[:self.size * gone_stride:gone_stride],
-                                        wait.seq, self.rank, waiting.slice_end(wait.deadline))
+                                        wait.seq, self.rank, waiting.slice_end(wait.deadline),
+                                        may_sleep=False)
             if found == 0:
                 return
             if found <= -2:
                 board.check_peers(wait.seq, wait.what, [-2 - found])
-            if backoff is not None:
-                backoff.pause()
-                if time.monotonic() < next_check:
-                    continue
-                next_check = time.monotonic() + waiting.CHECK_EVERY_S
             late = [r for r in range(self.size) if flags[r * stride] < seq]
             wait.check(late)
 
