@@ -88,7 +88,6 @@ def worker(args):
     ``args.out`` (rank 0)."""
     from mpi4py import MPI
 
-    from compression import WireCounter
     world = MPI.COMM_WORLD
     rows = []
     for case in args.cases:
@@ -97,22 +96,21 @@ def worker(args):
         grads = [np.empty(s, np.float32) for s in shapes]
         for name in args.strategies:
             comm = commlib.Communicator.from_mpi(backend="mpi")
-            counter = WireCounter(comm._transport("numpy"))
             times = []
             for rep in range(WARMUP + args.repeats):
                 for g, f in zip(grads, fresh):
                     np.copyto(g, f)
                 world.Barrier()
-                counter.bytes = 0
+                comm.stats.reset()
                 start = time.perf_counter()
                 comm.all_reduce(grads, op="avg", compression=STRATEGIES[name])
                 elapsed = world.allreduce(time.perf_counter() - start, op=MPI.MAX)
                 if rep >= WARMUP:
                     times.append(elapsed)
             rows.append({"case": case, "strategy": name, "times": times,
-                         "wire_bytes": counter.bytes, "backend": comm.backend})
+                         "wire_bytes": comm.stats.bytes_sent, "backend": comm.backend})
             comm.close()
-            del comm, counter
+            del comm
             gc.collect()
     if world.rank == 0:
         Path(args.out).write_text(json.dumps(rows))

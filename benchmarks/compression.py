@@ -76,26 +76,6 @@ def numpy_twins(on):
         hostcast.compiled = hostselect.compiled = saved
 
 
-class WireCounter:
-    """Counts the bytes of the buffers this rank hands to its transport."""
-
-    def __init__(self, transport):
-        self.bytes = 0
-        # (method, position of the buffer whose bytes travel)
-        for name, at in (("all_reduce", 0), ("all_gather", 0), ("all_gatherv", 0),
-                         ("all_reduce_parts", 1)):
-            setattr(transport, name, self._wrap(getattr(transport, name), at))
-
-    def _wrap(self, method, at):
-        def counted(*args, **kwargs):
-            before = self.bytes
-            result = method(*args, **kwargs)
-            if self.bytes == before:     # not already counted by a nested collective
-                self.bytes += args[at].nbytes
-            return result
-        return counted
-
-
 def main(argv=None):
     args = parse_args(argv)
     world = MPI.COMM_WORLD
@@ -105,14 +85,12 @@ def main(argv=None):
     if args.device == "gpu":
         import cupy as xp
         xp.cuda.Device(comm.device).use()
-    kind = "cupy" if xp is not np else "numpy"
-    # (strategy, with numpy twins) -> its communicator, its wire counter
+    # (strategy, with numpy twins) -> its communicator (its stats count the wire bytes)
     runs = {(name, False): comm for name in args.strategies}
     comms = [comm]          # in the same order on every rank
     if args.twins:
         comms.append(commlib.Communicator.from_mpi(backend=backend))
         runs.update({(name, True): comms[1] for name in args.strategies if name != "none"})
-    counters = {c: WireCounter(c._transport(kind)) for c in comms}
     say = print if comm.rank == 0 else (lambda *a, **k: None)
     say("# compressed all-reduce, %d ranks, backend %s, %s, op=avg, median of %d; time = "
         "slowest rank" % (comm.size, comm.backend, args.device, args.repeats))
@@ -129,9 +107,8 @@ def main(argv=None):
             for run, run_comm in runs.items():
                 for g, f in zip(grads[run], fresh):
                     g[...] = xp.asarray(f)
-                counter = counters[run_comm]
                 world.Barrier()
-                counter.bytes = 0
+                run_comm.stats.reset()
                 start = time.perf_counter()
                 with numpy_twins(run[1]):
                     run_comm.all_reduce(grads[run], op="avg", compression=STRATEGIES[run[0]])
@@ -140,7 +117,7 @@ def main(argv=None):
                 elapsed = world.allreduce(time.perf_counter() - start, op=MPI.MAX)
                 if rep:
                     times[run].append(elapsed)
-                wire[run] = counter.bytes
+                wire[run] = run_comm.stats.bytes_sent
         scale = max(float(np.abs(e).max()) for e in exact)
         dense = wire.get(("none", False))
         for run in runs:
