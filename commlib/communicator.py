@@ -675,13 +675,17 @@ class Communicator:
             if i is not None:
                 prepared.pack(items, i)
             owned = i is not None and not prepared.zero_copy(i)
+            # the user's own memory is scaled by the transport as it writes the
+            # result; a packed bucket, as it is copied out
+            scaled = root is None and not owned
             if root is None:
-                transport.all_reduce(buf, reduce_op, wait, owned=owned)
+                transport.all_reduce(buf, reduce_op, wait, owned=owned,
+                                     scale=scale if scaled else None)
             else:
                 transport.reduce(buf, root, reduce_op, wait, owned=owned)
             if receives and i is not None:
-                prepared.unpack(items, i, scale)
-            elif receives and scale is not None:
+                prepared.unpack(items, i, None if scaled else scale)
+            elif receives and scale is not None and not scaled:
                 buf *= scale
 
         self._run(self._fused, items, kind, key, prepared, receives, step,

@@ -20,6 +20,13 @@ from ..errors import ClosedError
 from ..waiting import FOREVER
 
 
+def scale_in_place(buf, scale):
+    """``buf *= scale`` unless ``scale`` is None (the rounding of every
+    transport's ``all_reduce(..., scale=)``)."""
+    if scale is not None:
+        buf *= scale
+
+
 class Transport:
     """Base class: rank/size bookkeeping, the unusable state, closing."""
 
@@ -31,9 +38,11 @@ class Transport:
         self._broken = None
 
     # -- collectives (in place unless a recv buffer is given) ---------------
-    def all_reduce(self, buf, op, wait=FOREVER, fmt=None, owned=False):
-        """Reduce ``buf`` in place over all ranks. ``fmt="bfloat16"``: ``buf``
-        is uint16 holding bfloat16 bit patterns (cupy has no bfloat16 dtype)."""
+    def all_reduce(self, buf, op, wait=FOREVER, fmt=None, owned=False, scale=None):
+        """Reduce ``buf`` in place over all ranks, then multiply it by
+        ``scale`` (a float, or None: no scaling; floating ``buf`` without
+        ``fmt`` only). ``fmt="bfloat16"``: ``buf`` is uint16 holding bfloat16
+        bit patterns (cupy has no bfloat16 dtype)."""
         raise NotImplementedError
 
     def reduces_parts(self, buf):

@@ -2,7 +2,7 @@
 collective's result is this rank's own data (gathers copy it into the
 receive buffer; everything else leaves the buffer as it is)."""
 from .. import waiting
-from .base import Transport
+from .base import Transport, scale_in_place
 
 
 class LocalTransport(Transport):
@@ -13,8 +13,9 @@ class LocalTransport(Transport):
     def __init__(self):
         super().__init__(0, 1)
 
-    def all_reduce(self, buf, op, wait=waiting.FOREVER, fmt=None, owned=False):
+    def all_reduce(self, buf, op, wait=waiting.FOREVER, fmt=None, owned=False, scale=None):
         self.check_usable()
+        scale_in_place(buf, scale)
 
     def broadcast(self, buf, root, wait=waiting.FOREVER, owned=False):
         self.check_usable()

@@ -25,7 +25,7 @@ from .. import waiting
 from ..errors import BackendUnavailableError, TransportError
 from ..ops import hostcast
 from ..ops._arrays import array_module, is_cupy
-from .base import Transport
+from .base import Transport, scale_in_place
 
 _MPI = None
 
@@ -157,20 +157,29 @@ class MpiTransport(Transport):
             found = self._staging[xp] = xp.empty(max(self.chunk_bytes, piece.nbytes), np.uint8)
         return found[:piece.nbytes].view(piece.dtype)
 
-    def _in_place(self, buf, owned, run, writes=True):
-        """Call ``run(piece)`` for consecutive pieces of ``buf`` of at most
-        ``chunk_bytes``; unless ``owned`` (or ``writes`` is False), each
-        piece is a staged copy, copied back after ``run`` returned."""
+    def _in_place(self, buf, owned, run, writes=True, copy_in=True, scale=None):
+        """Call ``run(out, piece)`` for consecutive pieces of ``buf`` of at
+        most ``chunk_bytes``, the result going to ``out``: the piece itself
+        when ``owned`` (or ``writes`` is False), else the staging buffer,
+        filled with the piece first if ``copy_in``, and copied back times
+        ``scale`` (None: 1) after ``run`` returned, so a collective that
+        fails never writes into ``buf``."""
         step = max(1, self.chunk_bytes // max(1, buf.itemsize))
         for start in range(0, buf.size, step):
             piece = buf[start:start + step] if buf.size > step else buf
             if owned or not writes:
-                run(piece)
+                run(piece, piece)
+                if writes:
+                    scale_in_place(piece, scale)
                 continue
             stage = self._stage(piece)
-            stage[...] = piece
-            run(stage)
-            piece[...] = stage
+            if copy_in:
+                stage[...] = piece
+            run(stage, piece)
+            if scale is None:
+                piece[...] = stage
+            else:
+                array_module(piece).multiply(stage, scale, out=piece)
 
     def _spec(self, buf):
         return [buf, buf.size, _mpi_type(buf.dtype)]
@@ -204,18 +213,22 @@ class MpiTransport(Transport):
                               % (self.rank, _NAMES[name], text.strip(), hint))
 
     # -- collectives ---------------------------------------------------------
-    def all_reduce(self, buf, op, wait=waiting.FOREVER, fmt=None, owned=False):
+    def all_reduce(self, buf, op, wait=waiting.FOREVER, fmt=None, owned=False, scale=None):
         h = self._host(buf)
         mop, mtype = _mpi_op(h.dtype, op, fmt), _mpi_type(h.dtype)
         IN_PLACE = mpi().IN_PLACE
-        self._in_place(h, owned or h is not buf, lambda piece: self._call(
-            "Iallreduce", wait, IN_PLACE, [piece, mtype], mop))
+
+        def run(out, piece):       # a staged piece is sent from where it lies
+            self._call("Iallreduce", wait, IN_PLACE if out is piece else [piece, mtype],
+                       [out, mtype], mop)
+
+        self._in_place(h, owned or h is not buf, run, copy_in=False, scale=scale)
         self._write_back(buf, h)
 
     def broadcast(self, buf, root, wait=waiting.FOREVER, owned=False):
         h = self._host(buf)
-        self._in_place(h, owned or h is not buf, lambda piece: self._call(
-            "Ibcast", wait, self._spec(piece), root=root), writes=self.rank != root)
+        self._in_place(h, owned or h is not buf, lambda out, piece: self._call(
+            "Ibcast", wait, self._spec(out), root=root), writes=self.rank != root)
         if self.rank != root:
             self._write_back(buf, h)
 
@@ -224,11 +237,11 @@ class MpiTransport(Transport):
         h = self._host(buf)
         mop = _mpi_op(h.dtype, op)
 
-        def run(piece):
+        def run(out, piece):
             if self.rank == root:
-                self._call("Ireduce", wait, MPI.IN_PLACE, self._spec(piece), mop, root=root)
+                self._call("Ireduce", wait, MPI.IN_PLACE, self._spec(out), mop, root=root)
             else:
-                self._call("Ireduce", wait, self._spec(piece), None, mop, root=root)
+                self._call("Ireduce", wait, self._spec(out), None, mop, root=root)
 
         self._in_place(h, owned or h is not buf, run, writes=self.rank == root)
         if self.rank == root:

@@ -20,7 +20,7 @@ from .._cuda import nccl_module
 from ..consistency import label
 from ..errors import CollectiveTimeoutError, CommlibError
 from ..ops._arrays import is_cupy
-from .base import Transport
+from .base import Transport, scale_in_place
 
 
 class NcclWatch:
@@ -155,12 +155,13 @@ class NcclTransport(Transport):
             self.watch.add(self._stream().record(), wait)
 
     # -- collectives ---------------------------------------------------------
-    def all_reduce(self, buf, op, wait=waiting.FOREVER, fmt=None, owned=False):
+    def all_reduce(self, buf, op, wait=waiting.FOREVER, fmt=None, owned=False, scale=None):
         self.check_usable()
         with self._device(buf, True) as d:
             dtype = _code(d.dtype) if fmt is None else _DTYPES[fmt]
             self.comm.allReduce(d.data.ptr, d.data.ptr, d.size, dtype, _OPS[op],
                                 self._stream().ptr)
+            scale_in_place(d, scale)
             self._finish(wait)
 
     def broadcast(self, buf, root, wait=waiting.FOREVER, owned=False):

@@ -59,7 +59,7 @@ from .. import waiting
 from ..dtypes import UFUNCS, supported_fast
 from ..errors import ArgumentError, ArrayTypeError
 from ..ops import _native, hostcopy, hostreduce
-from .base import Transport
+from .base import Transport, scale_in_place
 
 
 def _mpi():
@@ -337,11 +337,12 @@ class SharedMemoryTransport(Transport):
             self.fail("all_reduce failed (%s)" % type(exc).__name__)
             raise
 
-    def all_reduce(self, buf, op, wait=waiting.FOREVER, fmt=None, owned=False):
+    def all_reduce(self, buf, op, wait=waiting.FOREVER, fmt=None, owned=False, scale=None):
         if fmt is None and self._takes(buf):
             self._run(self.reducer.all_reduce, buf, op, wait)
+            scale_in_place(buf, scale)
         else:
-            self.fallback.all_reduce(buf, op, wait, fmt, owned)
+            self.fallback.all_reduce(buf, op, wait, fmt, owned, scale)
 
     def reduces_parts(self, buf):
         """Buckets of one window at most (larger ones are packed and reduced

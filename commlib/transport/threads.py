@@ -16,7 +16,7 @@ import numpy as np
 from .. import board, waiting
 from ..dtypes import UFUNCS
 from ..ops import hostcast
-from .base import Transport
+from .base import Transport, scale_in_place
 
 
 class ThreadGroup:
@@ -74,8 +74,9 @@ class ThreadTransport(Transport):
         self.check_usable()
         return self.group.exchange(self.rank, np.array(buf, copy=True), wait)
 
-    def all_reduce(self, buf, op, wait=waiting.FOREVER, fmt=None, owned=False):
+    def all_reduce(self, buf, op, wait=waiting.FOREVER, fmt=None, owned=False, scale=None):
         buf[...] = _reduce(self._all(buf, wait), op, fmt)
+        scale_in_place(buf, scale)
 
     def broadcast(self, buf, root, wait=waiting.FOREVER, owned=False):
         buf[...] = self._all(buf, wait)[root]
