@@ -21,7 +21,12 @@ interleaved repeat by repeat, each the slowest rank's time, median of
 * the step without overlap (compute, then ``all_reduce``) and with it;
 * ``compute in step``: the time the backward pass itself took inside the
   overlapped step: how much the progress thread slows the compute;
-* how many buckets had completed when the backward pass ended.
+* how many buckets had completed when the backward pass ended;
+* the baseline: the same overlapped step written with bare mpi4py, no
+  commlib (:class:`BareOverlap`: one thread, each bucket's ``Iallreduce``
+  in place as soon as it is ready, polled with the same sleeps, then
+  scaled), so the table tells what the machine allows from what commlib
+  adds.
 
 ``--compute sleep`` replaces the computation by sleeps of the same
 shape: the CPU is free during the backward pass, as with a GPU (and as
@@ -90,6 +95,99 @@ class Backward:
         return time.perf_counter() - start
 
 
+class BareOverlap:
+    """The overlapped step with bare mpi4py on ``world`` (a duplicate):
+    bucket ``k`` of ``buckets`` (index lists into the flat-array views
+    ``grads``) is ``Iallreduce``-d in place on a thread of its own as soon
+    as :meth:`ready` completed it, one at a time in bucket order; the
+    thread polls ``Test`` with commlib's relaxed sleeps while the caller
+    computes and back to back once it waits; then scales by 1/size."""
+
+    def __init__(self, world, grads, buckets):
+        import threading
+        import collections
+        self.world, self.buckets = world, buckets
+        base = grads[0]
+        while base.base is not None:
+            base = base.base
+        start = base.__array_interface__["data"][0]
+        self.views = []
+        for b in buckets:
+            first, last = grads[b[0]], grads[b[-1]]
+            lo = (first.__array_interface__["data"][0] - start) // first.itemsize
+            hi = (last.__array_interface__["data"][0] - start) // last.itemsize + last.size
+            view = base.reshape(-1).view(first.dtype)[lo:hi]
+            assert view.size == sum(grads[j].size for j in b), "buckets must be contiguous"
+            self.views.append(view)
+        self.bucket_of = {j: k for k, b in enumerate(buckets) for j in b}
+        self._queue, self._cond = collections.deque(), threading.Condition()
+        self._waiting, self._done = False, 0
+        threading.Thread(target=self._loop, daemon=True).start()
+
+    def _loop(self):
+        from mpi4py import MPI
+        from commlib.waiting import RELAXED_SLEEP_S, RELAXED_SPINS
+        scale = 1.0 / self.world.Get_size()
+        while True:
+            with self._cond:
+                while not self._queue:
+                    self._cond.wait()
+                k = self._queue.popleft()
+            if k is None:
+                return
+            request = self.world.Iallreduce(MPI.IN_PLACE, self.views[k])
+            polls, sleep = 0, RELAXED_SLEEP_S[0]
+            while not request.Test():
+                polls += 1
+                if polls > RELAXED_SPINS and not self._waiting:
+                    time.sleep(sleep)
+                    sleep = min(2 * sleep, RELAXED_SLEEP_S[1])
+            self.views[k] *= scale
+            with self._cond:
+                self._done += 1
+                self._cond.notify_all()
+
+    def step(self, backward):
+        """One overlapped step; returns the backward pass's seconds."""
+        missing = [len(b) for b in self.buckets]
+        started = [0]
+        self._done = 0
+
+        def ready(i):
+            missing[self.bucket_of[i]] -= 1
+            while started[0] < len(self.buckets) and missing[started[0]] == 0:
+                with self._cond:
+                    self._queue.append(started[0])
+                    self._cond.notify_all()
+                started[0] += 1
+
+        took = backward.run(ready)
+        self._waiting = True
+        with self._cond:
+            while self._done < len(self.buckets):
+                self._cond.wait()
+        self._waiting = False
+        return took
+
+    def close(self):
+        with self._cond:
+            self._queue.append(None)
+            self._cond.notify_all()
+
+
+def calibrate(world, backward, target_s, slowest, rounds=3):
+    """Set ``backward.factor`` so that the pass takes ``target_s`` seconds
+    (the slowest rank's median of 3), correcting ``rounds`` times for the
+    part that does not scale with the factor (per-layer overhead, the
+    sleeps' granularity); the same factor on every rank."""
+    from mpi4py import MPI
+    backward.factor = 1.0
+    for _ in range(rounds):
+        took = statistics.median(slowest(backward.run)[0] for _ in range(3))
+        backward.factor = world.allreduce(backward.factor * target_s / took, op=MPI.MAX)
+    return backward.factor
+
+
 def rank_program(args):
     from mpi4py import MPI
     sys.path.insert(0, str(HERE.parent))          # prefer the checkout's commlib
@@ -104,6 +202,7 @@ def rank_program(args):
     reducer = commlib.BackwardReducer(comm, grads, bucket_bytes=args.bucket_bytes,
                                       overlap=True)
     auto_overlaps = commlib.overlap.early_start_pays(comm, grads)
+    bare = BareOverlap(world.Dup(), grads, reducer.buckets)
 
     def slowest(fn):
         world.Barrier()
@@ -128,13 +227,11 @@ def rank_program(args):
     for _ in range(2):                            # warm up: plans, buffers, threads
         slowest(comm_only)
         slowest(overlap)
+        slowest(lambda: bare.step(backward))
     comm_s = statistics.median(slowest(comm_only)[0] for _ in range(3))
-    backward.factor = 1.0
-    unit = statistics.median(slowest(backward.run)[0] for _ in range(3))
-    factor = world.allreduce(args.compute_ratio * comm_s / unit, op=MPI.MAX)
-    backward.factor = factor
+    factor = calibrate(world, backward, args.compute_ratio * comm_s, slowest)
     variants = {"compute": backward.run, "comm": comm_only, "no_overlap": no_overlap,
-                "overlap": overlap}
+                "overlap": overlap, "bare_overlap": lambda: bare.step(backward)}
     times = {name: [] for name in variants}
     inside, finished = [], []
     deadline = time.monotonic() + args.budget_s
@@ -161,6 +258,8 @@ def rank_program(args):
               "range_ms": {name: [1e3 * min(t), 1e3 * max(t)] for name, t in times.items()}}
     result["overlap_to_max"] = med["overlap"] / best
     result["no_overlap_to_max"] = med["no_overlap"] / best
+    result["bare_overlap_to_max"] = med["bare_overlap"] / best
+    bare.close()
     comm.close()
     if comm.rank == 0:
         print("OVERLAP " + json.dumps(result), flush=True)
@@ -174,7 +273,8 @@ def table(r):
     rows = [("compute only", ms["compute"]), ("communication only", ms["comm"]),
             ("max(compute, comm)", r["ms_max"]), ("step without overlap", ms["no_overlap"]),
             ("step with overlap", ms["overlap"]),
-            ("compute inside the overlapped step", r["ms_compute_in_overlap"])]
+            ("compute inside the overlapped step", r["ms_compute_in_overlap"]),
+            ("step with overlap, bare mpi4py (baseline)", ms["bare_overlap"])]
     lines = ["%s, %d ranks, %s link, backend %s, compute %s, %d buckets of <= %d bytes, "
              "%.0f MB, median of %d (slowest rank)"
              % (r["workload"], r["ranks"], r["link"], r["backend"], r["compute"], r["buckets"],
@@ -186,6 +286,7 @@ def table(r):
     lines += ["| buckets complete when the backward pass ended | %g of %d |"
               % (r["buckets_done_after_compute"], r["buckets"]),
               "| overlap / max | %.2f |" % r["overlap_to_max"],
+              "| bare mpi4py overlap / max | %.2f |" % r["bare_overlap_to_max"],
               "| no overlap / max | %.2f |" % r["no_overlap_to_max"]]
     return "\n".join(lines)
 

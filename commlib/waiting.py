@@ -23,7 +23,7 @@ _SPINS = 2000             # polls of a word before each further poll yields the 
 #: relaxed waits: polls back to back before sleeping, the first and the
 #: longest sleep between polls (seconds)
 RELAXED_SPINS = 32
-RELAXED_SLEEP_S = (2e-5, 5e-4)
+RELAXED_SLEEP_S = (2e-5, 1e-4)
 _thread = threading.local()
 
 
