@@ -22,11 +22,11 @@ interleaved repeat by repeat, each the slowest rank's time, median of
 * ``compute in step``: the time the backward pass itself took inside the
   overlapped step: how much the progress thread slows the compute;
 * how many buckets had completed when the backward pass ended;
-* the baseline: the same overlapped step written with bare mpi4py, no
+* the baselines: the same overlapped step written with bare mpi4py, no
   commlib (:class:`BareOverlap`: one thread, each bucket's ``Iallreduce``
   in place as soon as it is ready, polled with the same sleeps, then
-  scaled), so the table tells what the machine allows from what commlib
-  adds.
+  scaled), one bucket in flight at a time as in commlib, and up to four,
+  so the table tells what the machine allows from what commlib adds.
 
 ``--compute sleep`` replaces the computation by sleeps of the same
 shape: the CPU is free during the backward pass, as with a GPU (and as
@@ -40,6 +40,7 @@ loopback, commlib's shared memory off; needs root), and prints one table
 per link.
 """
 import argparse
+import collections
 import json
 import os
 import statistics
@@ -99,13 +100,13 @@ class BareOverlap:
     """The overlapped step with bare mpi4py on ``world`` (a duplicate):
     bucket ``k`` of ``buckets`` (index lists into the flat-array views
     ``grads``) is ``Iallreduce``-d in place on a thread of its own as soon
-    as :meth:`ready` completed it, one at a time in bucket order; the
-    thread polls ``Test`` with commlib's relaxed sleeps while the caller
-    computes and back to back once it waits; then scales by 1/size."""
+    as :meth:`ready` completed it, in bucket order, at most ``depth`` at a
+    time; the thread polls the oldest with ``Test``, with commlib's relaxed
+    sleeps while the caller computes and back to back once it waits; then
+    scales it by 1/size."""
 
-    def __init__(self, world, grads, buckets):
+    def __init__(self, world, grads, buckets, depth=1):
         import threading
-        import collections
         self.world, self.buckets = world, buckets
         base = grads[0]
         while base.base is not None:
@@ -120,6 +121,7 @@ class BareOverlap:
             assert view.size == sum(grads[j].size for j in b), "buckets must be contiguous"
             self.views.append(view)
         self.bucket_of = {j: k for k, b in enumerate(buckets) for j in b}
+        self.depth = depth
         self._queue, self._cond = collections.deque(), threading.Condition()
         self._waiting, self._done = False, 0
         threading.Thread(target=self._loop, daemon=True).start()
@@ -128,24 +130,31 @@ class BareOverlap:
         from mpi4py import MPI
         from commlib.waiting import RELAXED_SLEEP_S, RELAXED_SPINS
         scale = 1.0 / self.world.Get_size()
+        flight = collections.deque()            # (bucket, request), oldest first
         while True:
             with self._cond:
-                while not self._queue:
+                while not self._queue and not flight:
                     self._cond.wait()
-                k = self._queue.popleft()
-            if k is None:
-                return
-            request = self.world.Iallreduce(MPI.IN_PLACE, self.views[k])
+                while self._queue and len(flight) < self.depth:
+                    k = self._queue.popleft()
+                    if k is None:
+                        return
+                    flight.append((k, self.world.Iallreduce(MPI.IN_PLACE, self.views[k])))
+            k, request = flight[0]
             polls, sleep = 0, RELAXED_SLEEP_S[0]
             while not request.Test():
+                if self._queue and len(flight) < self.depth:
+                    break                       # start the next bucket first
                 polls += 1
                 if polls > RELAXED_SPINS and not self._waiting:
                     time.sleep(sleep)
                     sleep = min(2 * sleep, RELAXED_SLEEP_S[1])
-            self.views[k] *= scale
-            with self._cond:
-                self._done += 1
-                self._cond.notify_all()
+            else:
+                flight.popleft()
+                self.views[k] *= scale
+                with self._cond:
+                    self._done += 1
+                    self._cond.notify_all()
 
     def step(self, backward):
         """One overlapped step; returns the backward pass's seconds."""
@@ -203,6 +212,7 @@ def rank_program(args):
                                       overlap=True)
     auto_overlaps = commlib.overlap.early_start_pays(comm, grads)
     bare = BareOverlap(world.Dup(), grads, reducer.buckets)
+    bare4 = BareOverlap(world.Dup(), grads, reducer.buckets, depth=4)
 
     def slowest(fn):
         world.Barrier()
@@ -228,10 +238,12 @@ def rank_program(args):
         slowest(comm_only)
         slowest(overlap)
         slowest(lambda: bare.step(backward))
+        slowest(lambda: bare4.step(backward))
     comm_s = statistics.median(slowest(comm_only)[0] for _ in range(3))
     factor = calibrate(world, backward, args.compute_ratio * comm_s, slowest)
     variants = {"compute": backward.run, "comm": comm_only, "no_overlap": no_overlap,
-                "overlap": overlap, "bare_overlap": lambda: bare.step(backward)}
+                "overlap": overlap, "bare_overlap": lambda: bare.step(backward),
+                "bare_overlap_4": lambda: bare4.step(backward)}
     times = {name: [] for name in variants}
     inside, finished = [], []
     deadline = time.monotonic() + args.budget_s
@@ -259,7 +271,9 @@ def rank_program(args):
     result["overlap_to_max"] = med["overlap"] / best
     result["no_overlap_to_max"] = med["no_overlap"] / best
     result["bare_overlap_to_max"] = med["bare_overlap"] / best
+    result["bare_overlap_4_to_max"] = med["bare_overlap_4"] / best
     bare.close()
+    bare4.close()
     comm.close()
     if comm.rank == 0:
         print("OVERLAP " + json.dumps(result), flush=True)
@@ -274,7 +288,8 @@ def table(r):
             ("max(compute, comm)", r["ms_max"]), ("step without overlap", ms["no_overlap"]),
             ("step with overlap", ms["overlap"]),
             ("compute inside the overlapped step", r["ms_compute_in_overlap"]),
-            ("step with overlap, bare mpi4py (baseline)", ms["bare_overlap"])]
+            ("step with overlap, bare mpi4py (baseline)", ms["bare_overlap"]),
+            ("step with overlap, bare mpi4py, 4 buckets in flight", ms["bare_overlap_4"])]
     lines = ["%s, %d ranks, %s link, backend %s, compute %s, %d buckets of <= %d bytes, "
              "%.0f MB, median of %d (slowest rank)"
              % (r["workload"], r["ranks"], r["link"], r["backend"], r["compute"], r["buckets"],
@@ -287,6 +302,7 @@ def table(r):
               % (r["buckets_done_after_compute"], r["buckets"]),
               "| overlap / max | %.2f |" % r["overlap_to_max"],
               "| bare mpi4py overlap / max | %.2f |" % r["bare_overlap_to_max"],
+              "| bare mpi4py, 4 in flight / max | %.2f |" % r["bare_overlap_4_to_max"],
               "| no overlap / max | %.2f |" % r["no_overlap_to_max"]]
     return "\n".join(lines)
 
