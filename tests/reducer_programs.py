@@ -93,6 +93,13 @@ def reduce(sync):
         everyone = comm.allgather(big)
         assert red.all_reduce(big, "sum") is True
         assert big.tobytes() == sum(everyone[1:], everyone[0].copy()).tobytes()
+        for dtype in ("float32", "float64", "float16"):      # the average's scale, fused
+            x = make(dtype, length, 777 + rank)
+            everyone = comm.allgather(x)
+            ref = sum(everyone[1:], everyone[0].copy()).astype(x.dtype)
+            ref *= 1.0 / n
+            assert red.all_reduce(x, "sum", scale=1.0 / n) is True
+            assert x.tobytes() == ref.tobytes(), (dtype, length, x, ref)
     # a bucket longer than the window, not numpy, unsupported dtype: declined, untouched
     big = np.ones(CAPACITY // 4 + 1, np.float32)
     assert red.all_reduce_parts((big,), big.size, big.dtype, "sum") is False and (big == 1).all()

@@ -59,7 +59,7 @@ from .. import waiting
 from ..dtypes import UFUNCS, supported_fast
 from ..errors import ArgumentError, ArrayTypeError
 from ..ops import _native, hostcopy, hostreduce
-from .base import Transport, scale_in_place
+from .base import Transport
 
 
 def _mpi():
@@ -225,10 +225,11 @@ class SharedMemoryReducer:
         return found
 
     # -- the collective ----------------------------------------------------------
-    def all_reduce(self, buf, op, wait=waiting.FOREVER):
+    def all_reduce(self, buf, op, wait=waiting.FOREVER, scale=None):
         """Reduce ``buf`` (1-D C-contiguous writeable numpy array, any length:
         pieces of ``capacity_bytes`` one after the other) with ``op``
-        (``"sum"``, ``"max"``, ``"min"``, ``"prod"``) over all ranks, in place.
+        (``"sum"``, ``"max"``, ``"min"``, ``"prod"``) over all ranks, in place,
+        times ``scale`` (float, or None for no scaling).
 
         Returns True when done, False (``buf`` untouched, no communication)
         when this reducer cannot take the call: not a numpy array or an
@@ -245,7 +246,7 @@ class SharedMemoryReducer:
         for start in range(0, max(buf.size, 1), step):
             piece = buf[start:start + step]
             # False can only come on the first piece: nothing has been touched then
-            if not self.all_reduce_parts((piece,), piece.size, buf.dtype, op, None, wait):
+            if not self.all_reduce_parts((piece,), piece.size, buf.dtype, op, scale, wait):
                 return False
         return True
 
@@ -339,8 +340,7 @@ class SharedMemoryTransport(Transport):
 
     def all_reduce(self, buf, op, wait=waiting.FOREVER, fmt=None, owned=False, scale=None):
         if fmt is None and self._takes(buf):
-            self._run(self.reducer.all_reduce, buf, op, wait)
-            scale_in_place(buf, scale)
+            self._run(self.reducer.all_reduce, buf, op, wait, scale)
         else:
             self.fallback.all_reduce(buf, op, wait, fmt, owned, scale)
 
