@@ -1,10 +1,11 @@
 /* What the compiled host loops share: numpy's C API and the checks every
  * entry point runs before touching memory.
  *
- * The loops run inside the extension module (module.c) with the GIL held.
- * Each array's data pointer, shape and flags are read from the array object
- * at the time of the call, so a loop never uses a stale address. module.c
- * imports numpy's C API; the other files use it through the same table. */
+ * module.c checks the arrays and reads each one's data pointer and size
+ * (a span) with the GIL held, at the time of the call, so a loop never uses
+ * a stale address; the loops over spans then run without the GIL (the
+ * caller's references keep the arrays alive). module.c imports numpy's C
+ * API; the other files use it through the same table. */
 #ifndef COMMLIB_ARRAYS_H
 #define COMMLIB_ARRAYS_H
 
@@ -61,5 +62,36 @@ static inline Py_ssize_t checked_total(PyObject *arrays, PyArray_Descr *descr,
     }
     return total;
 }
+
+/* The memory of one array: its data and its size in bytes. */
+typedef struct {
+    char *data;
+    Py_ssize_t bytes;
+} commlib_span;
+
+/* The spans of the arrays in `arrays` (a tuple or list already checked with
+ * checked_total), into `stack` when they fit in `stack_len`, else into new
+ * memory the caller frees with PyMem_Free when it differs from `stack`;
+ * NULL (with MemoryError set) when that fails. `*n` is set to their number. */
+static inline commlib_span *spans_of(PyObject *arrays, Py_ssize_t itemsize, commlib_span *stack,
+                                     Py_ssize_t stack_len, Py_ssize_t *n)
+{
+    *n = PySequence_Fast_GET_SIZE(arrays);
+    PyObject **items = PySequence_Fast_ITEMS(arrays);
+    commlib_span *spans = *n <= stack_len ? stack
+                                          : PyMem_Malloc((size_t)*n * sizeof(commlib_span));
+    if (spans == NULL) {
+        PyErr_NoMemory();
+        return NULL;
+    }
+    for (Py_ssize_t i = 0; i < *n; ++i) {
+        spans[i].data = array_data(items[i]);
+        spans[i].bytes = array_bytes(items[i], itemsize);
+    }
+    return spans;
+}
+
+/* Spans kept on the stack before spans_of allocates. */
+#define COMMLIB_STACK_SPANS 64
 
 #endif

@@ -72,25 +72,23 @@ static void scale_floats(int type, char *out, Py_ssize_t len, double scale)
 /* Reduce bytes [begin, end) of a bucket of `nranks` ranks' contributions.
  *
  * Rank q's contribution is slots[q] (each a flat buffer of the whole bucket)
- * for q != rank, and the concatenation of `arrays` (this rank's own arrays,
- * checked: see checked_total; at least `end` bytes together) for q ==
+ * for q != rank, and the concatenation of `spans` (this rank's own `n`
+ * arrays, at least `end` bytes together) for q ==
  * rank. Each element becomes op(...op(op(x0, x1), x2)..., x(n-1)) in rank
  * order, times `scale` when `scaled` (floating types), and is written both
  * to `result` (at the same byte offset; with streaming stores when
  * `streaming`, see streaming.h) and back into this rank's arrays. `type`
  * and `op` are the enums of native.h. */
-void commlib_reduce_share(PyObject *arrays, Py_ssize_t itemsize, int type, int op,
-                          char *const *slots, int nranks, int rank, char *result,
+void commlib_reduce_share(const commlib_span *spans, Py_ssize_t n, Py_ssize_t itemsize,
+                          int type, int op, char *const *slots, int nranks, int rank, char *result,
                           Py_ssize_t begin, Py_ssize_t end, double scale, int scaled,
                           int streaming)
 {
     _Alignas(64) char scratch[SCRATCH_BYTES];
-    Py_ssize_t n = PySequence_Fast_GET_SIZE(arrays);
-    PyObject **items = PySequence_Fast_ITEMS(arrays);
     Py_ssize_t at = 0;
     for (Py_ssize_t i = 0; i < n && at < end; ++i) {
-        Py_ssize_t bytes = array_bytes(items[i], itemsize);
-        char *data = array_data(items[i]);
+        Py_ssize_t bytes = spans[i].bytes;
+        char *data = spans[i].data;
         Py_ssize_t lo = at > begin ? at : begin, hi = at + bytes < end ? at + bytes : end;
         for (; lo < hi; lo += SCRATCH_BYTES) {
             Py_ssize_t piece = hi - lo < SCRATCH_BYTES ? hi - lo : SCRATCH_BYTES;

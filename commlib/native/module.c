@@ -86,8 +86,17 @@ static PyObject *py_copy(PyObject *self, PyObject *const *args, Py_ssize_t nargs
     Py_ssize_t total = checked_total(arrays, descr, itemsize, capacity, to_arrays);
     if (capacity < 0 || total < 0)
         return PyLong_FromLong(-1);
-    commlib_copy(arrays, itemsize, array_data(flat), to_arrays, skip_begin, skip_end, total,
-                 streaming);
+    commlib_span stack[COMMLIB_STACK_SPANS];
+    Py_ssize_t n;
+    commlib_span *spans = spans_of(arrays, itemsize, stack, COMMLIB_STACK_SPANS, &n);
+    if (spans == NULL)
+        return NULL;
+    char *data = array_data(flat);
+    Py_BEGIN_ALLOW_THREADS
+    commlib_copy(spans, n, data, to_arrays, skip_begin, skip_end, total, streaming);
+    Py_END_ALLOW_THREADS
+    if (spans != stack)
+        PyMem_Free(spans);
     return PyLong_FromSsize_t(total);
 }
 
@@ -129,11 +138,23 @@ static PyObject *py_reduce_share(PyObject *self, PyObject *const *args, Py_ssize
         ok &= q == rank || buffer_bytes(slot, descr, itemsize, 0) >= end;
         pointers[q] = PyArray_CheckExact(slot) ? array_data(slot) : NULL;
     }
+    commlib_span span_stack[COMMLIB_STACK_SPANS], *spans = span_stack;
+    Py_ssize_t n = 0;
     if (ok)
-        commlib_reduce_share(parts, itemsize, (int)type, (int)op, pointers, (int)nranks, (int)rank,
-                             array_data(result), begin, end, scale, scaled, streaming);
+        spans = spans_of(parts, itemsize, span_stack, COMMLIB_STACK_SPANS, &n);
+    if (ok && spans != NULL) {
+        char *out = array_data(result);
+        Py_BEGIN_ALLOW_THREADS
+        commlib_reduce_share(spans, n, itemsize, (int)type, (int)op, pointers, (int)nranks,
+                             (int)rank, out, begin, end, scale, scaled, streaming);
+        Py_END_ALLOW_THREADS
+    }
+    if (spans != span_stack && spans != NULL)
+        PyMem_Free(spans);
     if (pointers != stack)
         PyMem_Free(pointers);
+    if (spans == NULL)
+        return NULL;
     return PyLong_FromSsize_t(ok ? end - begin : -1);
 }
 

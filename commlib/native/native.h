@@ -1,21 +1,22 @@
 /* The compiled host loops (the extension module commlib._hostloops, loaded
  * by commlib/ops/_native.py).
- * Each function trusts its arguments: module.c checks them. */
+ * Each function trusts its arguments: module.c checks them. The loops over
+ * spans use no Python API: module.c runs them without the GIL. */
 #ifndef COMMLIB_NATIVE_H
 #define COMMLIB_NATIVE_H
 
 #include "arrays.h"
 
 /* hostcopy.c */
-void commlib_copy(PyObject *arrays, Py_ssize_t itemsize, char *flat, int to_arrays,
+void commlib_copy(const commlib_span *spans, Py_ssize_t n, char *flat, int to_arrays,
                   Py_ssize_t skip_begin, Py_ssize_t skip_end, Py_ssize_t total, int streaming);
 
 /* hostreduce.c */
 enum { COMMLIB_T_FLOAT32, COMMLIB_T_FLOAT64, COMMLIB_T_INT32, COMMLIB_T_INT64,
        COMMLIB_T_UINT8, COMMLIB_T_COUNT };
 enum { COMMLIB_OP_SUM, COMMLIB_OP_PROD, COMMLIB_OP_MAX, COMMLIB_OP_MIN, COMMLIB_OP_COUNT };
-void commlib_reduce_share(PyObject *arrays, Py_ssize_t itemsize, int type, int op,
-                          char *const *slots, int nranks, int rank, char *result,
+void commlib_reduce_share(const commlib_span *spans, Py_ssize_t n, Py_ssize_t itemsize,
+                          int type, int op, char *const *slots, int nranks, int rank, char *result,
                           Py_ssize_t begin, Py_ssize_t end, double scale, int scaled,
                           int streaming);
 
