@@ -110,3 +110,32 @@ def test_flat_buffer_checks():
     with pytest.raises(ArrayTypeError):
         hostcopy.gather([np.ones(2)], readonly)
     assert hostcopy.scatter(readonly, [np.ones(2)])
+
+
+def test_copy_lets_other_threads_run():
+    """A long copy on one thread leaves the GIL to the others: the main
+    thread's Python loop goes on while it runs (a copy holding the GIL would
+    stop it for the whole call: its longest pause would be the call's time)."""
+    import threading
+    import time
+    parts = [np.ones(16 << 20, np.float32) for _ in range(4)]     # 256 MiB
+    out = np.empty(64 << 20, np.float32)
+    hostcopy.gather(parts, out)                                   # pages in
+    calls = []
+
+    def copy():
+        for _ in range(3):
+            start = time.perf_counter()
+            assert hostcopy.gather(parts, out)
+            calls.append((start, time.perf_counter()))
+
+    thread = threading.Thread(target=copy)
+    ticks = []
+    thread.start()
+    while thread.is_alive():
+        ticks.append(time.perf_counter())
+    thread.join()
+    shortest = min(end - start for start, end in calls)
+    assert shortest > 0.02, "the copies were too short to tell (%.3f s)" % shortest
+    pause = max(b - a for a, b in zip(ticks, ticks[1:]))
+    assert pause < shortest / 2, (pause, shortest)
