@@ -26,6 +26,7 @@ import itertools
 import sys
 import time
 import weakref
+from functools import partial
 
 import numpy as np
 
@@ -38,8 +39,9 @@ from .bootstrap import NcclId
 from .errors import (ArgumentError, BackendUnavailableError, ClosedError, CommlibError,
                      ConsistencyError, NonFiniteError, PayloadError)
 from .ops._arrays import array_module, is_cupy
+from .inflight import InFlight, overlap
 from .stats import CommStats, CountingTransport
-from .waiting import SleepingWaits, Wait, relaxed
+from .waiting import SleepingWaits, Wait, background, relaxed
 from .work import GpuOrder, Progress
 
 _ABORT_DRAIN_S = 0.25   # seconds between printing the traceback and MPI_Abort
@@ -48,6 +50,10 @@ _AGREED = (NonFiniteError, PayloadError)
 _live = weakref.WeakSet()   # communicators not closed yet, for the exit hooks
 _made = itertools.count()   # creation order (the same on every rank: creation is collective)
 _hooks_installed = False
+
+
+def _now(fn):
+    fn()
 
 
 def _gpu_count():
@@ -146,6 +152,8 @@ class Communicator:
         self._reducers = itertools.count()   # BackwardReducers made (the same on every rank)
         #: run asynchronous collectives on a thread (None: decide, see _threaded())
         self.async_threaded = None
+        #: asynchronous all-reduces over MPI in flight at once (see commlib.inflight)
+        self.async_depth = settings.async_depth()
         self._bucket_bytes = options["bucket_bytes"]
         self._check = options["check"]
         self._timeout = options["timeout"]
@@ -386,8 +394,16 @@ class Communicator:
             if comm is not None and comm._failure is None:
                 comm._fail(exc)
 
+        gone = ClosedError("rank %d: the communicator is gone" % self._rank)
+
+        def failed(exc):
+            comm = me()
+            if comm is not None and comm._failure is None:
+                comm._fail(exc)
+
         return Progress(self._stats, self._threaded(), interrupted,
-                        name="commlib-progress-rank%d" % self._rank)
+                        name="commlib-progress-rank%d" % self._rank, depth=self.async_depth,
+                        on_error=failed, failed=lambda: getattr(me(), "_failure", gone))
 
     def _threaded(self):
         """Whether asynchronous collectives run on a progress thread: unless
@@ -433,8 +449,8 @@ class Communicator:
         wait = self._wait
         wait.seq, wait.what = seq, consistency.CODES[name]
         wait.deadline = None if timeout is None else time.monotonic() + timeout
-        board = self._board if self._relaxed_board is None or not relaxed() \
-            else self._relaxed_board
+        board = self._board if self._relaxed_board is None or not (
+            relaxed() or background() is not None) else self._relaxed_board
         if board is not None and not self._check:
             board.arrive(seq)
         elif board is not None:
@@ -481,9 +497,15 @@ class Communicator:
             for transport in self._transports:
                 transport.fail("%s: %s" % (type(exc).__name__, exc))
 
-    def _run(self, step, *args):
+    def _run(self, step, *args, deferred=False):
         """The data phase of a collective: any failure but an agreed one
-        leaves the communicator unusable."""
+        leaves the communicator unusable. Unless it is ``deferred`` (its
+        requests left in flight, see :meth:`_in_flight`), the collectives
+        in flight complete first."""
+        progress = self._progress
+        if not deferred and progress is not None and progress.may_defer() \
+                and progress.in_flight():
+            progress.complete_flight()
         try:
             return step(*args)
         except _AGREED:
@@ -666,6 +688,12 @@ class Communicator:
         if kind is None:
             return arrays
         scale = 1.0 / self._size if averaging else None
+        flight = None
+        if root is None and strategy is None:
+            flight = self._in_flight(kind, items, wait)
+            if flight is not None:
+                wait = flight.wait
+        after = _now if flight is None else flight.then
 
         def step(transport, buf, i, prepared):
             if i is not None and root is None and transport.reduces_parts(buf):
@@ -683,14 +711,35 @@ class Communicator:
                                      scale=scale if scaled else None)
             else:
                 transport.reduce(buf, root, reduce_op, wait, owned=owned)
-            if receives and i is not None:
-                prepared.unpack(items, i, None if scaled else scale)
+            if flight is not None:
+                flight.nbytes += buf.nbytes
+            if receives and i is not None and not (scaled and prepared.zero_copy(i)):
+                after(partial(prepared.unpack, items, i, None if scaled else scale))
             elif receives and scale is not None and not scaled:
                 buf *= scale
 
         self._run(self._fused, items, kind, key, prepared, receives, step,
-                  (strategy, reduce_op, scale, wait) if strategy else None, state)
+                  (strategy, reduce_op, scale, wait) if strategy else None, state,
+                  deferred=flight is not None)
         return arrays
+
+    def _in_flight(self, kind, items, wait):
+        """For an all-reduce of ``items`` executing on the progress thread:
+        an InFlight (registered with the progress thread, with a Wait of its
+        own) when its data phase may leave its requests in flight: numpy
+        arrays over the MPI transport, pipelining on, and no memory shared
+        with a collective in flight (else None: it runs whole, after them)."""
+        progress = self._progress
+        if (kind != "numpy" or progress is None or not progress.may_defer()
+                or self._transport(kind).name != "mpi"):
+            return None
+        flight = InFlight(wait.copy(), holds=items)
+        earlier = progress.in_flight()
+        if earlier and any(overlap(flight.spans(), f.spans()) for f in earlier):
+            return None
+        flight.wait.defer = flight
+        progress.defer(flight)
+        return flight
 
     def all_gather(self, array):
         """Every rank's ``array``, stacked: a new array of shape

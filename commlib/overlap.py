@@ -19,17 +19,29 @@ from .errors import ArgumentError
 from .ops._arrays import is_cupy
 
 
-def backward_buckets(grads, bucket_bytes):
+#: the reducer's default bucket size (bytes), at least the transport's own
+#: (shared memory and MPI: larger buckets than a fused all-reduce's, since
+#: every bucket is a collective of its own; ResNet-50 at 2 ranks over shared
+#: memory: 1 MiB buckets 48.5 ms a step, 8 MiB 43.3, ``benchmarks/overlap.py``)
+REDUCER_BUCKET_BYTES = 8 << 20
+#: the default first bucket's cap (bytes): as PyTorch DDP, the last layers'
+#: gradients go out as soon as they are ready
+FIRST_BUCKET_BYTES = 1 << 20
+
+
+def backward_buckets(grads, bucket_bytes, first_bucket_bytes=None):
     """Lists of indices into ``grads`` (arrays with ``dtype`` and ``nbytes``):
     consecutive arrays from the last to the first, a new bucket whenever the
     dtype changes or the next array would take it past ``bucket_bytes``
-    (an array larger than that is a bucket of its own). Each bucket's
-    indices are ascending, so views of one buffer (:func:`commlib.flat_arrays`)
-    stay consecutive and are reduced where they lie."""
+    (``first_bucket_bytes`` for the first bucket, when given; an array
+    larger than that is a bucket of its own). Each bucket's indices are
+    ascending, so views of one buffer (:func:`commlib.flat_arrays`) stay
+    consecutive and are reduced where they lie."""
     buckets, current, dtype, filled = [], [], None, 0
     for i in range(len(grads) - 1, -1, -1):
         a = grads[i]
-        if current and (a.dtype != dtype or filled + a.nbytes > bucket_bytes):
+        cap = bucket_bytes if buckets or first_bucket_bytes is None else first_bucket_bytes
+        if current and (a.dtype != dtype or filled + a.nbytes > cap):
             buckets.append(current[::-1])
             current, filled = [], 0
         current.append(i)
@@ -67,7 +79,9 @@ class BackwardReducer:
     ``grads``: list of persistent gradient arrays (numpy or cupy, in
     parameter order) that the backward pass writes into each step.
     ``bucket_bytes`` (bytes; default the communicator's ``bucket_bytes``,
-    else its transport's default, see :mod:`commlib.bucketing`), ``op`` and
+    else the larger of :data:`REDUCER_BUCKET_BYTES` and its transport's
+    default, see :mod:`commlib.bucketing`, with the first bucket capped at
+    :data:`FIRST_BUCKET_BYTES`), ``op`` and
     ``compression`` as for :meth:`Communicator.all_reduce`. ``overlap``:
     True starts each bucket as soon as it is ready; False starts them all
     in :meth:`wait`; ``"auto"`` (default) is True unless
@@ -97,9 +111,12 @@ class BackwardReducer:
             if not (hasattr(a, "dtype") and hasattr(a, "nbytes")):
                 raise ArgumentError("rank %d: BackwardReducer: grads[%d] is not an array: %s"
                                     % (rank, i, type(a).__name__))
+        first_bucket_bytes = None
         if bucket_bytes is None:
             kind = "cupy" if grads and is_cupy(grads[0]) else "numpy"
-            bucket_bytes = comm._bucket_bytes_for(comm._transport(kind))
+            bucket_bytes = comm._bucket_bytes or max(
+                REDUCER_BUCKET_BYTES, comm._bucket_bytes_for(comm._transport(kind)))
+            first_bucket_bytes = min(FIRST_BUCKET_BYTES, bucket_bytes)
         elif (isinstance(bucket_bytes, bool) or not isinstance(bucket_bytes, numbers.Integral)
               or bucket_bytes < 1):
             raise ArgumentError("rank %d: BackwardReducer: bucket_bytes must be a positive int "
@@ -109,7 +126,7 @@ class BackwardReducer:
         self.bucket_bytes = int(bucket_bytes)
         #: whether ready() starts buckets (else wait() starts them all)
         self.overlap = early_start_pays(comm, grads) if overlap == "auto" else bool(overlap)
-        self._buckets = backward_buckets(self.grads, self.bucket_bytes)
+        self._buckets = backward_buckets(self.grads, self.bucket_bytes, first_bucket_bytes)
         self._serial = next(comm._reducers)
         # the communicator keeps each bucket's plan and compression state until then
         weakref.finalize(self, comm._forget_states, ("BackwardReducer", self._serial))

@@ -18,6 +18,7 @@ SHM = "COMMLIB_SHM"
 SHM_STORES = "COMMLIB_SHM_STORES"
 NATIVE = "COMMLIB_NATIVE"
 KERNEL_DIR = "COMMLIB_KERNEL_DIR"
+ASYNC_DEPTH = "COMMLIB_ASYNC_DEPTH"
 
 #: the watch dog's default deadline per collective, seconds: long enough for
 #: a rank that evaluates or saves a checkpoint while the others wait at the
@@ -27,6 +28,8 @@ DEFAULT_TIMEOUT = 600.0
 #: seconds a rank waits in one collective before it prints which ranks it
 #: waits for (once per collective; it keeps waiting until the deadline)
 DEFAULT_STALL_WARNING = 60.0
+#: asynchronous all-reduces over MPI in flight at once (commlib.inflight)
+DEFAULT_ASYNC_DEPTH = 4
 
 _TRUE = ("1", "true", "yes", "on")
 _FALSE = ("0", "false", "no", "off")
@@ -92,3 +95,19 @@ def shm_stores():
         raise ArgumentError("%s=%r: expected auto, plain or streaming"
                             % (SHM_STORES, os.environ[SHM_STORES]))
     return value
+
+
+def async_depth():
+    """How many asynchronous all-reduces over MPI may be in flight at once:
+    ``COMMLIB_ASYNC_DEPTH`` (a positive int; 1 runs them one at a time),
+    default :data:`DEFAULT_ASYNC_DEPTH`."""
+    value = os.environ.get(ASYNC_DEPTH, "").strip()
+    if not value:
+        return DEFAULT_ASYNC_DEPTH
+    try:
+        depth = int(value)
+    except ValueError:
+        depth = 0
+    if depth < 1:
+        raise ArgumentError("%s=%r: expected a positive int" % (ASYNC_DEPTH, value))
+    return depth

@@ -41,16 +41,35 @@ def relaxed():
     return when is not None and when()
 
 
+def set_background(poll, longest_sleep=None):
+    """Make this thread's waits call ``poll()`` between their polls (None:
+    stop): a progress thread with collectives in flight keeps them moving
+    while it waits for its peers to enter the next one. ``poll`` may raise;
+    the wait then raises it. ``longest_sleep()``: how long a relaxed wait
+    may sleep between polls now (seconds), when longer than its own limit
+    (with bytes in flight, a late wake-up leaves the link busy)."""
+    _thread.background = poll
+    _thread.longest_sleep = longest_sleep if poll is not None else None
+
+
+def background():
+    """This thread's background poll (see :func:`set_background`), or None."""
+    return getattr(_thread, "background", None)
+
+
 class Backoff:
     """Sleeps of a relaxed wait: none for the first :data:`RELAXED_SPINS`
-    calls, then from ``RELAXED_SLEEP_S[0]`` doubling to ``[1]`` seconds;
-    none either (and back to the shortest) while the thread is not relaxed
-    (:func:`relaxed`: the caller's thread waits for this work)."""
+    calls, then from ``RELAXED_SLEEP_S[0]`` doubling to :attr:`longest`
+    seconds (default ``RELAXED_SLEEP_S[1]``, or longer while the thread's
+    background says so, see :func:`set_background`); none either (and
+    back to the shortest) while the thread is not relaxed (:func:`relaxed`:
+    the caller's thread waits for this work)."""
 
-    __slots__ = ("_calls", "_sleep")
+    __slots__ = ("_calls", "_sleep", "longest")
 
-    def __init__(self):
+    def __init__(self, longest=None):
         self._calls, self._sleep = 0, RELAXED_SLEEP_S[0]
+        self.longest = RELAXED_SLEEP_S[1] if longest is None else longest
 
     def pause(self):
         self._calls += 1
@@ -59,19 +78,33 @@ class Backoff:
         if not relaxed():
             self._sleep = RELAXED_SLEEP_S[0]
             return
-        time.sleep(self._sleep)
-        self._sleep = min(self._sleep * 2, RELAXED_SLEEP_S[1])
+        longest = self.longest
+        stretch = getattr(_thread, "longest_sleep", None)
+        if stretch is not None:
+            longest = max(longest, stretch())
+        time.sleep(min(self._sleep, longest))
+        self._sleep = min(self._sleep * 2, longest)
 
 
 class Wait:
     """What a transport needs to wait inside collective ``seq`` (code
-    ``what``, see :data:`commlib.consistency.COLLECTIVES`) of rank ``rank``."""
+    ``what``, see :data:`commlib.consistency.COLLECTIVES`) of rank ``rank``.
+    ``defer``: None, or the :class:`commlib.inflight.InFlight` of this
+    collective, which a transport that can (MPI's ``all_reduce``) hands its
+    started requests and the work left for after them instead of waiting."""
 
-    __slots__ = ("deadline", "seq", "what", "board", "rank")
+    __slots__ = ("deadline", "seq", "what", "board", "rank", "defer")
 
     def __init__(self, deadline=None, seq=0, what=0, board=None, rank=0):
         self.deadline, self.seq, self.what = deadline, seq, what
         self.board, self.rank = board, rank
+        self.defer = None
+
+    def copy(self):
+        """A Wait of its own for this collective (the communicator reuses its own)."""
+        twin = Wait(self.deadline, self.seq, self.what, self.board, self.rank)
+        twin.defer = self.defer
+        return twin
 
     def check(self, late=None):
         """Raise PeerError when a peer left or died, CollectiveTimeoutError
@@ -100,9 +133,10 @@ class Wait:
 class SleepingWaits:
     """The compiled waits of ``ext`` (``commlib._hostloops``: ``board_enter``,
     ``wait_flags``) with the same arguments and results, for a relaxed
-    thread: each call spins only briefly in C at a time (its time slice set
-    to zero) and sleeps with backoff between, until the slice it was given
-    has passed."""
+    thread or one with a background poll (:func:`background`): each call
+    spins only briefly in C at a time (its time slice set to zero), calls
+    the background poll and sleeps with backoff between (relaxed only),
+    until the slice it was given has passed."""
 
     _ARGS = {"board_enter": (12, 13), "wait_flags": (5, 6)}   # publish flag, deadline
 
@@ -120,12 +154,14 @@ class SleepingWaits:
         if deadline is not None:
             until = min(until, deadline)
         args[deadline_at], args[deadline_at + 1] = 0.0, 0.0
-        call, backoff = getattr(self._ext, name), Backoff()
+        call, backoff, poll = getattr(self._ext, name), Backoff(), background()
         while True:
             code = call(*args)
             if code != -1 or time.monotonic() >= until:
                 return code
             args[publish_at] = False
+            if poll is not None:
+                poll()
             backoff.pause()
 
     def board_enter(self, *args):
@@ -142,13 +178,17 @@ FOREVER = Wait()
 def poll(done, wait):
     """Call ``done()`` until it returns True, checking ``wait`` every
     :data:`CHECK_EVERY_S` seconds; relaxed (:func:`relaxed`) with sleeps
-    between polls."""
+    between polls; calling the thread's :func:`background` poll between
+    polls."""
     clock = time.monotonic
     next_check = clock() + CHECK_EVERY_S
     polls = 0
     backoff = Backoff() if relaxed() else None
+    poll = background()
     while not done():
         polls += 1
+        if poll is not None:
+            poll()
         if backoff is not None:
             backoff.pause()
             if clock() >= next_check:
@@ -165,14 +205,18 @@ def spin_py(words, target, gone, seq, rank, until, may_sleep=True):
     Returns 0 when every other rank's word reached ``target``, -2 - r when
     rank r left (``0 < gone[r] <= seq``), -1 once ``until`` passed. On a
     relaxed thread (:func:`relaxed`) it sleeps between polls instead of
-    yielding, unless ``may_sleep`` is False."""
+    yielding, unless ``may_sleep`` is False; it calls the thread's
+    :func:`background` poll now and then."""
     polls = 0
     backoff = Backoff() if may_sleep and relaxed() else None
+    poll = background()
     for r in range(len(words)):
         while r != rank and words[r] < target:
             if gone is not None and 0 < gone[r] <= seq:
                 return -2 - r
             polls += 1
+            if poll is not None and polls % _POLLS_PER_CLOCK == 0:
+                poll()
             if backoff is not None or polls > _SPINS:
                 if backoff is not None:
                     backoff.pause()

@@ -295,6 +295,134 @@ def interrupt(comm):
            untouched=bool(np.array_equal(x[0], before)), later=later)
 
 
+def _count_deferrals():
+    """Record, for every all-reduce left in flight, how many earlier ones
+    were in flight then (commlib.work.Progress.defer)."""
+    import commlib.work
+    seen = []
+    defer = commlib.work.Progress.defer
+
+    def counting(self, flight):
+        seen.append(len(self.in_flight()))
+        return defer(self, flight)
+
+    commlib.work.Progress.defer = counting
+    return seen
+
+
+def pipelined(comm):
+    """Over MPI (the test turns shared memory off): async all-reduces issued
+    back to back, pipelined up to COMMLIB_ASYNC_DEPTH in flight: every op
+    and dtype, empty, odd and multi-piece (> 4 MiB) lengths, separate
+    (packed) and consecutive (zero-copy) arrays, equal the numpy reference
+    and the synchronous path of a second communicator bit for bit; arrays
+    issued again while in flight (the same list, or views overlapping it)
+    see the first result, as one after the other would; compressed and
+    other collectives queued in between run after the ones in flight."""
+    seen = _count_deferrals()
+    rank, n = comm.rank, comm.size
+    other = commlib.Communicator.from_mpi()
+    cases = [(d, op) for d in ("float32", "float64", "int32", "float16")
+             for op in UFUNCS] + [("float32", "avg"), ("float64", "avg")]
+    lengths = LENGTHS + [1_100_001]
+    works = []
+    for seed, (dtype, op) in enumerate(cases):
+        mine = inputs(rank, dtype, lengths, op, seed)
+        works.append((comm.all_reduce(mine, op=op, async_op=True), mine, dtype, op, seed))
+    flat = commlib.flat_arrays([(300, 7), (1,), (2049,), (5, 5)], "float32")
+    for j, a in enumerate(flat):
+        a[...] = np.random.default_rng([rank, j]).integers(-20, 21, a.shape)
+    flat_in = [a.copy() for a in flat]
+    flat_work = comm.all_reduce(flat, op="avg", async_op=True)
+    for work, mine, dtype, op, seed in works:
+        assert work.wait() is mine
+        want = reference(WORLD.allgather(inputs(rank, dtype, lengths, op, seed)), op, n)
+        same(mine, want, (dtype, op, "reference"))
+        twin = inputs(rank, dtype, lengths, op, seed)
+        other.all_reduce(twin, op=op)
+        same(mine, twin, (dtype, op, "sync"))
+    flat_work.wait()
+    same(flat, reference(WORLD.allgather(flat_in), "avg", n), "zero-copy")
+    # the same memory again while in flight: as if one after the other
+    x = [np.full(70001, rank + 1.0, np.float64), np.full(5, rank + 2.0, np.float64)]
+    first = comm.all_reduce(x, op="sum", async_op=True)
+    again = comm.all_reduce(x, op="sum", async_op=True)
+    base = np.arange(1000, dtype=np.float64) + rank
+    view_a, view_b = base[:600], base[500:]                  # overlapping views
+    wa = comm.all_reduce([view_a], op="sum", async_op=True)
+    wb = comm.all_reduce([view_b], op="sum", async_op=True)
+    again.wait(), first.wait(), wb.wait(), wa.wait()
+    total = sum(r + 1.0 for r in range(n))
+    assert np.all(x[0] == total * n) and np.all(x[1] == sum(r + 2.0 for r in range(n)) * n)
+    every = [np.arange(1000, dtype=np.float64) + r for r in range(n)]
+    after_a = [e.copy() for e in every]
+    for e in after_a:
+        e[:600] = sum(v[:600] for v in every)
+    after_b = [e.copy() for e in after_a]
+    for e in after_b:
+        e[500:] = sum(v[500:] for v in after_a)
+    assert np.array_equal(base, after_b[rank]), "overlapping views"
+    # other collectives between all-reduces in flight
+    y = [np.full(300001, rank + 1.0, np.float32)]
+    z = [np.random.default_rng([rank, 9]).standard_normal(10001).astype(np.float32)]
+    ztwin = [z[0].copy()]
+    w1 = comm.all_reduce(y, op="max", async_op=True)
+    w2 = comm.all_reduce(z, op="avg", compression=TopK(0.1), async_op=True)
+    b = [np.full(1001, float(rank), np.float32)]
+    comm.broadcast(b, root=n - 1)
+    g = comm.all_gather(np.array([rank], np.int64))
+    w1.wait(), w2.wait()
+    other.all_reduce(ztwin, op="avg", compression=TopK(0.1))
+    assert np.all(y[0] == n) and np.all(b[0] == n - 1) and g.reshape(-1).tolist() == list(range(n))
+    same(z, ztwin, "compressed between")
+    other.close()
+    report(what="pipelined", rank=rank, deferred=len(seen), most=max(seen, default=-1))
+
+
+def hang_in_flight(comm):
+    """Rank LATE stalls past the deadline inside the data phase of the third
+    of five async all-reduces (once the first two completed, its MPI request
+    starts too late): on the others the first two complete, the third
+    (started, in flight) fails with CollectiveTimeoutError, every later one
+    with a CommlibError, and none of the failed ones writes into its arrays,
+    then or later; every rank's communicator is unusable."""
+    rank = comm.rank
+    if rank == LATE:
+        from commlib.transport.mpi import MpiTransport
+        call, calls = MpiTransport._call, []
+
+        def stalling(self, name, *args, **kwargs):
+            if name == "Iallreduce":
+                calls.append(1)
+                if len(calls) == 3:
+                    comm._progress.complete_flight()
+                    time.sleep(DEADLINE + 3.0)
+            return call(self, name, *args, **kwargs)
+
+        MpiTransport._call = stalling
+    xs = [[np.full(200001, rank + 1.0 + k, np.float32)] for k in range(5)]
+    before = [x[0].copy() for x in xs]
+    works = [comm.all_reduce(x, op="sum", async_op=True) for x in xs]
+    outcome = []
+    for work in works:
+        try:
+            work.wait()
+            outcome.append(None)
+        except CommlibError as exc:
+            outcome.append([type(exc).__name__, list(getattr(exc, "culprits", ())), str(exc)])
+    right = [bool(np.all(x[0] == sum(r + 1.0 + k for r in range(comm.size))))
+             for k, x in enumerate(xs)]
+    time.sleep(DEADLINE + 4.0 if rank != LATE else 0.5)      # past the late start
+    untouched = [bool(np.array_equal(x[0], b)) for x, b in zip(xs, before)]
+    try:
+        comm.all_reduce([np.ones(3, np.float32)])
+        later = None
+    except CommlibError as exc:
+        later = type(exc).__name__
+    report(what="hang", rank=rank, outcome=outcome, right=right, untouched=untouched,
+           later=later)
+
+
 SHAPES = [(64, 3, 7, 7), (64,), (64,), (256, 64, 1, 1), (256,), (1001,), (3,), (17, 19),
           (256, 256, 3, 3), (1000, 2048), (1000,)]
 

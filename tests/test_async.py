@@ -169,6 +169,30 @@ def test_backward_buckets_layout():
     assert backward_buckets(arrays, 44) == [[5, 6], [4], [3], [2], [1], [0]]
     assert backward_buckets(arrays, 1 << 20) == [[3, 4, 5, 6], [2], [0, 1]]
     assert backward_buckets([], 100) == []
+    # a first bucket of its own cap, as PyTorch DDP's
+    assert backward_buckets(arrays, 80, first_bucket_bytes=20) == [[6], [4, 5], [3], [2], [0, 1]]
+    assert backward_buckets(arrays, 80, first_bucket_bytes=44) == [[5, 6], [4], [3], [2], [0, 1]]
+    assert backward_buckets(arrays, 80, first_bucket_bytes=1) == [[6], [4, 5], [3], [2], [0, 1]]
+
+
+def test_reducer_default_buckets():
+    """Without bucket_bytes: the first bucket up to 1 MiB, the rest up to
+    the larger of 8 MiB and the transport's default; a communicator's own
+    bucket_bytes rules every bucket."""
+    shapes = [(1 << 18,)] * 40 + [(1000,)] * 3          # 1 MiB each, then 4 kB each
+
+    def body(comm):
+        grads = [np.zeros(s, np.float32) for s in shapes]
+        red = commlib.BackwardReducer(comm, grads)
+        return red.buckets, red.bucket_bytes
+
+    (buckets, cap), = run_ranks(1, body)
+    assert buckets[0] == [40, 41, 42]                   # 12 kB: the next 1 MiB would pass 1 MiB
+    assert cap == max(8 << 20, commlib.bucketing.DEFAULT_BUCKET_BYTES["threads"])
+    assert all(len(b) == cap // (1 << 20) for b in buckets[1:])
+    (buckets, cap), = run_ranks(1, body, bucket_bytes=2 << 20)
+    assert cap == 2 << 20 and buckets[0] == [39, 40, 41, 42][-len(buckets[0]):]
+    assert all(sum(4 * np.prod(shapes[j]) for j in b) <= 2 << 20 for b in buckets)
 
 
 @pytest.mark.parametrize("n", [1, 2, 3])
@@ -442,6 +466,54 @@ def test_mpi_ctrl_c_while_waiting():
     assert peer["error"] == "PeerError" and peer["culprits"] == [0], peer
     assert mine["untouched"] and peer["untouched"]
     assert mine["later"] == "ClosedError" and peer["later"] == "ClosedError"
+
+
+# -- all-reduces in flight over MPI (shared memory off, as between nodes) ---------------
+
+OVER_MPI = {"COMMLIB_SHM": "0"}
+
+
+@pytest.mark.parametrize("n", SIZES)
+def test_mpi_pipelined_all_reduces_equal_reference_and_sync(n):
+    records, _ = run(n, "pipelined", timeout=240, env=OVER_MPI)
+    all_ok(records, n)
+    for r in range(n):
+        rec = records[r]["pipelined"]
+        if n > 1:       # several were in flight at once (a single process has no MPI transport)
+            assert rec["deferred"] > 20 and rec["most"] >= 1, rec
+
+
+def test_mpi_depth_one_keeps_one_in_flight():
+    records, _ = run(2, "pipelined", timeout=240, env=dict(OVER_MPI, COMMLIB_ASYNC_DEPTH="1"))
+    all_ok(records, 2)
+    assert all(records[r]["pipelined"]["deferred"] == 0 for r in range(2))
+
+
+@pytest.mark.parametrize("scenario", ["results", "reducer", "order", "compression"])
+def test_mpi_scenarios_over_mpi_transport(scenario):
+    all_ok(run(3, scenario, timeout=240, env=OVER_MPI)[0], 3)
+
+
+def test_mpi_stall_inside_a_collective_in_flight():
+    """Rank 1's third of five requests starts past the deadline: the others
+    get two results, then errors, and no failed collective writes."""
+    records, _ = run(3, "hang_in_flight", timeout=DEADLINE * 6 + 60,
+                     env=dict(OVER_MPI, COMMLIB_WATCHDOG_TIMEOUT=str(DEADLINE)))
+    all_ok(records, 3)
+    for r in (0, 2):
+        rec = records[r]["hang"]
+        assert rec["outcome"][:2] == [None, None] and rec["right"][:2] == [True, True], rec
+        failed = rec["outcome"][2:]
+        assert all(f is not None for f in failed), rec
+        # the third in flight times out, or the fourth does first (waiting
+        # for rank 1 to enter it) and the third fails with it
+        assert failed[0][0] in ("CollectiveTimeoutError", "ClosedError"), rec
+        assert "did not complete before its deadline" in failed[0][2], rec
+        assert all(f[0] in ("CollectiveTimeoutError", "ClosedError", "PeerError")
+                   for f in failed[1:]), rec
+        assert rec["untouched"][2:] == [True, True, True], rec
+        assert rec["later"] == "ClosedError", rec
+    assert records[1]["hang"]["later"] == "ClosedError"
 
 
 @pytest.mark.gpu

@@ -13,11 +13,18 @@ time, and copy each piece back only once it completed (``owned=True``
 skips the staging for commlib's own buffers). Reductions of float16 and
 bfloat16, which MPI lacks, use user-defined operators computed with numpy.
 Errors MPI reports become :class:`~commlib.errors.TransportError`.
+
+``all_reduce`` can also start its requests and return at once, handing
+them to the collective's :class:`~commlib.inflight.InFlight` (``wait.defer``)
+together with the copies left for after them, each piece then staged in a
+buffer of its own (see :mod:`commlib.inflight`).
 (On one node the communicator puts
 :class:`~commlib.transport.shm.SharedMemoryTransport` in front of this
 transport for numpy arrays.)
 """
 import atexit
+import ctypes
+from functools import partial
 
 import numpy as np
 
@@ -56,7 +63,9 @@ _NAMES = {"Iallreduce": "all_reduce", "Ibcast": "broadcast", "Ireduce": "reduce"
 _types = {}     # numpy dtype -> MPI datatype
 _ops = {}       # (numpy dtype, op name) -> MPI.Op
 #: (request, buffers) of collectives given up on: MPI may still complete
-#: them, so their memory must never be freed or reused
+#: them, so their memory must never be freed or reused, not even while the
+#: interpreter shuts down before MPI_Finalize (each entry holds one
+#: reference that is never released)
 ABANDONED = []
 
 
@@ -114,6 +123,31 @@ def _cuda_aware():
         return False
 
 
+def _now(fn):
+    fn()
+
+
+class _Started:
+    """A started request of a deferred collective (an InFlight part)."""
+
+    __slots__ = ("transport", "name", "request", "keep")
+
+    def __init__(self, transport, name, request, keep):
+        self.transport, self.name, self.request, self.keep = transport, name, request, keep
+
+    def test(self):
+        """Whether the request completed; raises TransportError when MPI reports an error."""
+        MPI = mpi()
+        try:
+            return self.request.Test()
+        except MPI.Exception as exc:
+            self.abandon()
+            raise self.transport._error(self.name, exc) from None
+
+    def abandon(self):
+        self.transport.abandon(self.request, self.keep, self.name, "in flight")
+
+
 class MpiTransport(Transport):
     """Collectives over an ``mpi4py`` communicator.
 
@@ -130,6 +164,7 @@ class MpiTransport(Transport):
         self.chunk_bytes = int(chunk_bytes)
         self.cuda_aware = _cuda_aware()
         self._staging = {}        # array module -> uint8 buffer of chunk_bytes
+        self._spares = []         # numpy uint8 buffers of chunk_bytes for deferred pieces
 
     # -- staging -------------------------------------------------------------
     def _host(self, buf):
@@ -157,38 +192,55 @@ class MpiTransport(Transport):
             found = self._staging[xp] = xp.empty(max(self.chunk_bytes, piece.nbytes), np.uint8)
         return found[:piece.nbytes].view(piece.dtype)
 
-    def _in_place(self, buf, owned, run, writes=True, copy_in=True, scale=None):
+    def _copy_out(self, stage, piece, scale, spare=None):
+        """``piece[...] = stage`` times ``scale`` (None: 1); ``spare``: the
+        buffer under ``stage`` when it was a deferred piece's own, free again."""
+        if scale is None:
+            piece[...] = stage
+        else:
+            array_module(piece).multiply(stage, scale, out=piece)
+        if spare is not None:
+            self._spares.append(spare)
+
+    def _in_place(self, buf, owned, run, writes=True, copy_in=True, scale=None, defer=None):
         """Call ``run(out, piece)`` for consecutive pieces of ``buf`` of at
         most ``chunk_bytes``, the result going to ``out``: the piece itself
-        when ``owned`` (or ``writes`` is False), else the staging buffer,
+        when ``owned`` (or ``writes`` is False), else a staging buffer,
         filled with the piece first if ``copy_in``, and copied back times
         ``scale`` (None: 1) after ``run`` returned, so a collective that
-        fails never writes into ``buf``."""
+        fails never writes into ``buf``. ``defer`` (an InFlight): ``run``
+        only starts the requests, and the copies back wait until every
+        request of the collective completed; each piece then has a staging
+        buffer of its own."""
+        after = _now if defer is None else defer.then
         step = max(1, self.chunk_bytes // max(1, buf.itemsize))
         for start in range(0, buf.size, step):
             piece = buf[start:start + step] if buf.size > step else buf
             if owned or not writes:
                 run(piece, piece)
-                if writes:
-                    scale_in_place(piece, scale)
+                if writes and scale is not None:
+                    after(partial(scale_in_place, piece, scale))
                 continue
-            stage = self._stage(piece)
+            spare = None
+            if defer is None:
+                stage = self._stage(piece)
+            else:               # numpy; pieces are at most chunk_bytes
+                spare = self._spares.pop() if self._spares else np.empty(self.chunk_bytes,
+                                                                         np.uint8)
+                stage = spare[:piece.nbytes].view(piece.dtype)
             if copy_in:
                 stage[...] = piece
             run(stage, piece)
-            if scale is None:
-                piece[...] = stage
-            else:
-                array_module(piece).multiply(stage, scale, out=piece)
+            after(partial(self._copy_out, stage, piece, scale, spare))
 
     def _spec(self, buf):
         return [buf, buf.size, _mpi_type(buf.dtype)]
 
-    def _call(self, name, wait, *args, **kwargs):
+    def _call(self, name, wait, *args, defer=None, **kwargs):
         """Start the non-blocking MPI collective ``name`` (e.g.
-        ``"Iallreduce"``) and poll it until done; on any failure keep the
-        request and its buffers alive forever and make the transport
-        unusable."""
+        ``"Iallreduce"``) and poll it until done, or with ``defer`` (an
+        InFlight) hand it over; on any failure keep the request and its
+        buffers alive forever and make the transport unusable."""
         self.check_usable()
         MPI = mpi()
         try:
@@ -196,14 +248,25 @@ class MpiTransport(Transport):
         except MPI.Exception as exc:
             self.fail("MPI error in %s" % _NAMES[name])
             raise self._error(name, exc) from None
+        if defer is not None:
+            defer.add(_Started(self, name, request, args))
+            return
         try:
             waiting.poll(request.Test, wait)
         except BaseException as exc:
-            ABANDONED.append((request, args))
-            self.fail("%s was given up on (%s)" % (_NAMES[name], type(exc).__name__))
+            self.abandon(request, args, name, type(exc).__name__)
             if isinstance(exc, MPI.Exception):
                 raise self._error(name, exc) from None
             raise
+
+    def abandon(self, request, buffers, name, why):
+        """Give up on ``request`` of collective ``name``: it and its
+        ``buffers`` stay alive (:data:`ABANDONED`), and this transport
+        becomes unusable."""
+        entry = (request, buffers)
+        ctypes.pythonapi.Py_IncRef(ctypes.py_object(entry))
+        ABANDONED.append(entry)
+        self.fail("%s was given up on (%s)" % (_NAMES[name], why))
 
     def _error(self, name, exc):
         text = exc.Get_error_string() if hasattr(exc, "Get_error_string") else str(exc)
@@ -214,15 +277,21 @@ class MpiTransport(Transport):
 
     # -- collectives ---------------------------------------------------------
     def all_reduce(self, buf, op, wait=waiting.FOREVER, fmt=None, owned=False, scale=None):
+        """See :meth:`Transport.all_reduce`; with ``wait.defer`` (numpy
+        buffers only) the requests are started and handed over, and the
+        call returns at once."""
         h = self._host(buf)
+        defer = wait.defer
+        if defer is not None and h is not buf:
+            raise ValueError("a deferred all_reduce takes host buffers only")
         mop, mtype = _mpi_op(h.dtype, op, fmt), _mpi_type(h.dtype)
         IN_PLACE = mpi().IN_PLACE
 
         def run(out, piece):       # a staged piece is sent from where it lies
             self._call("Iallreduce", wait, IN_PLACE if out is piece else [piece, mtype],
-                       [out, mtype], mop)
+                       [out, mtype], mop, defer=defer)
 
-        self._in_place(h, owned or h is not buf, run, copy_in=False, scale=scale)
+        self._in_place(h, owned or h is not buf, run, copy_in=False, scale=scale, defer=defer)
         self._write_back(buf, h)
 
     def broadcast(self, buf, root, wait=waiting.FOREVER, owned=False):
