@@ -22,6 +22,9 @@ interleaved repeat by repeat, each the slowest rank's time, median of
 * ``compute in step``: the time the backward pass itself took inside the
   overlapped step: how much the progress thread slows the compute;
 * how many buckets had completed when the backward pass ended;
+* the CPU time of each variant per rank (``time.process_time()``, every
+  thread of the process; the busiest rank): where the ranks fill every
+  core, one each, a step takes about that long at least;
 * the baselines: the same overlapped step written with bare mpi4py, no
   commlib (:class:`BareOverlap`: one thread, each bucket's ``Iallreduce``
   in place as soon as it is ready, polled with the same sleeps, then
@@ -245,12 +248,15 @@ def rank_program(args):
                 "overlap": overlap, "bare_overlap": lambda: bare.step(backward),
                 "bare_overlap_4": lambda: bare4.step(backward)}
     times = {name: [] for name in variants}
+    cpu = {name: [] for name in variants}
     inside, finished = [], []
     deadline = time.monotonic() + args.budget_s
     for k in range(args.repeats):
         for name, fn in variants.items():
+            used = time.process_time()
             seconds, extra = slowest(fn)
             times[name].append(seconds)
+            cpu[name].append(world.allreduce(time.process_time() - used, op=MPI.MAX))
             if name == "overlap":
                 inside.append(world.allreduce(extra[0], op=MPI.MAX))
                 finished.append(world.allreduce(extra[1], op=MPI.MIN))
@@ -267,7 +273,8 @@ def rank_program(args):
               "ms": {name: 1e3 * v for name, v in med.items()},
               "ms_max": 1e3 * best, "ms_compute_in_overlap": 1e3 * statistics.median(inside),
               "buckets_done_after_compute": statistics.median(finished),
-              "range_ms": {name: [1e3 * min(t), 1e3 * max(t)] for name, t in times.items()}}
+              "range_ms": {name: [1e3 * min(t), 1e3 * max(t)] for name, t in times.items()},
+              "cpu_ms": {name: 1e3 * statistics.median(t) for name, t in cpu.items()}}
     result["overlap_to_max"] = med["overlap"] / best
     result["no_overlap_to_max"] = med["no_overlap"] / best
     result["bare_overlap_to_max"] = med["bare_overlap"] / best
@@ -296,6 +303,10 @@ def table(r):
                 r["bucket_bytes"], r["bytes"] / 1e6, r["repeats"]),
              "", "| time | ms |", "| --- | --- |"]
     lines += ["| %s | %.1f |" % row for row in rows]
+    cpu = r["cpu_ms"]
+    lines += ["| CPU time per rank (all threads, busiest rank): compute only / overlap / "
+              "bare mpi4py | %.1f / %.1f / %.1f |"
+              % (cpu["compute"], cpu["overlap"], cpu["bare_overlap"])]
     lines += ["| overlap=\"auto\" would start buckets early here | %s |"
               % ("yes" if r.get("auto_overlaps") else "no (no spare cores)")]
     lines += ["| buckets complete when the backward pass ended | %g of %d |"

@@ -71,6 +71,13 @@ class Harness:
 
         return self.progress.submit(run, [out]), part
 
+    def several(self, k, length=5):
+        """``k`` deferred collectives, once the last has started: (outs, [(work, part)])."""
+        outs = [np.zeros(length) for _ in range(k)]
+        started = [self.deferred(j, outs[j]) for j in range(k)]
+        until(lambda: ("start", k - 1) in self.log)
+        return outs, started
+
     def whole(self, name):
         def run():
             self.log.append(("whole", name, len(self.progress.in_flight())))
@@ -141,7 +148,6 @@ def test_a_whole_collective_waits_for_nothing_but_is_published_after_the_ones_be
 
 def test_depth_one_starts_nothing_beside_a_collective_in_flight():
     h = Harness(depth=1)
-    out = np.zeros(3)
     assert not h.progress.may_defer()             # not on its thread either
     work = h.whole("x")
     assert work.wait() == "x"
@@ -150,9 +156,7 @@ def test_depth_one_starts_nothing_beside_a_collective_in_flight():
 
 def test_a_failure_in_flight_fails_every_started_collective_and_writes_nothing():
     h = Harness(depth=4)
-    outs = [np.zeros(5) for _ in range(3)]
-    started = [h.deferred(k, outs[k]) for k in range(3)]
-    until(lambda: ("start", 2) in h.log)
+    outs, started = h.several(3)
     started[2][1].done.set()                      # complete, but after the failing one
     started[0][1].error = PeerError("rank 1 left", culprits=(1,))
     with pytest.raises(PeerError, match="rank 1 left"):
@@ -197,9 +201,7 @@ def test_the_communicator_failing_elsewhere_stops_completion():
 
 def test_interrupt_fails_the_collectives_in_flight():
     h = Harness(depth=3)
-    outs = [np.zeros(2) for _ in range(2)]
-    started = [h.deferred(k, outs[k]) for k in range(2)]
-    until(lambda: ("start", 1) in h.log)
+    outs, started = h.several(2)
     assert h.progress.interrupt(stop_s=5)
     with pytest.raises(KeyboardInterrupt):
         started[0][0].wait()
