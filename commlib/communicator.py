@@ -39,7 +39,7 @@ from .bootstrap import NcclId
 from .errors import (ArgumentError, BackendUnavailableError, ClosedError, CommlibError,
                      ConsistencyError, NonFiniteError, PayloadError)
 from .ops._arrays import array_module, is_cupy
-from .inflight import InFlight, overlap
+from .inflight import InFlight, now, overlap
 from .stats import CommStats, CountingTransport
 from .waiting import SleepingWaits, Wait, background, relaxed
 from .work import GpuOrder, Progress
@@ -50,10 +50,6 @@ _AGREED = (NonFiniteError, PayloadError)
 _live = weakref.WeakSet()   # communicators not closed yet, for the exit hooks
 _made = itertools.count()   # creation order (the same on every rank: creation is collective)
 _hooks_installed = False
-
-
-def _now(fn):
-    fn()
 
 
 def _gpu_count():
@@ -389,21 +385,15 @@ class Communicator:
     def _start_progress(self):
         me = weakref.ref(self)
 
-        def interrupted(exc):
+        def fail(exc):          # Ctrl-C in a wait, or a collective failing in flight
             comm = me()
             if comm is not None and comm._failure is None:
                 comm._fail(exc)
 
         gone = ClosedError("rank %d: the communicator is gone" % self._rank)
-
-        def failed(exc):
-            comm = me()
-            if comm is not None and comm._failure is None:
-                comm._fail(exc)
-
-        return Progress(self._stats, self._threaded(), interrupted,
+        return Progress(self._stats, self._threaded(), fail,
                         name="commlib-progress-rank%d" % self._rank, depth=self.async_depth,
-                        on_error=failed, failed=lambda: getattr(me(), "_failure", gone))
+                        on_error=fail, failed=lambda: getattr(me(), "_failure", gone))
 
     def _threaded(self):
         """Whether asynchronous collectives run on a progress thread: unless
@@ -693,7 +683,7 @@ class Communicator:
             flight = self._in_flight(kind, items, wait)
             if flight is not None:
                 wait = flight.wait
-        after = _now if flight is None else flight.then
+        after = now if flight is None else flight.then
 
         def step(transport, buf, i, prepared):
             if i is not None and root is None and transport.reduces_parts(buf):

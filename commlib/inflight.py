@@ -24,11 +24,19 @@ import time
 
 import numpy as np
 
+from .waiting import RELAXED_SLEEP_S
+
 #: the shortest and longest sleep between polls of collectives in flight
 #: while the caller computes (seconds)
 MIN_SLEEP_S, MAX_SLEEP_S = 2e-5, 1e-3
 #: the sleep is at most this share of the time the bytes in flight still need
 SLEEP_SHARE = 1 / 8
+
+
+def now(fn):
+    """Run ``fn()`` now: what a collective that waits for its requests does
+    where one in flight would call :meth:`InFlight.then`."""
+    fn()
 
 
 class InFlight:
@@ -136,6 +144,6 @@ class Pacer:
 
     def longest_sleep(self, nbytes):
         """The longest sleep between polls with ``nbytes`` in flight (seconds)."""
-        if self._seconds_per_byte is None:
-            return MIN_SLEEP_S * 5
+        if self._seconds_per_byte is None:      # as a relaxed wait's
+            return RELAXED_SLEEP_S[1]
         return min(MAX_SLEEP_S, max(MIN_SLEEP_S, SLEEP_SHARE * nbytes * self._seconds_per_byte))

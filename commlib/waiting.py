@@ -59,17 +59,16 @@ def background():
 
 class Backoff:
     """Sleeps of a relaxed wait: none for the first :data:`RELAXED_SPINS`
-    calls, then from ``RELAXED_SLEEP_S[0]`` doubling to :attr:`longest`
-    seconds (default ``RELAXED_SLEEP_S[1]``, or longer while the thread's
-    background says so, see :func:`set_background`); none either (and
-    back to the shortest) while the thread is not relaxed (:func:`relaxed`:
-    the caller's thread waits for this work)."""
+    calls, then from ``RELAXED_SLEEP_S[0]`` doubling to ``[1]`` seconds
+    (or longer while the thread's background says so, see
+    :func:`set_background`); none either (and back to the shortest) while
+    the thread is not relaxed (:func:`relaxed`: the caller's thread waits
+    for this work)."""
 
-    __slots__ = ("_calls", "_sleep", "longest")
+    __slots__ = ("_calls", "_sleep")
 
-    def __init__(self, longest=None):
+    def __init__(self):
         self._calls, self._sleep = 0, RELAXED_SLEEP_S[0]
-        self.longest = RELAXED_SLEEP_S[1] if longest is None else longest
 
     def pause(self):
         self._calls += 1
@@ -78,7 +77,7 @@ class Backoff:
         if not relaxed():
             self._sleep = RELAXED_SLEEP_S[0]
             return
-        longest = self.longest
+        longest = RELAXED_SLEEP_S[1]
         stretch = getattr(_thread, "longest_sleep", None)
         if stretch is not None:
             longest = max(longest, stretch())

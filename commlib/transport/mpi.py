@@ -30,6 +30,7 @@ import numpy as np
 
 from .. import waiting
 from ..errors import BackendUnavailableError, TransportError
+from ..inflight import now
 from ..ops import hostcast
 from ..ops._arrays import array_module, is_cupy
 from .base import Transport, scale_in_place
@@ -123,10 +124,6 @@ def _cuda_aware():
         return False
 
 
-def _now(fn):
-    fn()
-
-
 class _Started:
     """A started request of a deferred collective (an InFlight part)."""
 
@@ -212,7 +209,7 @@ class MpiTransport(Transport):
         only starts the requests, and the copies back wait until every
         request of the collective completed; each piece then has a staging
         buffer of its own."""
-        after = _now if defer is None else defer.then
+        after = now if defer is None else defer.then
         step = max(1, self.chunk_bytes // max(1, buf.itemsize))
         for start in range(0, buf.size, step):
             piece = buf[start:start + step] if buf.size > step else buf
