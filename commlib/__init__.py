@@ -15,8 +15,8 @@ from .stats import CommStats
 from .work import Work
 from .errors import (ArgumentError, ArrayTypeError, BackendUnavailableError, ClosedError,
                      CollectiveTimeoutError, CommlibError, ConsistencyError,
-                     DeviceMismatchError, NonFiniteError, PayloadError, PeerError,
-                     TransportError)
+                     DeviceMismatchError, LaunchError, NonFiniteError, PayloadError,
+                     PeerError, TransportError)
 from . import optim
 from .optim import DistributedOptimizer, broadcast_parameters, check_parameters, partition
 
@@ -32,8 +32,18 @@ def init(**options):
     size 1); without mpi4py, :meth:`Communicator.single` (one process).
     ``options`` go to the constructor (``bucket_bytes``, ``check``,
     ``timeout``, ``device``, ``backend`` for MPI).
+
+    Raises:
+        LaunchError: a launcher variable (``PMI_SIZE``,
+            ``OMPI_COMM_WORLD_SIZE``, ``COMMLIB_SIZE``, Slurm's
+            ``SLURM_STEP_NUM_TASKS``, ...) says N ranks and this process's
+            MPI world has another size (an mpiexec of another MPI than
+            mpi4py's): raised on every process, never run as N separate jobs.
+        BackendUnavailableError: a launcher says several ranks but mpi4py is
+            not installed.
     """
-    from .bootstrap import launcher_env, mpi_launched
+    from .bootstrap import launcher_env
+    from .mpi_library import launched_size
     found = launcher_env()
     if found is not None:
         nid, rank, size, local_rank, local_size = found
@@ -43,11 +53,14 @@ def init(**options):
     try:
         import mpi4py  # noqa: F401
     except ImportError:
-        if mpi_launched():
+        launched = launched_size()
+        if launched is not None and launched[0] > 1:
             raise BackendUnavailableError(
-                "commlib: this process was started by an MPI launcher but mpi4py is not "
-                "installed; install it, e.g. from the commlib source tree: "
-                "pip install '.[mpi]'") from None
+                "commlib: %s=%d (set by %s) says this process is one of %d ranks, but "
+                "mpi4py is not installed, so it would run alone; install mpi4py and an "
+                "MPI, e.g. from the commlib source tree: pip install '.[mpi]' "
+                "(or pip install mpi4py mpich)" % (launched[1], launched[0], launched[2],
+                                                   launched[0])) from None
         options.pop("backend", None)
         return Communicator.single(**options)
     return Communicator.from_mpi(**options)
@@ -58,5 +71,6 @@ __all__ = ["Communicator", "NcclId", "init", "flat_arrays", "compression", "erro
            "optim", "DistributedOptimizer", "broadcast_parameters", "check_parameters",
            "partition", "ArgumentError", "ArrayTypeError",
            "BackendUnavailableError", "ClosedError", "CollectiveTimeoutError",
-           "CommlibError", "ConsistencyError", "DeviceMismatchError", "NonFiniteError",
+           "CommlibError", "ConsistencyError", "DeviceMismatchError", "LaunchError",
+           "NonFiniteError",
            "PayloadError", "PeerError", "TransportError"]

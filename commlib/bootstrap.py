@@ -23,10 +23,6 @@ ENV_SIZE = "COMMLIB_SIZE"
 ENV_LOCAL_RANK = "COMMLIB_LOCAL_RANK"
 ENV_LOCAL_SIZE = "COMMLIB_LOCAL_SIZE"
 
-#: (rank, size) variables of common MPI launchers: MPICH's hydra, Open MPI,
-#: PMIx, Slurm
-MPI_LAUNCHER_ENV = (("PMI_RANK", "PMI_SIZE"), ("OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE"),
-                    ("PMIX_RANK", "PMIX_SIZE"), ("SLURM_PROCID", "SLURM_NTASKS"))
 
 
 class NcclId:
@@ -91,17 +87,6 @@ def _int_env(name, env):
         return int(value)
     except ValueError:
         raise ArgumentError("environment variable %s=%r is not an integer" % (name, value)) from None
-
-
-def mpi_launched(env=None):
-    """Whether an MPI launcher (mpiexec, srun) started this process with
-    several ranks."""
-    env = os.environ if env is None else env
-    for names in MPI_LAUNCHER_ENV:
-        size = env.get(names[1])
-        if size is not None:
-            return size.strip() not in ("", "1")
-    return False
 
 
 def launcher_env(env=None):

@@ -31,7 +31,7 @@ from functools import partial
 import numpy as np
 
 from . import board as _board
-from . import bootstrap, bucketing, consistency, settings, validation
+from . import bootstrap, bucketing, consistency, launch_records, mpi_library, settings, validation
 from . import compression as _compression
 from ._cuda import available as _gpu_available, nccl_unavailable_reason
 from .board_exchange import ExchangeBoard
@@ -181,10 +181,21 @@ class Communicator:
         ``device`` is the GPU ordinal (default: local rank modulo the GPU
         count). A rank that cannot make its communicator, or settings that
         differ between ranks, raise on every rank.
+
+        Raises:
+            LaunchError: the launcher said N ranks (``PMI_SIZE``,
+                ``OMPI_COMM_WORLD_SIZE``, ...; see
+                :func:`commlib.mpi_library.check_world_size`) but
+                ``MPI.COMM_WORLD`` has another size; raised before any
+                communication, on every process.
         """
         from .transport.mpi import MpiTransport, mpi
         from .transport.shm import SharedMemoryTransport
         MPI = mpi()
+        world = MPI.COMM_WORLD.Get_size()
+        library = mpi_library.this_library()
+        launch_records.record_started(world, library.version)
+        mpi_library.check_world_size(world, library=library)
         base = MPI.COMM_WORLD if mpi_comm is None else mpi_comm
         if base.Get_size() > 1:
             _install_hooks()      # an error below must end the job, not hang it

@@ -38,6 +38,13 @@ class BackendUnavailableError(CommlibError, RuntimeError):
     """A transport (NCCL, MPI, CUDA kernels) was asked for but cannot be used here."""
 
 
+class LaunchError(CommlibError, RuntimeError):
+    """The job is not what its launcher said: a rank's MPI world has another
+    size than the launcher started (an mpiexec of another MPI than mpi4py's
+    makes every rank a job of size 1), or no mpiexec of mpi4py's MPI was
+    found."""
+
+
 class ClosedError(CommlibError, RuntimeError):
     """The communicator was used after :meth:`Communicator.close`, or after a
     failure left it unusable."""

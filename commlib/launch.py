@@ -14,8 +14,15 @@ args``) and calls :func:`commlib.init`.
   the GPU (``CUDA_VISIBLE_DEVICES`` is left alone). The launcher reads each
   worker's output and prints it line by line, prefixed with ``[rank] ``.
 * ``mpi`` (otherwise): ``mpiexec -prepend-rank -n N python -m commlib.launch
-  --_worker train.py args``, with the mpiexec next to ``sys.executable``
-  (MPICH from the ``mpi`` extra) or else the one on ``PATH``. Each process
+  --_worker train.py args``, with an mpiexec of the MPI library mpi4py loads
+  (``--mpiexec`` or ``COMMLIB_MPIEXEC``, else the one next to
+  ``sys.executable`` (MPICH from the ``mpi`` extra), the library's own, or
+  one on ``PATH``; see :func:`commlib.mpi_library.choose_mpiexec`): an
+  mpiexec of another MPI would start N separate jobs of size 1, so the
+  launcher refuses it, naming the fix. Open MPI's mpirun gets
+  ``--oversubscribe`` (and ``--allow-run-as-root`` as root). Each rank's
+  :meth:`~commlib.Communicator.from_mpi` reports the size of its MPI world
+  (``started.R``); a size other than N ends the job with an error. Each process
   mpiexec starts is a supervisor that never initialises MPI: it starts the
   rank process (``--_rank``) as its child with the same environment and file
   descriptors (MPI_Init connects through them), forwards SIGINT/SIGTERM to it,
@@ -34,6 +41,8 @@ Status directory (``COMMLIB_LAUNCH_STATUS_DIR``, made by the launcher): one
 JSON object per file, written to a temporary name and renamed, with ``rank``,
 ``kind`` and ``time`` (``time.time()`` of the event):
 
+* ``started.R``: rank R made its first communicator over MPI: ``size`` (its
+  MPI world's) and ``library`` (mpi4py's MPI library).
 * ``done.R``: rank R's script returned (or exited with status 0); written by
   the rank before MPI finalizes.
 * ``failed.R``: rank R's script failed: ``code`` (its exit status),
@@ -61,8 +70,9 @@ blaming others, the earliest first. SIGINT or SIGTERM to the launcher, or
 worker finished; the blamed rank's exit code (128 + signal number when it was
 killed by a signal, 1 when it exited with 0 without finishing its script);
 mpiexec's status when it failed and no rank left a record; 124 after
-``--timeout``; 128 + signal number when the launcher was interrupted; 2 for
-bad arguments.
+``--timeout``; 3 when a rank's MPI world was not of size N; 128 + signal
+number when the launcher was interrupted; 2 for bad arguments or an mpiexec
+of another MPI than mpi4py's.
 """
 import argparse
 import collections
@@ -83,19 +93,24 @@ import time
 import traceback
 
 from . import _cuda
-from .bootstrap import (ENV_LOCAL_RANK, ENV_LOCAL_SIZE, ENV_NCCL_ID, ENV_RANK, ENV_SIZE,
-                        MPI_LAUNCHER_ENV)
-from .errors import ArgumentError, BackendUnavailableError, CommlibError
+from . import mpi_library
+from .bootstrap import ENV_LOCAL_RANK, ENV_LOCAL_SIZE, ENV_NCCL_ID, ENV_RANK, ENV_SIZE
+from .errors import ArgumentError, BackendUnavailableError, CommlibError, LaunchError
+from .launch_records import (ENV_STATUS_DIR, Record, blame, distinct_tracebacks,  # noqa: F401
+                             launcher_rank, ranks_text, read_records, signal_name,
+                             write_record)
 
 PROG = "commlib.launch"  # also the module name workers run with -m
 WORKER_FLAG = "--_worker"  # the supervisor of one rank under mpiexec
 RANK_FLAG = "--_rank"  # the rank process itself: runs the script
-#: directory where ranks and their supervisors record how they ended
-ENV_STATUS_DIR = "COMMLIB_LAUNCH_STATUS_DIR"
+#: the mpiexec to use (else one of the MPI that mpi4py loads is looked for)
+ENV_MPIEXEC = "COMMLIB_MPIEXEC"
 #: "1": supervisors prefix output lines with "[rank] " (mpiexec without -prepend-rank)
 ENV_PREFIX = "COMMLIB_LAUNCH_PREFIX"
 LAUNCH_ENV = (ENV_NCCL_ID, ENV_RANK, ENV_SIZE, ENV_LOCAL_RANK, ENV_LOCAL_SIZE)
 EXIT_TIMEOUT = 124
+#: the ranks reported an MPI world of another size than -n
+EXIT_WRONG_SIZE = 3
 POLL_S = 0.05
 SETTLE_S = 1.0  # after a failure, time for the job to end itself (MPI_Abort)
 OUTPUT_DRAIN_S = 0.25  # a failed rank's pause between its last output and MPI_Abort
@@ -140,8 +155,9 @@ def build_parser():
         prog=PROG, description="Run N data-parallel workers of a commlib training script.",
         epilog="Exit status: 0 when all workers finish; else the exit code of the worker "
                "that failed or died first (128 + N for signal N; the others are ended); "
-               "%d after --timeout; 128 + N after signal N to the launcher; 2 for bad "
-               "arguments." % EXIT_TIMEOUT)
+               "%d after --timeout; %d when a rank's MPI world is not of size N; 128 + N "
+               "after signal N to the launcher; 2 for bad arguments or an mpiexec of "
+               "another MPI than mpi4py's." % (EXIT_TIMEOUT, EXIT_WRONG_SIZE))
     parser.add_argument("-n", "--nprocs", type=_positive_int, required=True,
                         help="number of workers (ranks)")
     parser.add_argument("--backend", choices=("auto", "nccl", "mpi"), default="auto",
@@ -153,6 +169,10 @@ def build_parser():
     parser.add_argument("--grace", type=_seconds(True), default=5.0,
                         help="seconds between SIGTERM and SIGKILL when ending workers "
                              "(default 5)")
+    parser.add_argument("--mpiexec", default=None,
+                        help="the mpiexec to start MPI workers with (default: %s, else one "
+                             "of the MPI library mpi4py loads: the one beside the Python "
+                             "interpreter, the library's own, then PATH's)" % ENV_MPIEXEC)
     parser.add_argument("script", help="the Python training script")
     parser.add_argument("args", nargs=argparse.REMAINDER, help="the script's arguments")
     return parser
@@ -196,17 +216,6 @@ def choose_backend(requested, n):
     return "nccl" if reason is None and n <= gpus else "mpi"
 
 
-def mpiexec_path():
-    """The mpiexec next to ``sys.executable``, else the one on PATH."""
-    exe = (shutil.which("mpiexec", path=os.path.dirname(sys.executable))
-           or shutil.which("mpiexec"))
-    if exe is None:
-        raise BackendUnavailableError(
-            "mpiexec not found next to %s or on PATH: install MPI, e.g. "
-            "pip install 'commlib[mpi]'" % sys.executable)
-    return exe
-
-
 # -- worker environments -----------------------------------------------------------------
 
 def _common_env(base, n):
@@ -247,143 +256,6 @@ def worker_env(base, nccl_id, rank, size, local_rank=None, local_size=None):
         ENV_LOCAL_SIZE: str(size if local_size is None else local_size),
     })
     return env
-
-
-# -- status records ----------------------------------------------------------------------
-
-def _ranks_text(ranks):
-    ranks = list(ranks)
-    return ("rank %s" if len(ranks) == 1 else "ranks %s") % ", ".join(map(str, ranks))
-
-
-def _shorten(text, limit=300):
-    return text if len(text) <= limit else text[:limit - 3] + "..."
-
-
-def _signal_name(signum):
-    try:
-        return signal.Signals(signum).name
-    except ValueError:
-        return "signal %d" % signum
-
-
-_RECORD_FIELDS = ("rank", "kind", "time", "code", "signal", "exception", "message",
-                  "culprits", "traceback", "finished", "requested")
-
-
-class Record(collections.namedtuple("Record", _RECORD_FIELDS)):
-    """How one rank ended (see the module docstring): ``kind`` is ``"done"``,
-    ``"failed"`` or ``"died"``; ``code`` an exit status, ``signal`` the
-    signal that killed it."""
-
-    def __new__(cls, rank, kind, time=0.0, code=None, signal=None, exception=None,
-                message=None, culprits=(), traceback=None, finished=False, requested=None):
-        return super().__new__(cls, rank, kind, time, code, signal, exception, message,
-                               tuple(culprits), traceback, finished, requested)
-
-    @classmethod
-    def from_dict(cls, data):
-        data = {k: v for k, v in data.items() if k in _RECORD_FIELDS}
-        return cls(**data)
-
-    @property
-    def bad(self):
-        """Whether this record blames its rank: it failed or died, unasked."""
-        return self.kind != "done" and self.requested is None
-
-    def describe(self):
-        rank = self.rank
-        if self.kind == "failed":
-            text = "rank %s failed with exit code %d" % (rank, self.code)
-            if self.exception:
-                blaming = " blaming %s" % _ranks_text(self.culprits) if self.culprits else ""
-                message = (self.message or "").strip().splitlines()
-                message = ": " + _shorten(message[0]) if message else ""
-                text += " (%s%s%s)" % (self.exception, blaming, message)
-            return text
-        if self.kind == "done":
-            return "rank %s finished" % rank
-        if self.signal is not None:
-            how = ("ended by %s" if self.requested else "killed by %s") \
-                % _signal_name(self.signal)
-            text = "rank %s was %s" % (rank, how)
-            return text + " after its script finished" if self.finished else text
-        if self.finished:
-            return "rank %s exited with status %d after its script finished" % (rank, self.code)
-        return ("rank %s exited with status %d without finishing its script (os._exit, or "
-                "an exit in native code)" % (rank, self.code))
-
-    def exit_status(self):
-        if self.signal is not None:
-            return 128 + self.signal
-        return self.code or 1
-
-
-def write_record(status_dir, record):
-    """Write ``record`` as ``<kind>.<rank>`` in ``status_dir`` (atomically);
-    False when it could not be written."""
-    path = os.path.join(status_dir, "%s.%s" % (record.kind, record.rank))
-    tmp = "%s.tmp%d" % (path, os.getpid())
-    try:
-        with open(tmp, "w") as f:
-            json.dump(record._asdict(), f)
-        os.replace(tmp, path)
-        return True
-    except (OSError, TypeError, ValueError):
-        return False
-
-
-_RECORD_NAME = re.compile(r"(done|failed|died)\.(\d+)$")
-
-
-def read_records(status_dir):
-    """The records in ``status_dir``, earliest first (unreadable ones left out)."""
-    found = []
-    try:
-        names = os.listdir(status_dir)
-    except OSError:
-        return found
-    for name in names:
-        if _RECORD_NAME.match(name):
-            try:
-                with open(os.path.join(status_dir, name)) as f:
-                    found.append(Record.from_dict(json.load(f)))
-            except (OSError, ValueError, TypeError):
-                continue
-    return sorted(found, key=lambda r: r.time)
-
-
-def blame(records):
-    """The record to name for a job's failure, or None when no rank failed
-    or died unasked. A rank other ranks blame (``culprits``) comes first,
-    then one that failed or died without blaming others, the earliest first."""
-    bad = [r for r in records if r.bad]
-
-    def key(r):
-        named = any(r.rank in o.culprits for o in bad if o.rank != r.rank)
-        return (not named, bool(r.culprits), r.time)
-    return min(bad, key=key) if bad else None
-
-
-def _same_traceback_key(record):
-    """The traceback with the rank's own number in ``rank R`` replaced."""
-    return re.sub(r"\b(ranks?\s+)%d\b" % int(record.rank), r"\1<R>", record.traceback,
-                  flags=re.IGNORECASE)
-
-
-def distinct_tracebacks(records):
-    """[(ranks, traceback text)] for the failed records with a traceback,
-    one entry per distinct traceback (the text of its lowest rank), in the
-    order they were first recorded."""
-    groups = collections.OrderedDict()
-    for r in sorted(records, key=lambda r: r.time):
-        if r.kind == "failed" and r.traceback:
-            groups.setdefault(_same_traceback_key(r), []).append(r)
-    found = []
-    for group in groups.values():
-        group.sort(key=lambda r: r.rank)
-        found.append(([r.rank for r in group], group[0].traceback))
-    return found
 
 
 # -- processes and their output ----------------------------------------------------------
@@ -502,6 +374,17 @@ def _end(procs, grace):
 
 # -- jobs --------------------------------------------------------------------------------
 
+def _says_hydra(mpiexec):
+    """Whether ``mpiexec --version`` names MPICH's hydra (which knows
+    -prepend-rank) anywhere in its output."""
+    try:
+        out = subprocess.run([mpiexec, "--version"], stdout=subprocess.PIPE,
+                             stderr=subprocess.STDOUT, timeout=30).stdout
+    except (OSError, subprocess.SubprocessError):
+        return False
+    return b"HYDRA" in out
+
+
 class ForkedWorkers:
     """N child processes sharing an NCCL ID; the launcher sees each exit code
     (when it happens, from one waiting thread per worker) and passes each
@@ -509,6 +392,7 @@ class ForkedWorkers:
 
     def __init__(self, procs, status_dir=None):
         self.procs, self.status_dir = procs, status_dir
+        self.size = len(procs)
         n = len(procs)
         self.ended_at = [None] * n  # time.time() when each worker ended
         self.requested = [None] * n  # signal the launcher sent it while it ran
@@ -607,36 +491,39 @@ class ForkedWorkers:
             shutil.rmtree(self.status_dir, ignore_errors=True)
 
 
-def _is_hydra(mpiexec):
-    """Whether ``mpiexec`` is MPICH's hydra (which knows -prepend-rank)."""
-    try:
-        out = subprocess.run([mpiexec, "--version"], stdout=subprocess.PIPE,
-                             stderr=subprocess.STDOUT, timeout=30).stdout
-    except (OSError, subprocess.SubprocessError):
-        return False
-    return b"HYDRA" in out
-
-
 class MpiJob:
     """``mpiexec -n N python -m commlib.launch --_worker script args``; how
-    ranks end comes back through records in a status directory."""
+    ranks start and end comes back through records in a status directory."""
 
-    def __init__(self, proc, status_dir):
-        self.proc, self.status_dir = proc, status_dir
+    def __init__(self, proc, status_dir, size, mpiexec=None):
+        self.proc, self.status_dir, self.size = proc, status_dir, size
+        self.mpiexec = mpiexec    # the mpi_library.Mpiexec that started it
 
     @classmethod
     def start(cls, script, args, n, mpiexec=None, base_env=None):
-        mpiexec = mpiexec or mpiexec_path()
-        status_dir = tempfile.mkdtemp(prefix="commlib-launch-")
+        """Start ``script args`` on ``n`` ranks under the supervisor.
+
+        ``mpiexec``: a path or name (default ``COMMLIB_MPIEXEC``, else one of
+        the MPI library mpi4py loads, see
+        :func:`commlib.mpi_library.choose_mpiexec`).
+
+        Raises:
+            LaunchError: no mpiexec of mpi4py's MPI library was found, or
+                the one named belongs to another MPI.
+            BackendUnavailableError: mpi4py or mpiexec is missing.
+        """
         env = _common_env(os.environ if base_env is None else base_env, n)
+        chosen = mpi_library.choose_mpiexec(mpiexec or env.get(ENV_MPIEXEC) or None, env=env)
+        hydra = chosen.family == mpi_library.MPICH and _says_hydra(chosen.path)
+        status_dir = tempfile.mkdtemp(prefix="commlib-launch-")
         env[ENV_STATUS_DIR] = status_dir
-        prepend = ["-prepend-rank"] if _is_hydra(mpiexec) else []
+        prepend = ["-prepend-rank"] if hydra else []
         if not prepend:
             env[ENV_PREFIX] = "1"
-        cmd = [mpiexec, *prepend, "-n", str(n), sys.executable, "-m", PROG,
-               WORKER_FLAG, script, *args]
+        cmd = [chosen.path, *mpi_library.extra_args(chosen), *prepend, "-n", str(n),
+               sys.executable, "-m", PROG, WORKER_FLAG, script, *args]
         try:
-            return cls(_popen(cmd, env), status_dir)
+            return cls(_popen(cmd, env), status_dir, n, chosen)
         except BaseException:
             shutil.rmtree(status_dir, ignore_errors=True)
             raise
@@ -708,8 +595,15 @@ def _watch(job, signals, timeout, grace):
     try:
         while True:
             ended, failed = job.poll()
+            if wrong_size(job.records(), job.size):
+                _settle(job, grace)
+                job.drain()
+                records = job.records()
+                print_tracebacks(records)
+                _say(wrong_size_text(wrong_size(records, job.size), job))
+                return EXIT_WRONG_SIZE
             if signals.received is not None:
-                _say("received %s; ending all workers" % _signal_name(signals.received))
+                _say("received %s; ending all workers" % signal_name(signals.received))
                 job.end(grace)
                 return 128 + signals.received
             if failed:
@@ -726,6 +620,25 @@ def _watch(job, signals, timeout, grace):
         job.close()
 
 
+def wrong_size(records, size):
+    """The ``started`` records of ranks whose MPI world is not ``size``."""
+    return [r for r in records if r.kind == "started" and r.size != size]
+
+
+def wrong_size_text(wrong, job):
+    """What the launcher says when ranks report the wrong world size."""
+    first = wrong[0]
+    used = getattr(job, "mpiexec", None)
+    return ("-n %d, but %s: the workers do not form one job of %d ranks (rank %s's MPI "
+            "library: %s; mpiexec: %s). All workers ended. Fix: an mpiexec of mpi4py's MPI "
+            "(--mpiexec PATH or COMMLIB_MPIEXEC), or point mpi4py at the mpiexec's MPI "
+            "(MPI4PY_LIBMPI=/path/to/its/libmpi.so)"
+            % (job.size, "; ".join("rank %s sees a world of %s" % (r.rank, r.size)
+                                   for r in sorted(wrong, key=lambda r: int(r.rank))),
+               job.size, first.rank, first.library,
+               "%s (%s)" % (used.path, used.version) if used else "forked workers"))
+
+
 def _settle(job, grace):
     """Let the job end itself briefly (MPI_Abort), then end what is left."""
     settle = time.monotonic() + min(SETTLE_S, grace)
@@ -734,15 +647,20 @@ def _settle(job, grace):
     job.end(grace)
 
 
+def print_tracebacks(records):
+    """Print each distinct traceback of ``records`` once, headed by its ranks."""
+    for ranks, text in distinct_tracebacks(records):
+        _say("%s raised:" % ranks_text(ranks))
+        sys.stderr.write(text if text.endswith("\n") else text + "\n")
+        sys.stderr.flush()
+
+
 def report(job):
     """Print the ended ``job``'s distinct tracebacks and the rank to blame;
     returns the exit status."""
     job.drain()
     records = job.records()
-    for ranks, text in distinct_tracebacks(records):
-        _say("%s raised:" % _ranks_text(ranks))
-        sys.stderr.write(text if text.endswith("\n") else text + "\n")
-        sys.stderr.flush()
+    print_tracebacks(records)
     culprit = blame(records)
     if culprit is not None:
         _say(culprit.describe() + "; all workers ended")
@@ -756,14 +674,6 @@ def report(job):
 
 
 # -- one rank under mpiexec: its supervisor ----------------------------------------------
-
-def _rank_from_env():
-    """This process's rank (str) from the launcher's or mpiexec's variables, or None."""
-    for name in (ENV_RANK,) + tuple(names[0] for names in MPI_LAUNCHER_ENV):
-        if os.environ.get(name, "").isdigit():
-            return os.environ[name]
-    return None
-
 
 def _forward_pending(started, received):
     for entry in received:
@@ -782,7 +692,7 @@ def run_supervisor(script, args):
     mpiexec), forward SIGINT/SIGTERM to it, pass its output on in whole lines,
     record its end if it did not (``died.R``), then exit with its status.
     Never initialises MPI."""
-    rank = _rank_from_env()
+    rank = launcher_rank()
     status_dir = os.environ.get(ENV_STATUS_DIR)
     prefix = b"[%s] " % rank.encode() if rank and os.environ.get(ENV_PREFIX) == "1" else b""
     received, started = [], []  # [signal, forwarded], the child once started
@@ -853,7 +763,7 @@ def _failure_record(rank, code, exc):
 
 def _report_failure(code, exc=None):
     """Record the failure for the launcher, then end this rank and the MPI job."""
-    rank = _rank_from_env()
+    rank = launcher_rank()
     status_dir = os.environ.get(ENV_STATUS_DIR)
     record = _failure_record(int(rank) if rank is not None else "?", code, exc)
     recorded = bool(status_dir) and rank is not None and write_record(status_dir, record)
@@ -895,7 +805,7 @@ def run_worker(script, args):
         error, code = exc, 1
     if code:
         _report_failure(code, error)
-    rank, status_dir = _rank_from_env(), os.environ.get(ENV_STATUS_DIR)
+    rank, status_dir = launcher_rank(), os.environ.get(ENV_STATUS_DIR)
     if status_dir and rank is not None:
         write_record(status_dir, Record(int(rank), "done", time.time()))
     return 0
@@ -921,7 +831,7 @@ def main(argv=None):
             if backend == "nccl":
                 from .bootstrap import NcclId
                 return ForkedWorkers.start_script(ns.script, ns.args, ns.nprocs, str(NcclId()))
-            return MpiJob.start(ns.script, ns.args, ns.nprocs)
+            return MpiJob.start(ns.script, ns.args, ns.nprocs, mpiexec=ns.mpiexec)
         except CommlibError as exc:
             failed.append(exc)
             raise

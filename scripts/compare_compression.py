@@ -21,13 +21,13 @@ ranks; times depend on the machine's load.
 import argparse
 import json
 import os
-import shutil
 import subprocess
 import sys
 import tempfile
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "scripts"))
+sys.path.insert(0, ROOT)
 import plot_accuracy_vs_bytes  # noqa: E402
 
 EXAMPLE = os.path.join(ROOT, "examples", "mnist_train.py")
@@ -45,18 +45,20 @@ RUNS = [("plain", ["--compression", "none"]),
 
 
 def mpiexec():
-    """mpiexec next to this Python first (the venv's MPICH), else on PATH."""
-    exe = shutil.which("mpiexec", path=os.path.dirname(sys.executable)) or \
-        shutil.which("mpiexec")
-    if exe is None:
-        raise SystemExit("compare_compression.py: mpiexec not found; pip install '.[mpi]'")
-    return exe
+    """The mpiexec of the MPI library this Python's mpi4py loads, with the
+    arguments it needs (commlib.mpi_library.choose_mpiexec)."""
+    from commlib import errors, mpi_library
+    try:
+        chosen = mpi_library.choose_mpiexec()
+    except errors.CommlibError as exc:
+        raise SystemExit("compare_compression.py: %s" % exc)
+    return [chosen.path, *mpi_library.extra_args(chosen)]
 
 
 def train(name, extra, args, scratch):
     """Run one training; returns its JSON log with ``name`` and ``command`` added."""
     log = os.path.join(scratch, "run.json")
-    cmd = [mpiexec(), "-n", str(args.workers), sys.executable, EXAMPLE, "--device", "cpu",
+    cmd = [*mpiexec(), "-n", str(args.workers), sys.executable, EXAMPLE, "--device", "cpu",
            "--epochs", str(args.epochs), "--json", log, *extra, *args.train_args]
     shown = ["mpiexec", "-n", str(args.workers), "python", "examples/mnist_train.py",
              *cmd[cmd.index(EXAMPLE) + 1:cmd.index("--json")], *extra, *args.train_args]

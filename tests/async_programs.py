@@ -20,7 +20,7 @@ import time
 import mpi4py
 import numpy as np
 
-if sys.argv[1:2] == ["deferred"]:           # before MPI is initialised
+if sys.argv[1:2] == ["deferred"]:           # in case MPI is not initialised yet
     mpi4py.rc.thread_level = "serialized"
 from mpi4py import MPI  # noqa: E402
 

@@ -6,6 +6,7 @@ import time
 import numpy as np
 
 import commlib
+from mpi4py import MPI
 from commlib import errors
 
 
@@ -152,7 +153,7 @@ def main(which):
         watchdog(commlib.init(), "all_reduce_shm")
     elif which == "barrier_timeout":
         watchdog(commlib.init(), "barrier")
-    print("errors %s ok" % which)
+    print("errors %s rank %d ok" % (which, MPI.COMM_WORLD.Get_rank()))
 
 
 if __name__ == "__main__":

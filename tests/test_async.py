@@ -411,7 +411,9 @@ def test_mpi_stats():
 
 
 def test_mpi_deferred_without_thread_multiple():
-    records, _ = run(2, "deferred")
+    # MPI is initialised before the program runs (tests/mpirun.py's
+    # prologue), so the thread level comes from mpi4py's variable
+    records, _ = run(2, "deferred", env={"MPI4PY_RC_THREAD_LEVEL": "serialized"})
     all_ok(records, 2)
     assert records[0]["deferred"]["early"] is False
 
@@ -525,7 +527,7 @@ def test_gpu_async_stream_order_and_reducer(n):
 
 def test_overlap_benchmark_smoke(tmp_path):
     out = tmp_path / "overlap.json"
-    proc = run_bounded([mpiexec(), "-n", "2", sys.executable, ROOT / "benchmarks" / "overlap.py",
+    proc = run_bounded([*mpiexec(), "-n", "2", sys.executable, ROOT / "benchmarks" / "overlap.py",
                         "--workload", "mnist_cnn", "--repeats", "3", "--budget-s", "5",
                         "--bucket-bytes", "4096", "--json", out], 120)
     assert proc.returncode == 0, proc.stderr

@@ -1,7 +1,7 @@
 """Every collective against numpy, in real MPI jobs of 1 to 4 ranks."""
 import pytest
 
-from mpirun import ROOT, run_mpi
+from mpirun import ROOT, assert_each_rank, run_mpi
 
 SIZES = [1, 2, 3, 4]
 
@@ -11,7 +11,7 @@ def run_checks(n, which, timeout=120, env=None):
             "collective_checks.main(sys.argv[1], sys.argv[2])\n")
     proc = run_mpi(n, code, timeout=timeout, env=env,
                    args=[which, str(ROOT / "tests" / "data" / "resnet50.json")])
-    assert proc.stdout.count(" ok") == n, proc.stdout
+    assert_each_rank(proc.stdout, r"rank (?P<rank>\d+) ok", n)
 
 
 @pytest.mark.parametrize("n", SIZES)

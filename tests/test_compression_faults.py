@@ -8,7 +8,7 @@ from commlib.compression import BF16, FP16, HalfPrecision, Partial, Threshold, T
 from commlib.compression import _nonfinite, _payload
 from commlib.errors import ArgumentError, NonFiniteError, PayloadError
 from commlib.ops.sparse import scatter_add
-from mpirun import run_mpi
+from mpirun import assert_each_rank, run_mpi
 
 CODE = ("import sys, compression_fault_checks\n"
         "compression_fault_checks.main(sys.argv[1], sys.argv[2])\n")
@@ -180,20 +180,20 @@ def test_nonfinite_on_every_rank(n):
     """NaN / inf on one and on several ranks, for TopK, Threshold, FP16 and
     BF16, with "raise" and "warn"."""
     proc = run_mpi(n, CODE, args=["nonfinite", "numpy"], timeout=60)
-    assert proc.stdout.count("faults nonfinite rank") == n
+    assert_each_rank(proc.stdout, r"faults nonfinite rank (?P<rank>\d+) ok", n)
 
 
 @pytest.mark.parametrize("n", [1, 2, 3, 4])
 def test_tampered_payloads(n):
     proc = run_mpi(n, CODE, args=["tampered", "numpy"], timeout=60)
-    assert proc.stdout.count("faults tampered rank") == n
+    assert_each_rank(proc.stdout, r"faults tampered rank (?P<rank>\d+) ok", n)
 
 
 @pytest.mark.parametrize("which", ["nonfinite", "tampered"])
 def test_faults_without_shared_memory_or_compiled_loops(which):
     proc = run_mpi(2, CODE, args=[which, "numpy"], timeout=60,
                    env={"COMMLIB_SHM": "0", "COMMLIB_NATIVE": "0"})
-    assert proc.stdout.count("faults %s rank" % which) == 2
+    assert_each_rank(proc.stdout, r"faults %s rank (?P<rank>\d+) ok" % which, 2)
 
 
 @pytest.mark.gpu

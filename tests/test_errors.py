@@ -8,7 +8,7 @@ import pytest
 import commlib
 from commlib import errors
 from commlib.bootstrap import NcclId, launcher_env
-from mpirun import ROOT, mpiexec, run_bounded, run_mpi
+from mpirun import ROOT, assert_each_rank, mpiexec, run_bounded, run_mpi
 
 CODE = "import sys, error_checks\nerror_checks.main(sys.argv[1])\n"
 
@@ -16,19 +16,20 @@ CODE = "import sys, error_checks\nerror_checks.main(sys.argv[1])\n"
 @pytest.mark.parametrize("n", [1, 2, 3])
 def test_argument_errors_name_argument_rank_and_expectation(n):
     proc = run_mpi(n, CODE, args=["arguments"], timeout=60)
-    assert proc.stdout.count("errors arguments ok") == n
+    assert_each_rank(proc.stdout, r"errors arguments rank (?P<rank>\d+) ok", n)
 
 
 @pytest.mark.parametrize("n", [2, 4])
 def test_consistency_check_raises_on_every_rank(n):
     proc = run_mpi(n, CODE, args=["consistency"], timeout=60)
-    assert proc.stdout.count("ranks disagree on all_reduce #1") == n
-    assert proc.stdout.count("errors consistency ok") == n
+    assert_each_rank(proc.stdout, r"consistency (?P<rank>\d+) ok \(rank (?P=rank): ranks "
+                     r"disagree on all_reduce #1", n)
+    assert_each_rank(proc.stdout, r"errors consistency rank (?P<rank>\d+) ok", n)
 
 
 def test_consistency_check_enabled_by_environment():
     proc = run_mpi(2, CODE, args=["consistency_env"], timeout=60, env={"COMMLIB_CHECK": "1"})
-    assert proc.stdout.count("errors consistency_env ok") == 2
+    assert_each_rank(proc.stdout, r"errors consistency_env rank (?P<rank>\d+) ok", 2)
 
 
 def test_watchdog_turns_a_missing_peer_into_an_error():
@@ -58,7 +59,7 @@ def test_sys_exit_on_one_rank_under_python_m_mpi4py_ends_the_job():
     rank aborts the job instead of leaving its peer blocked in a collective."""
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(
         [str(ROOT), str(ROOT / "tests"), os.environ.get("PYTHONPATH", "")]))
-    proc = run_bounded([mpiexec(), "-n", "2", sys.executable, "-m", "mpi4py",
+    proc = run_bounded([*mpiexec(), "-n", "2", sys.executable, "-m", "mpi4py",
                         ROOT / "tests" / "error_checks.py", "exit_nonzero"], 30, env=env)
     assert proc.returncode != 0 and "not reached" not in proc.stdout
 

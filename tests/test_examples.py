@@ -55,7 +55,7 @@ def example_modules(monkeypatch):
 @pytest.fixture(scope="module")
 def two_ranks(tmp_path_factory):
     log = tmp_path_factory.mktemp("log") / "run.json"
-    proc = run([mpiexec(), "-n", "2", sys.executable, MNIST, *SHORT, "--json", log])
+    proc = run([*mpiexec(), "-n", "2", sys.executable, MNIST, *SHORT, "--json", log])
     assert proc.returncode == 0, proc.stderr
     return proc.stdout, json.loads(log.read_text())
 
@@ -93,7 +93,7 @@ def test_mnist_with_compression_trains_and_sends_less(compression, share, min_ac
                                                       two_ranks):
     """Every saving still trains (SHORT, seed 0), changes the run (another model than the
     uncompressed one) and sends the share of plain's bytes it should."""
-    proc = run([mpiexec(), "-n", "2", sys.executable, MNIST, "--compression", compression,
+    proc = run([*mpiexec(), "-n", "2", sys.executable, MNIST, "--compression", compression,
                 *SHORT])
     assert proc.returncode == 0, proc.stderr
     rows, digest = metrics(proc.stdout)

@@ -300,7 +300,7 @@ def test_exception_inside_with_ends_the_job_with_its_traceback(tmp_path, runner)
                                "    if comm.rank == 1:\n        raise ValueError('inside with')\n"
                                "    comm.all_reduce(x)\n")
     cmd = ([sys.executable, "-m", "commlib.launch", "-n", "2", "--backend", "mpi"]
-           if runner == "launcher" else [mpiexec(), "-n", "2", sys.executable, "-m", "mpi4py"])
+           if runner == "launcher" else [*mpiexec(), "-n", "2", sys.executable, "-m", "mpi4py"])
     proc = run_bounded(cmd + [script], 60, env=_env())
     assert proc.returncode != 0, proc.stderr
     assert proc.stderr.count("ValueError: inside with") >= 1, proc.stderr

@@ -5,7 +5,7 @@ import multiprocessing as mp
 import numpy as np
 import pytest
 
-from mpirun import run_mpi
+from mpirun import assert_each_rank, run_mpi
 
 pytestmark = pytest.mark.gpu
 CODE = "import sys, gpu_checks\ngpu_checks.main(sys.argv[1])\n"
@@ -13,12 +13,12 @@ CODE = "import sys, gpu_checks\ngpu_checks.main(sys.argv[1])\n"
 
 def test_nccl_world_size_1_every_collective():
     proc = run_mpi(1, CODE, args=["nccl"], timeout=240)
-    assert "gpu nccl rank 0 ok" in proc.stdout
+    assert_each_rank(proc.stdout, r"gpu nccl rank (?P<rank>\d+) ok", 1)
 
 
 def test_mpi_transport_with_cupy_arrays_world_size_2():
     proc = run_mpi(2, CODE, args=["mpi"], timeout=240)
-    assert proc.stdout.count("ok") == 2
+    assert_each_rank(proc.stdout, r"gpu mpi rank (?P<rank>\d+) ok", 2)
 
 
 def _forked_worker(nid, rank, size, queue):

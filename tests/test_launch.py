@@ -22,7 +22,7 @@ import pytest
 from commlib import NcclId, launch
 from commlib.bootstrap import launcher_env
 from commlib.errors import ArgumentError, BackendUnavailableError
-from mpirun import ROOT, run_bounded
+from mpirun import ROOT, assert_each_rank, run_bounded
 
 FAKE_ID = "ab" * 128  # parses as an NcclId; never reaches NCCL in these tests
 Result = namedtuple("Result", "returncode stdout stderr seconds")
@@ -719,4 +719,4 @@ def test_forked_workers_all_reduce_on_gpu(tmp_path):
     n = min(2, cupy.cuda.runtime.getDeviceCount())
     res = run_launcher("-n", n, script, backend="nccl", timeout=120)
     assert res.returncode == 0, res.stderr
-    assert res.stdout.count("ok") == n
+    assert_each_rank(res.stdout, r"\[(?P<rank>\d+)\] gpu rank (?P=rank) ok", n)

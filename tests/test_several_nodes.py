@@ -4,7 +4,7 @@ exchange over MPI (:class:`commlib.board_exchange.ExchangeBoard`), with the
 check on and off, at 2-4 real ranks."""
 import pytest
 
-from mpirun import run_mpi
+from mpirun import assert_each_rank, run_mpi
 
 NOLOCAL = {"MPIR_CVAR_NOLOCAL": "1"}
 
@@ -32,9 +32,10 @@ if check:
         comm.all_reduce(np.zeros(3 + comm.rank, np.float32))
     except commlib.ConsistencyError as exc:
         assert "disagree" in str(exc), exc
-        print("mismatch named", flush=True)
+        print("mismatch named by rank", comm.rank, flush=True)
+rank = comm.rank
 comm.close()
-print("nodes ok", flush=True)
+print("nodes ok rank", rank, flush=True)
 """
 
 
@@ -42,5 +43,6 @@ print("nodes ok", flush=True)
 @pytest.mark.parametrize("check", ["on", "off"])
 def test_all_reduce_across_nodes_with_the_check_on_and_off(n, check):
     proc = run_mpi(n, CODE, args=[check], timeout=90, env=NOLOCAL)
-    assert proc.stdout.count("nodes ok") == n
-    assert proc.stdout.count("mismatch named") == (n if check == "on" else 0)
+    assert_each_rank(proc.stdout, r"nodes ok rank (?P<rank>\d+)", n)
+    assert_each_rank(proc.stdout, r"mismatch named by rank (?P<rank>\d+)",
+                     n if check == "on" else 0)
