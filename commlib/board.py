@@ -43,6 +43,7 @@ itself gone at ``s`` so that its peers learn of it too. The waits spin in C
 without the GIL (:mod:`commlib.ops._native`) and come back to Python every
 :data:`SLICE_S` seconds, so signal handlers (Ctrl-C) run.
 """
+import collections
 import os
 import sys
 import time
@@ -67,6 +68,9 @@ SLICE_S = waiting.CHECK_EVERY_S
 ERROR_DIGEST = (-1, -1)
 
 CLOSED, EXITED, GAVE_UP, CLOSED_ON_EXCEPTION, DROPPED = 1, 2, 3, 4, 5
+#: seconds a rank that met uneven numbers of steps waits for the other ranks'
+#: counts to settle before it names the ranks to blame
+SETTLE_S = 5.0
 REASONS = {CLOSED: "closed the communicator", EXITED: "exited",
            GAVE_UP: "gave up", CLOSED_ON_EXCEPTION: "left after an exception",
            DROPPED: "dropped the communicator without close() (its script ended, or the last "
@@ -270,14 +274,49 @@ class StatusBoard:
 
     def _left(self, r, seq, what):
         """PeerError for rank ``r`` having left before collective ``seq``;
-        when ``r`` gave up blaming another rank, the blame passes on."""
+        when ``r`` gave up blaming another rank, the blame passes on. When
+        ``r`` closed or exited (uneven numbers of steps), the blame goes to
+        the ranks whose number of collectives differs from the majority's
+        (see :meth:`uneven_culprits`)."""
         reason = int(self._lines[r, REASON])
-        hint = ("; uneven number of steps? every rank must call the same collectives"
-                if reason in (CLOSED, EXITED, DROPPED) else "")
+        uneven = reason in (CLOSED, EXITED, DROPPED)
+        blamed = int(self._lines[r, BLAME]) - 1 if reason == GAVE_UP else -1
+        culprits = (blamed if blamed >= 0 else r,)
+        hint = ""
+        if uneven:
+            counts = self.settled_counts(seq, leaving=False)
+            culprits = uneven_culprits(counts)
+            hint = "; uneven number of steps: %s (every rank must call the same collectives)" \
+                % steps_text(counts, culprits, self.rank)
         text = "%s while this rank is in %s%s" % (self.where(r), consistency.label(what, seq),
                                                   hint)
-        blamed = int(self._lines[r, BLAME]) - 1 if reason == GAVE_UP else -1
-        return self.give_up(seq, what, PeerError, text, (blamed if blamed >= 0 else r,))
+        return self.give_up(seq, what, PeerError, text, culprits)
+
+    def settled_counts(self, mine, leaving, wait_s=SETTLE_S):
+        """{rank: collectives it entered} once each rank's count is known
+        (it left, died, entered a collective after ``mine``, or, while this
+        rank waits inside collective ``mine`` (``leaving`` False), entered
+        ``mine`` too), or after ``wait_s`` seconds: ranks still on their way
+        are left out. This rank counts ``mine``."""
+        end = time.monotonic() + wait_s
+        pause = 1e-5
+        while True:
+            counts, pending = {self.rank: mine}, False
+            for r in range(self.size):
+                if r == self.rank:
+                    continue
+                line = self._lines[r]
+                gone, entered = int(line[GONE]), int(line[ENTERED])   # one read each
+                pid = int(line[PID])
+                if (gone or entered > mine or (entered == mine and not leaving)
+                        or (pid and not _alive(pid))):
+                    counts[r] = entered
+                else:
+                    pending = True
+            if not pending or time.monotonic() >= end:
+                return counts
+            time.sleep(pause)
+            pause = min(2e-3, pause * 2)
 
     def give_up(self, seq, what, kind, text, culprits):
         """Mark this rank gone at ``seq`` and return ``kind`` (an error class)
@@ -313,10 +352,13 @@ class StatusBoard:
                 if r == self.rank or gone == completed + 1 and entered <= completed:
                     continue
                 if entered > completed:
+                    counts = self.settled_counts(completed, leaving=True)
+                    culprits = uneven_culprits(counts)
                     raise PeerError(
                         "rank %d: this rank left after collective #%d but %s: uneven number "
-                        "of steps (every rank must call the same collectives)"
-                        % (self.rank, completed, self.where(r)), culprits=(self.rank,))
+                        "of steps: %s (every rank must call the same collectives)"
+                        % (self.rank, completed, self.where(r),
+                           steps_text(counts, culprits, self.rank)), culprits=culprits)
                 if gone:
                     raise PeerError("rank %d: %s; this rank left after collective #%d"
                                     % (self.rank, self.where(r), completed), culprits=(r,))
@@ -348,3 +390,31 @@ class StatusBoard:
         at = r * LINE_BYTES + where
         return bytes(self.memory[at:at + TEXT_BYTES]).split(b"\0", 1)[0].decode(
             "utf-8", "replace")
+
+
+def uneven_culprits(counts):
+    """The ranks to blame when ranks called different numbers of collectives
+    (``counts``: {rank: collectives entered}): those whose count differs
+    from the count most ranks share; every rank in ``counts`` when no count
+    is shared by more ranks than any other (two ranks, or a tie)."""
+    tally = collections.Counter(counts.values()).most_common()
+    if len(tally) > 1 and tally[0][1] == tally[1][1]:
+        return tuple(sorted(counts))
+    return tuple(sorted(r for r, c in counts.items() if c != tally[0][0]))
+
+
+def steps_text(counts, culprits, me):
+    """E.g. ``rank 1 entered 7 collectives, ranks 0, 2 entered 6``."""
+    groups = collections.defaultdict(list)
+    for r, c in sorted(counts.items()):
+        groups[c].append(r)
+    parts = ["%s %d collective%s" % (_ranks(g) + " entered", c, "s" if c != 1 else "")
+             for c, g in sorted(groups.items(), key=lambda item: (item[1][0] not in culprits,
+                                                                   item[1][0]))]
+    blamed = "this rank" if tuple(culprits) == (me,) else _ranks(culprits)
+    return "%s; blaming %s" % (", ".join(parts), blamed)
+
+
+def _ranks(ranks):
+    ranks = list(ranks)
+    return ("rank %s" if len(ranks) == 1 else "ranks %s") % ", ".join(map(str, ranks))

@@ -303,3 +303,37 @@ def check_world_size(world_size, env=None, library=None):
         "your mpiexec's MPI (MPI4PY_LIBMPI=/path/to/its/libmpi.so)."
         % (name, size, launcher, world_size, library.version, library.path or "path unknown",
            size, _LIBRARY_FIXES.get(library.family, "that library's own mpiexec"), size))
+
+
+_WORLD_PROBE = """
+import json, os
+from mpi4py import MPI
+world = MPI.COMM_WORLD
+print("WORLD " + json.dumps({"rank": world.Get_rank(), "size": world.Get_size(),
+                             "launcher_rank": next((os.environ[v] for v in (
+                                 "PMI_RANK", "OMPI_COMM_WORLD_RANK") if v in os.environ), None)}),
+      flush=True)
+"""
+
+
+def run_world(n, timeout=60):
+    """Start ``n`` ranks of this interpreter with :func:`choose_mpiexec`'s
+    mpiexec; returns the sorted (rank, size) each reported.
+
+    Raises:
+        LaunchError: the ranks did not form one world of size ``n``.
+    """
+    chosen = choose_mpiexec()
+    cmd = [chosen.path, *extra_args(chosen), "-n", str(n), sys.executable, "-c", _WORLD_PROBE]
+    try:
+        out = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                             timeout=timeout).stdout
+    except subprocess.TimeoutExpired:
+        raise LaunchError("%s did not finish in %g s" % (" ".join(cmd), timeout)) from None
+    got = sorted((r["rank"], r["size"]) for r in
+                 (json.loads(m) for m in re.findall(r"WORLD (\{[^}]*\})", out)))
+    if got != [(r, n) for r in range(n)]:
+        raise LaunchError("%s: expected ranks 0..%d of a world of %d, got (rank, size) %s\n%s"
+                          % (" ".join(cmd), n - 1, n, got, out[-2000:]))
+    return got
+

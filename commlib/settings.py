@@ -12,6 +12,11 @@ from .errors import ArgumentError
 CHECK = "COMMLIB_CHECK"
 WATCHDOG_ENABLE = "COMMLIB_WATCHDOG_ENABLE"
 WATCHDOG_TIMEOUT = "COMMLIB_WATCHDOG_TIMEOUT"
+#: nnabla's names for the same settings (its MPI data-parallel communicator's
+#: watch dog), read when commlib's own are unset: ENABLE, any value but 0
+#: (and the usual off words) turns it on; TIMEOUT in seconds
+NNABLA_WATCHDOG_ENABLE = "NNABLA_MPI_WATCH_DOG_ENABLE"
+NNABLA_WATCHDOG_TIMEOUT = "NNABLA_MPI_WATCH_DOG_TIMEOUT"
 STALL_WARNING = "COMMLIB_STALL_WARNING"
 ABORT_ON_ERROR = "COMMLIB_ABORT_ON_ERROR"
 SHM = "COMMLIB_SHM"
@@ -71,14 +76,28 @@ def timeout(value=None):
     """The watch dog's deadline per collective: ``value`` (seconds; ``math.inf``
     turns the watch dog off) or, when None, the environment: off with
     ``COMMLIB_WATCHDOG_ENABLE=0``, else ``COMMLIB_WATCHDOG_TIMEOUT`` seconds
-    (default :data:`DEFAULT_TIMEOUT`). Returns seconds, or None for off."""
+    (default :data:`DEFAULT_TIMEOUT`). nnabla's
+    ``NNABLA_MPI_WATCH_DOG_ENABLE`` / ``NNABLA_MPI_WATCH_DOG_TIMEOUT`` stand
+    in for commlib's two variables where those are unset. Returns seconds,
+    or None for off."""
     if value is None:
-        if not flag(WATCHDOG_ENABLE, True):
+        if not _watchdog_enabled():
             return None
-        return env_seconds(WATCHDOG_TIMEOUT, DEFAULT_TIMEOUT)
+        if os.environ.get(WATCHDOG_TIMEOUT, "").strip():
+            return env_seconds(WATCHDOG_TIMEOUT, DEFAULT_TIMEOUT)
+        return env_seconds(NNABLA_WATCHDOG_TIMEOUT, DEFAULT_TIMEOUT)
     if isinstance(value, (int, float)) and not isinstance(value, bool) and value == math.inf:
         return None
     return seconds(value, "timeout")
+
+
+def _watchdog_enabled():
+    if os.environ.get(WATCHDOG_ENABLE, "").strip():
+        return flag(WATCHDOG_ENABLE, True)
+    value = os.environ.get(NNABLA_WATCHDOG_ENABLE, "").strip().lower()
+    if not value:
+        return True
+    return value not in _FALSE
 
 
 def stall_warning():

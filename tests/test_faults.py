@@ -42,6 +42,12 @@ def find(records, rank, what):
     return found[0]
 
 
+def uneven_blame(n):
+    """Whom uneven steps blame when rank LATE alone stopped early: LATE, the
+    rank whose count differs from the majority's; both ranks of two."""
+    return [LATE] if n > 2 else [0, 1]
+
+
 def others(n):
     return [r for r in range(n) if r != LATE]
 
@@ -127,11 +133,12 @@ def test_close_on_one_rank_while_others_reduce(n):
     """Uneven steps: an error on every rank naming the rank that stopped
     early and the collective the others were in."""
     records, _ = run(n, "close_early")
+    blamed = uneven_blame(n)
     for r in others(n):
-        assert_raised(find(records, r, "all_reduce"), "PeerError", [LATE], within=3,
+        assert_raised(find(records, r, "all_reduce"), "PeerError", blamed, within=3,
                       text=["rank %d closed the communicator after collective #2" % LATE,
                             "all_reduce #3", "uneven number of steps"])
-    assert_raised(find(records, LATE, "close"), "PeerError", [LATE], within=3,
+    assert_raised(find(records, LATE, "close"), "PeerError", blamed, within=3,
                   text=["this rank left after collective #2", "all_reduce #3", "uneven"])
 
 
@@ -141,7 +148,7 @@ def test_uneven_steps_without_close(n):
     for r in others(n):
         assert find(records, r, "step 1")["error"] is None
         got = find(records, r, "step 2")
-        assert_raised(got, "PeerError", [LATE], within=3,
+        assert_raised(got, "PeerError", uneven_blame(n), within=3,
                       text=["after collective #2", "all_reduce #3", "uneven number of steps"])
     assert "this rank left after collective #2" in proc.stderr
 
@@ -304,3 +311,45 @@ def test_exception_inside_with_ends_the_job_with_its_traceback(tmp_path, runner)
     proc = run_bounded(cmd + [script], 60, env=_env())
     assert proc.returncode != 0, proc.stderr
     assert proc.stderr.count("ValueError: inside with") >= 1, proc.stderr
+
+
+@pytest.mark.parametrize("n", [2, 3, 4])
+def test_the_rank_with_an_extra_optimizer_step_is_blamed(tmp_path, n):
+    """DistributedOptimizer, rank 1 takes one step more than the others: the
+    others' close() and rank 1's step name rank 1 (the rank whose number of
+    collectives differs from the majority's), and so does the launcher; with
+    two ranks neither count is the majority's and both are named."""
+    path = tmp_path / "job.py"
+    path.write_text(
+        "import json, sys\nimport numpy as np\nimport commlib\nfrom commlib.optim import SGD\n"
+        "comm = commlib.init()\n"
+        "params = [np.zeros(10, np.float32), np.zeros(3, np.float32)]\n"
+        "opt = commlib.DistributedOptimizer(comm, params, SGD(0.1))\n"
+        "steps = 4 if comm.rank == 1 else 3\n"
+        "try:\n"
+        "    for _ in range(steps):\n"
+        "        opt.step([np.ones(10, np.float32), np.ones(3, np.float32)])\n"
+        "    comm.close()\n"
+        "except commlib.PeerError as exc:\n"
+        "    print('BLAME ' + json.dumps({'rank': comm.rank, 'culprits': list(exc.culprits),\n"
+        "                                 'message': str(exc)}), flush=True)\n"
+        "    raise\n")
+    proc = run_bounded([sys.executable, "-m", "commlib.launch", "-n", str(n), "--backend",
+                        "mpi", path], 90, env=_env())
+    assert proc.returncode != 0, proc.stderr
+    said = {}
+    for line in proc.stdout.splitlines():
+        if "BLAME " in line:
+            record = json.loads(line.split("BLAME ", 1)[1])
+            said[record["rank"]] = record
+    assert sorted(said) == list(range(n)), proc.stdout
+    want = [1] if n > 2 else [0, 1]
+    for rank, record in said.items():
+        assert record["culprits"] == want, record
+        assert "uneven number of steps" in record["message"], record
+        assert ("blaming rank 1" if n > 2 else "blaming ranks 0, 1") in record["message"] \
+            or (rank == 1 and n > 2 and "blaming this rank" in record["message"]), record
+    last = [l for l in proc.stderr.splitlines() if l.startswith("commlib.launch:")][-1]
+    if n > 2:
+        assert last.startswith("commlib.launch: rank 1 failed"), proc.stderr
+        assert "blaming rank 1" in last, proc.stderr

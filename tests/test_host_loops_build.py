@@ -52,3 +52,39 @@ def test_the_build_compiles_the_host_loops_without_warnings(tmp_path):
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     built = list((tmp_path / "lib" / "commlib").glob("_hostloops*"))
     assert proc.returncode == 0 and built, proc.stdout + proc.stderr
+
+
+def test_a_checkout_shadowing_an_installed_build_says_so_once_per_job(tmp_path):
+    """A source checkout without its in-place build, run from its own folder,
+    shadows the commlib that ``pip install .`` built: the warning names both
+    folders and the fix, and only the job's first rank says it."""
+    installed = tmp_path / "site" / "commlib"
+    installed.mkdir(parents=True)
+    (installed / "_hostloops.cpython-3x-x86_64-linux-gnu.so").write_bytes(b"")
+    missing = ("import sys, warnings; sys.modules['commlib._hostloops'] = None\n"
+               "sys.path.append(%r)\n"
+               "from commlib.ops import hostcopy\nprint(hostcopy.available())\n"
+               % str(tmp_path / "site"))
+    out = _run(missing, {})
+    assert out.returncode == 0 and out.stdout.strip() == "False", out.stderr
+    assert out.stderr.count("RuntimeWarning") == 1, out.stderr
+    text = " ".join(out.stderr.split())
+    assert "shadowed" in text and str(installed) in text and str(ROOT / "commlib") in text
+    assert "pip install -e ." in text and "run from another folder" in text, text
+    for rank_var in ("PMI_RANK", "OMPI_COMM_WORLD_RANK", "COMMLIB_RANK"):
+        out = _run(missing, {rank_var: "1"})
+        assert out.returncode == 0 and "RuntimeWarning" not in out.stderr, (rank_var, out.stderr)
+        out = _run(missing, {rank_var: "0"})
+        assert out.stderr.count("RuntimeWarning") == 1, (rank_var, out.stderr)
+
+
+def test_shadowed_build_looks_only_at_other_folders(tmp_path):
+    from commlib.ops import _native
+    mine, other = tmp_path / "a", tmp_path / "b"
+    for d in (mine, other):
+        (d / "commlib").mkdir(parents=True)
+    (mine / "commlib" / "_hostloops.so").write_bytes(b"")
+    assert _native.shadowed_build(str(mine / "commlib"), [str(mine), str(other)]) is None
+    (other / "commlib" / "_hostloops.so").write_bytes(b"")
+    assert _native.shadowed_build(str(mine / "commlib"), [str(mine), str(other)]) == \
+        str(other / "commlib")

@@ -3,10 +3,13 @@
 Each rank updates its parameters locally; then, instead of averaging all of
 them, each call reduces only one window of each float32 bucket and leaves
 the rest as it is on each rank. The windows take turns: a bucket of N
-values is cut into ``ceil(1 / fraction)`` consecutive windows of
-``ceil(fraction * N)`` values (the last may be shorter), and call c reduces
-window ``c mod`` their number, so every value is synchronised once every
-``ceil(1 / fraction)`` calls at ``fraction`` of the bytes per call. Meant for
+values is cut into consecutive windows of ``w = ceil(fraction * N)`` values
+(the last may be shorter), ``ceil(N / w)`` of them, and call c reduces
+window ``c mod ceil(N / w)``, so every value is synchronised once every
+``ceil(N / ceil(fraction * N))`` calls (:meth:`Partial.period`; at most
+``ceil(1 / fraction)``, fewer when rounding the width up leaves fewer
+windows: fraction 0.45 of 10 values gives windows of 5, a period of 2) at
+about ``fraction`` of the bytes per call. Meant for
 parameters (``comm.all_reduce(params, op="avg", compression=Partial(0.1))``)
 rather than gradients. Every rank must make the same sequence of calls.
 """
@@ -33,11 +36,17 @@ class Partial(Compression):
     def applies_to(self, dtype):
         return dtype == np.float32
 
+    def period(self, size):
+        """How many calls it takes to synchronise every value of a bucket of
+        ``size`` values once: ``ceil(size / ceil(fraction * size))``."""
+        width = max(1, math.ceil(self.fraction * size))
+        return math.ceil(size / width) if size else 1
+
     def window(self, size, call):
         """``(start, stop)`` of the window that call number ``call`` (0, 1,
         ...) reduces in a bucket of ``size`` values."""
         width = max(1, math.ceil(self.fraction * size))
-        start = (call % math.ceil(size / width)) * width
+        start = (call % self.period(size)) * width
         return start, min(size, start + width)
 
     def reduce(self, transport, arrays, op, scale, wait, workspace):
