@@ -61,6 +61,15 @@ def _default_device(local_rank):
     return local_rank % _gpu_count()
 
 
+def shared_gpu_text(local_size, gpus):
+    """Why NCCL cannot serve ``local_size`` ranks on a node of ``gpus`` GPUs."""
+    return ("%d ranks share this node but it has %d GPU(s): ranks %d and %d would share GPU 0, "
+            "and NCCL takes one rank per GPU (it refuses a duplicate device, "
+            "NCCL_ERROR_INVALID_USAGE); use the MPI transport with cupy arrays "
+            "(backend='mpi'), or at most %d rank(s) per node"
+            % (local_size, gpus, 0, gpus, max(gpus, 1)))
+
+
 def _install_hooks():
     """On an uncaught exception, tell every peer (the status board) and end
     an MPI job (``MPI_Abort``, unless ``COMMLIB_ABORT_ON_ERROR=0``), so no
@@ -214,8 +223,7 @@ class Communicator:
             if backend != "mpi":
                 reason = nccl_unavailable_reason()
                 if reason is None and device is None and _gpu_count() < local_size:
-                    reason = ("%d ranks share this node but it has %d GPU(s); NCCL needs one "
-                              "GPU per rank" % (local_size, _gpu_count()))
+                    reason = shared_gpu_text(local_size, _gpu_count())
                 if backend == "nccl" and reason is not None:
                     raise BackendUnavailableError("rank %d: backend='nccl' but %s"
                                                   % (rank, reason))
@@ -290,6 +298,9 @@ class Communicator:
         local_rank = rank if local_rank is None else local_rank
         local_size = size if local_size is None else local_size
         if device is None:
+            if _gpu_count() < local_size:
+                raise BackendUnavailableError("rank %d: from_nccl_id: %s" % (
+                    rank, shared_gpu_text(local_size, _gpu_count())))
             device = _default_device(local_rank)
         segment = board = None
         if size > 1:

@@ -1,76 +1,31 @@
 #!/usr/bin/env bash
-# One-shot GPU check, at most 8 minutes: environment, NVRTC compile of
+# One-shot GPU check, at most about 9.5 minutes: environment, the MPI that
+# mpi4py loads and a 2-rank world started with its mpiexec, NVRTC compile of
 # every kernel module, the gpu-marked tests, the kernel benchmark with its
-# targets, compute-sanitizer runs, concurrent streams, the largest N.
+# targets, compute-sanitizer runs, concurrent streams, the largest N, and
+# the MNIST example trained at 2 ranks on the GPU.
 #
 #   scripts/gpu_check.sh [--dry-run] [OUTDIR]      (OUTDIR defaults to $OUT)
 #
 # Every stage has its own time limit and the script goes on after a failed
 # stage. Without a GPU (or with --dry-run) the stages that need one report
 # "SKIPPED: no GPU". Writes into OUTDIR: one log per stage, pytest-gpu.xml,
-# kernels.json, summary.txt (PASS/FAIL/SKIPPED per stage and per benchmark
-# target) and summary.json. Exit status: 0 when no stage failed, 1 otherwise
-# (a missed benchmark target is reported as FAIL in the summary but does not
-# change the exit status).
+# kernels.json, example.json, summary.txt (PASS/FAIL/SKIPPED per stage and
+# per benchmark target) and summary.json. Exit status: 0 when no stage
+# failed, 1 otherwise (a missed benchmark target is reported as FAIL in the
+# summary but does not change the exit status).
+#
+# Multi-rank stages start ranks with the mpiexec of the MPI library mpi4py
+# loads (commlib.mpi_library.choose_mpiexec: Open MPI's mpirun gets
+# --oversubscribe and, as root, --allow-run-as-root); the mpi-world stage
+# fails unless 2 ranks form one world of 2, and so does every multi-rank test.
 set -u
-DRY=0
-if [ "${1:-}" = "--dry-run" ]; then DRY=1; shift; fi
-DEST=${1:-${OUT:-}}
-if [ -z "$DEST" ] || [ $# -gt 1 ]; then
-    echo "usage: $0 [--dry-run] OUTDIR   (or set OUT)" >&2
-    exit 64
-fi
-mkdir -p "$DEST"
-DEST=$(cd "$DEST" && pwd)
-cd "$(dirname "$0")/.."
-export PYTHONPATH=".:tests${PYTHONPATH:+:$PYTHONPATH}"
-PY=${PYTHON:-$(command -v python3 || command -v python)}
-# Wheels carried in .whl/ (e.g. MPICH, where mpi4py has no MPI library beside
-# it) are installed into a scratch folder.
-if [ "$DRY" = 0 ] && ls .whl/*.whl >/dev/null 2>&1; then
-    timeout -k 2 18 "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-        --target /tmp/commlib-site .whl/*.whl \
-        && export PYTHONPATH="$PYTHONPATH:/tmp/commlib-site" PATH="/tmp/commlib-site/bin:$PATH"
-fi
+SELF=$(cd "$(dirname "$0")" && pwd)/$(basename "$0")
 
-: > "$DEST/stages.tsv"
-FAILED=0
-NO_GPU=""
-if [ "$DRY" = 1 ]; then
-    NO_GPU="dry run"
-else
-    NO_GPU=$("$PY" -c "from commlib import _cuda; print(_cuda.unavailable_reason() or '')" \
-             2>&1) || NO_GPU="commlib does not import: $NO_GPU"
-fi
+# -- stage bodies: run as `bash gpu_check.sh --_stage NAME` so that `timeout`
+# can run them (it cannot run shell functions) -----------------------------------------
 
-# stage NAME LIMIT_S NEEDS_GPU(0/1) COMMAND...: runs COMMAND under timeout,
-# logs to NAME.log, records status and seconds in stages.tsv.
-stage() {
-    local name=$1 limit=$2 gpu=$3
-    shift 3
-    local log="$DEST/$name.log" status rc t0 t1
-    echo "== $name (limit ${limit} s)" | tee "$log"
-    if [ "$gpu" = 1 ] && [ -n "$NO_GPU" ]; then
-        status="SKIPPED: no GPU ($NO_GPU)"
-        echo "$status" | tee -a "$log"
-        printf '%s\t%s\t0\n' "$name" "$status" >> "$DEST/stages.tsv"
-        return 0
-    fi
-    t0=$(date +%s.%N)
-    timeout -k 3 "$limit" "$@" >> "$log" 2>&1
-    rc=$?
-    t1=$(date +%s.%N)
-    case $rc in
-        0) status=PASS ;;
-        124|137) status="FAIL (time limit ${limit} s)" ; FAILED=1 ;;
-        *) status="FAIL (exit $rc)" ; FAILED=1 ;;
-    esac
-    tail -n 5 "$log"
-    echo "-> $status"
-    printf '%s\t%s\t%s\n' "$name" "$status" "$(awk "BEGIN { printf \"%.1f\", $t1 - $t0 }")" >> "$DEST/stages.tsv"
-}
-
-pytest_gpu() {
+stage_pytest_gpu() {
     "$PY" -m pytest -m gpu -q -p no:cacheprovider --junitxml="$DEST/pytest-gpu.xml" tests/ \
         || return $?
     # all skipped or nothing collected is a failure on a GPU machine
@@ -84,7 +39,7 @@ sys.exit(0 if ran > 0 else 5)
 EOF
 }
 
-sanitize() {
+stage_sanitizer() {
     local tool
     tool=$(command -v compute-sanitizer || ls /usr/local/cuda/bin/compute-sanitizer 2>/dev/null \
            || ls "$("$PY" -c 'import sys; print(sys.prefix)')"/lib/python3*/site-packages/nvidia/*/bin/compute-sanitizer 2>/dev/null | head -n 1)
@@ -101,9 +56,83 @@ sanitize() {
     return $rc
 }
 
-# limits: 15 + 60 + 110 + 100 + 75 + 25 + 40 = 425 s; with 3 s to kill each
-# stage that overruns, 20 s of wheel installs and 10 s of nvidia-smi, 476 s at
-# worst
+stage_example() {
+    # the MNIST example at 2 ranks on the GPU (one GPU: the MPI transport
+    # carries cupy arrays); it must see 2 workers and end with identical
+    # parameters on both
+    rm -f "$DEST/example.json"
+    "$PY" -m commlib.launch -n 2 --timeout 85 examples/mnist_train.py --device gpu \
+        --epochs 2 --json "$DEST/example.json" || return $?
+    "$PY" - "$DEST/example.json" <<'EOF'
+import json, sys
+log = json.load(open(sys.argv[1]))
+print("workers", log["workers"], "identical", log["identical"], "device", log.get("device"))
+sys.exit(0 if log["workers"] == 2 and log["identical"] is True else 6)
+EOF
+}
+
+if [ "${1:-}" = "--_stage" ]; then
+    "stage_${2//-/_}"
+    exit $?
+fi
+
+DRY=0
+if [ "${1:-}" = "--dry-run" ]; then DRY=1; shift; fi
+DEST=${1:-${OUT:-}}
+if [ -z "$DEST" ] || [ $# -gt 1 ]; then
+    echo "usage: $0 [--dry-run] OUTDIR   (or set OUT)" >&2
+    exit 64
+fi
+mkdir -p "$DEST"
+DEST=$(cd "$DEST" && pwd)
+cd "$(dirname "$0")/.."
+export PYTHONPATH=".:tests${PYTHONPATH:+:$PYTHONPATH}"
+PY=${PYTHON:-$(command -v python3 || command -v python)}
+export PY DEST
+
+: > "$DEST/stages.tsv"
+FAILED=0
+NO_GPU=""
+if [ "$DRY" = 1 ]; then
+    NO_GPU="dry run"
+else
+    NO_GPU=$("$PY" -c "from commlib import _cuda; print(_cuda.unavailable_reason() or '')" \
+             2>&1) || NO_GPU="commlib does not import: $NO_GPU"
+fi
+
+# stage NAME LIMIT_S NEEDS_GPU(0/1) COMMAND...: runs COMMAND under timeout,
+# logs to NAME.log, records status and seconds in stages.tsv. COMMAND "-"
+# runs this script's own stage_NAME.
+stage() {
+    local name=$1 limit=$2 gpu=$3
+    shift 3
+    local log="$DEST/$name.log" status rc t0 t1
+    echo "== $name (limit ${limit} s)" | tee "$log"
+    if [ "$gpu" = 1 ] && [ -n "$NO_GPU" ]; then
+        status="SKIPPED: no GPU ($NO_GPU)"
+        echo "$status" | tee -a "$log"
+        printf '%s\t%s\t0\n' "$name" "$status" >> "$DEST/stages.tsv"
+        return 0
+    fi
+    if [ "$1" = "-" ]; then
+        set -- bash "$SELF" --_stage "$name"
+    fi
+    t0=$(date +%s.%N)
+    timeout -k 3 "$limit" "$@" >> "$log" 2>&1
+    rc=$?
+    t1=$(date +%s.%N)
+    case $rc in
+        0) status=PASS ;;
+        124|137) status="FAIL (time limit ${limit} s)" ; FAILED=1 ;;
+        *) status="FAIL (exit $rc)" ; FAILED=1 ;;
+    esac
+    tail -n 5 "$log"
+    echo "-> $status"
+    printf '%s\t%s\t%s\n' "$name" "$status" "$(awk "BEGIN { printf \"%.1f\", $t1 - $t0 }")" >> "$DEST/stages.tsv"
+}
+
+# limits: 15 + 30 + 60 + 150 + 90 + 75 + 25 + 40 + 90 = 575 s; with 3 s to kill
+# each stage that overruns and 10 s of nvidia-smi, 612 s at worst
 stage env 15 0 "$PY" -c "
 import platform, sys; print('python', sys.version.split()[0], platform.platform())
 import numpy; print('numpy', numpy.__version__)
@@ -115,12 +144,14 @@ for m in ('cupy', 'torch', 'mpi4py'):
 from commlib import _cuda; print('gpu:', _cuda.unavailable_reason() or 'available')
 "
 [ -z "$NO_GPU" ] && { timeout -k 2 10 nvidia-smi >> "$DEST/env.log" 2>&1 || true; }
+stage mpi-world 30 0 "$PY" -m commlib.info --run 2
 stage nvrtc 60 1 "$PY" tests/gpu_checks.py compile
-stage pytest-gpu 110 1 pytest_gpu
-stage benchmark 100 1 "$PY" benchmarks/kernels.py --sizes 1M,25M --repeats 10 --out "$DEST"
-stage sanitizer 75 1 sanitize
+stage pytest-gpu 150 1 -
+stage benchmark 90 1 "$PY" benchmarks/kernels.py --sizes 1M,25M --repeats 10 --out "$DEST"
+stage sanitizer 75 1 -
 stage streams 25 1 "$PY" tests/gpu_checks.py streams
 stage large-n 40 1 "$PY" tests/gpu_checks.py large
+stage example 90 1 -
 
 "$PY" - "$DEST" "$FAILED" <<'EOF' | tee "$DEST/summary.txt"
 import json, os, sys

@@ -81,3 +81,34 @@ def test_every_kernel_path_small_against_the_twins():
 def test_two_streams_at_once_against_the_twins():
     import gpu_checks
     gpu_checks.concurrent_streams()
+
+
+def test_two_ranks_on_one_gpu_name_the_shared_gpu_and_run_over_mpi():
+    """NCCL takes one rank per GPU: with fewer GPUs than ranks on the node,
+    backend="nccl" raises naming the shared GPU, and the default
+    (backend=None) carries the cupy arrays over the MPI transport."""
+    code = """
+import cupy, numpy as np, commlib
+from mpi4py import MPI
+rank = MPI.COMM_WORLD.Get_rank()
+if cupy.cuda.runtime.getDeviceCount() < 2:
+    try:
+        commlib.Communicator.from_mpi(backend="nccl")
+    except commlib.BackendUnavailableError as exc:
+        assert "would share GPU 0" in str(exc) and "NCCL takes one rank per GPU" in str(exc), exc
+        print("shared gpu named by rank %d" % rank, flush=True)
+    else:
+        raise AssertionError("NCCL accepted two ranks on one GPU")
+comm = commlib.Communicator.from_mpi()
+x = cupy.full(1001, comm.rank + 1.0, cupy.float32)
+comm.all_reduce(x, op="avg")
+assert float(abs(x - 1.5).max()) == 0.0
+print("shared gpu rank %d ok over %s" % (comm.rank, comm.backend), flush=True)
+comm.close()
+"""
+    import cupy
+    proc = run_mpi(2, code, timeout=120)
+    assert_each_rank(proc.stdout, r"shared gpu rank (?P<rank>\d+) ok over ", 2)
+    if cupy.cuda.runtime.getDeviceCount() < 2:
+        assert_each_rank(proc.stdout, r"shared gpu named by rank (?P<rank>\d+)", 2)
+        assert_each_rank(proc.stdout, r"shared gpu rank (?P<rank>\d+) ok over mpi", 2)

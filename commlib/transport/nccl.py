@@ -18,7 +18,7 @@ import time
 from .. import waiting
 from .._cuda import nccl_module
 from ..consistency import label
-from ..errors import CollectiveTimeoutError, CommlibError
+from ..errors import BackendUnavailableError, CollectiveTimeoutError, CommlibError
 from ..ops._arrays import is_cupy
 from .base import Transport, scale_in_place
 
@@ -124,9 +124,20 @@ class NcclTransport(Transport):
         self.device = int(device)
         with cupy.cuda.Device(self.device):
             try:
-                self.comm = nccl.NcclCommunicator(size, nccl_id.for_cupy(), rank)
-            except TypeError:       # CuPy versions that take the ID as bytes
-                self.comm = nccl.NcclCommunicator(size, nccl_id.data, rank)
+                try:
+                    self.comm = nccl.NcclCommunicator(size, nccl_id.for_cupy(), rank)
+                except TypeError:       # CuPy versions that take the ID as bytes
+                    self.comm = nccl.NcclCommunicator(size, nccl_id.data, rank)
+            except nccl.NcclError as exc:
+                if "INVALID_USAGE" not in str(exc).upper().replace(" ", "_"):
+                    raise
+                raise BackendUnavailableError(
+                    "rank %d: NCCL refused the communicator (%s): the usual cause is two "
+                    "ranks on one GPU (this rank uses GPU %d); NCCL takes one rank per GPU. "
+                    "Start at most one rank per GPU, or use the MPI transport for several "
+                    "ranks per GPU (Communicator.from_mpi(backend='mpi'); commlib.launch "
+                    "picks it when there are more ranks than GPUs)"
+                    % (rank, exc, self.device)) from exc
         self.watch = NcclWatch(self)
 
     @contextlib.contextmanager

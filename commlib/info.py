@@ -1,0 +1,119 @@
+"""``python -m commlib.info``: what commlib would use on this machine.
+
+Prints the versions of Python, numpy, mpi4py, cupy and torch; the MPI
+library mpi4py loads and the mpiexec commlib would start ranks with (and
+whether they belong to the same MPI: a mismatch is said in one line); GPUs
+and NCCL; whether the compiled host loops are built; the commlib settings
+in effect. ``--run N`` also starts N ranks with that mpiexec and checks
+that they form one MPI world of N.
+
+Exit status: 0, or 1 when the mpiexec on PATH or the one commlib would use
+belongs to another MPI than mpi4py's library, or the ranks of ``--run N``
+did not form one world of N.
+"""
+import argparse
+import os
+import platform
+import sys
+
+from . import mpi_library, settings
+from .errors import BackendUnavailableError, LaunchError
+
+
+def _version(module):
+    try:
+        return __import__(module).__version__
+    except Exception as exc:    # not installed, or broken
+        return "not importable (%s: %s)" % (type(exc).__name__, exc)
+
+
+def _gpus():
+    from . import _cuda
+    reason = _cuda.unavailable_reason()
+    if reason is not None:
+        return ["GPUs: none (%s)" % reason]
+    import cupy
+    lines = []
+    for d in range(cupy.cuda.runtime.getDeviceCount()):
+        props = cupy.cuda.runtime.getDeviceProperties(d)
+        name = props["name"].decode() if isinstance(props["name"], bytes) else props["name"]
+        lines.append("GPU %d: %s, %.0f GiB, compute capability %d.%d"
+                     % (d, name, props["totalGlobalMem"] / 2 ** 30, props["major"],
+                        props["minor"]))
+    nccl = _cuda.nccl_unavailable_reason()
+    if nccl is None:
+        from cupy.cuda import nccl as nccl_module
+        lines.append("NCCL: usable (version %s)" % nccl_module.get_version())
+    else:
+        lines.append("NCCL: not usable (%s)" % nccl)
+    return lines
+
+
+def _settings():
+    names = [v for k, v in sorted(vars(settings).items())
+             if k.isupper() and isinstance(v, str) and v.startswith(("COMMLIB_", "NNABLA_"))]
+    found = ["%s=%s" % (n, os.environ[n]) for n in names if os.environ.get(n, "").strip()]
+    return "settings: %s (watch dog: %s)" % (", ".join(found) or "defaults",
+                                             "off" if settings.timeout() is None
+                                             else "%g s" % settings.timeout())
+
+
+def report(run=0, out=sys.stdout):
+    """Print what commlib would use; returns the exit status (see module doc)."""
+    from .ops import _native
+    say = lambda text: print(text, file=out, flush=True)   # noqa: E731
+    status = 0
+    say("python %s on %s" % (sys.version.split()[0], platform.platform()))
+    for module in ("numpy", "mpi4py", "cupy", "torch"):
+        say("%s: %s" % (module, _version(module)))
+    try:
+        library = mpi_library.loaded_library()
+        say("MPI library (mpi4py loads): %s [%s] %s" % (library.version, library.family,
+                                                        library.path))
+        import shutil
+        on_path = shutil.which("mpiexec")
+        if on_path:
+            seen = mpi_library.describe_mpiexec(on_path)
+            if None not in (seen.family, library.family) and seen.family != library.family:
+                say("MISMATCH: the mpiexec on PATH, %s (%s), belongs to another MPI than "
+                    "mpi4py's: 'mpiexec -n N python ...' would run N separate jobs of size 1 "
+                    "(use python -m commlib.launch, or that MPI's mpiexec)"
+                    % (on_path, seen.version))
+                status = 1
+            else:
+                say("mpiexec on PATH: %s (%s)" % (on_path, seen.version))
+        try:
+            chosen = mpi_library.choose_mpiexec(library=library)
+            say("mpiexec commlib uses: %s (%s) %s" % (chosen.path, chosen.version,
+                                                      " ".join(mpi_library.extra_args(chosen))))
+            say("MPI library and mpiexec match: %s" % (
+                "yes" if chosen.family == library.family
+                else "unknown (%s / %s)" % (library.family, chosen.family)))
+            if run:
+                got = mpi_library.run_world(run)
+                say("%d ranks form one MPI world of %d: %s" % (run, run, got))
+        except LaunchError as exc:
+            say("MISMATCH: %s" % " ".join(str(exc).split()))
+            status = 1
+    except BackendUnavailableError as exc:
+        say("MPI: %s" % exc)
+        status = 1 if run else 0
+    for line in _gpus():
+        say(line)
+    say("compiled host loops: %s" % ("built" if _native.available()
+                                      else "not available (%s)" % _native.unavailable_reason()))
+    say(_settings())
+    return status
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(prog="python -m commlib.info",
+                                 description=__doc__.split("\n\n")[0])
+    ap.add_argument("--run", type=int, default=0, metavar="N",
+                    help="start N ranks with the chosen mpiexec and check they form one world")
+    ns = ap.parse_args(argv)
+    return report(ns.run)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
