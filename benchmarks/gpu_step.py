@@ -173,9 +173,9 @@ def print_table(res):
         print("| " + " | ".join(str(r[c]).replace("|", "/") for c in COLUMNS) + " |")
     print()
     if res.limit:
-        print("limit: one read + one write of %.1f MB at %.0f GB/s (device-to-device copy, "
-              "measured: %s)" % (res.limit["bytes"] / 1e6, res.limit.get("gbps", 0),
-                                 res.limit.get("how", "?")))
+        print("limit: one read + one write of %.1f MB at %.0f GB/s (copy bandwidth measured "
+              "in this run: %s)" % (res.limit["bytes"] / 1e6, res.limit.get("gbps", 0),
+                                    res.limit.get("how", "?")))
     ht = res.host_target
     if ht:
         print()
@@ -183,6 +183,9 @@ def print_table(res):
         print("commlib host time per all_reduce call: %s, %d arrays, %s buckets, world size 1, "
               "transport %s" % (ht.get("workload"), ht.get("arrays", 0), ht.get("buckets", "?"),
                                 ht.get("transport")))
+        if ht.get("transport") != "nccl":
+            print("  (not NCCL: the data work runs inside the call, so these are not comparable "
+                  "with the target, which is for cupy arrays over NCCL)")
         for v in VARIANTS:
             us = ht.get("us", {}).get(v)
             if us is None:
