@@ -50,7 +50,7 @@ setup(
     long_description_content_type="text/markdown",
     license="Apache-2.0",
     python_requires=">=3.9",
-    packages=["commlib", "commlib.compression", "commlib.ops", "commlib.optim",
+    packages=["commlib", "commlib.compression", "commlib.launch", "commlib.ops", "commlib.optim",
               "commlib.transport"],
     ext_modules=[host_loops()],
     install_requires=["numpy>=1.22"],

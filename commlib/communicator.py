@@ -31,7 +31,8 @@ from functools import partial
 import numpy as np
 
 from . import board as _board
-from . import bootstrap, bucketing, consistency, launch_records, mpi_library, settings, validation
+from . import bootstrap, bucketing, consistency, mpi_library, settings, validation
+from .launch import records as launch_records
 from . import compression as _compression
 from ._cuda import available as _gpu_available, nccl_unavailable_reason
 from .board_exchange import ExchangeBoard

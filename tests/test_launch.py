@@ -20,6 +20,7 @@ from collections import namedtuple
 import pytest
 
 from commlib import NcclId, launch
+from commlib.launch import backend as launch_backend, processes as launch_processes
 from commlib.bootstrap import launcher_env
 from commlib.errors import ArgumentError, BackendUnavailableError
 from mpirun import ROOT, assert_each_rank, run_bounded
@@ -445,7 +446,7 @@ def test_bad_arguments(tmp_path, args, message):
     assert "ran" not in res.stdout
 
 
-@pytest.mark.skipif(launch._gpu_status()[0] is None, reason="NCCL is usable here")
+@pytest.mark.skipif(launch_backend.gpu_status()[0] is None, reason="NCCL is usable here")
 def test_forced_nccl_without_gpu_is_refused(tmp_path):
     script = write(tmp_path / "ok.py", "print('ran')\n")
     res = run_launcher("-n", 1, script, backend="nccl", timeout=30)
@@ -464,7 +465,7 @@ def test_forced_nccl_without_gpu_is_refused(tmp_path):
     ((None, 2), "gloo", 1, ArgumentError),
 ])
 def test_choose_backend(monkeypatch, status, requested, n, expected):
-    monkeypatch.setattr(launch, "_gpu_status", lambda: status)
+    monkeypatch.setattr(launch_backend, "gpu_status", lambda: status)
     if isinstance(expected, str):
         assert launch.choose_backend(requested, n) == expected
     else:
@@ -539,10 +540,10 @@ def test_distinct_tracebacks_ignore_only_the_rank_number():
 
 
 def test_relay_passes_whole_lines_with_the_prefix(monkeypatch):
-    monkeypatch.setattr(launch, "PARTIAL_LINE_S", 0.3)
+    monkeypatch.setattr(launch_processes, "PARTIAL_LINE_S", 0.3)
     src_r, src_w = os.pipe()
     dst_r, dst_w = os.pipe()
-    relay = threading.Thread(target=launch._relay, args=(src_r, dst_w, b"[3] "))
+    relay = threading.Thread(target=launch_processes.relay, args=(src_r, dst_w, b"[3] "))
     relay.start()
     for part in (b"ab", b"c\n", b"d\r", b"\nbar 1\rbar 2\r", b"\n", b"x\ny\r\nlast"):
         os.write(src_w, part)
@@ -704,8 +705,8 @@ def test_forked_worker_killed_by_signal_is_named(tmp_path):
 
 @pytest.mark.gpu
 def test_forked_workers_all_reduce_on_gpu(tmp_path):
-    if launch._gpu_status()[0] is not None:
-        pytest.skip("NCCL is not usable: %s" % launch._gpu_status()[0])
+    if launch_backend.gpu_status()[0] is not None:
+        pytest.skip("NCCL is not usable: %s" % launch_backend.gpu_status()[0])
     script = write(tmp_path / "job.py", """
         import cupy, commlib
         comm = commlib.init()

@@ -1,0 +1,114 @@
+"""Start N data-parallel workers of a training script and watch over them.
+
+    python -m commlib.launch -n 4 [--backend auto|nccl|mpi] [--timeout S] [--] train.py [args]
+    commlib-run -n 4 train.py [args]
+
+Each worker runs ``train.py args`` as ``__main__`` (like ``python train.py
+args``) and calls :func:`commlib.init`.
+
+* ``nccl`` (the default when cupy, NCCL and at least N GPUs are usable): the
+  launcher makes one :class:`~commlib.NcclId` and starts N child processes
+  (``python -m commlib.launch --_rank train.py args``) with
+  ``COMMLIB_NCCL_ID``, ``COMMLIB_RANK``, ``COMMLIB_SIZE``,
+  ``COMMLIB_LOCAL_RANK`` and ``COMMLIB_LOCAL_SIZE`` set; the local rank picks
+  the GPU (``CUDA_VISIBLE_DEVICES`` is left alone). The launcher reads each
+  worker's output and prints it line by line, prefixed with ``[rank] ``.
+* ``mpi`` (otherwise): ``mpiexec -prepend-rank -n N python -m commlib.launch
+  --_worker train.py args``, with an mpiexec of the MPI library mpi4py loads
+  (``--mpiexec`` or ``COMMLIB_MPIEXEC``, else the one next to
+  ``sys.executable`` (MPICH from the ``mpi`` extra), the library's own, or
+  one on ``PATH``; see :func:`commlib.mpi_library.choose_mpiexec`): an
+  mpiexec of another MPI would start N separate jobs of size 1, so the
+  launcher refuses it, naming the fix. Open MPI's mpirun gets
+  ``--oversubscribe`` (and ``--allow-run-as-root`` as root). Each rank's
+  :meth:`~commlib.Communicator.from_mpi` reports the size of its MPI world
+  (``started.R``); a size other than N ends the job with an error. Each process
+  mpiexec starts is a supervisor that never initialises MPI: it starts the
+  rank process (``--_rank``) as its child with the same environment and file
+  descriptors (MPI_Init connects through them), forwards SIGINT/SIGTERM to it,
+  passes its output on in whole lines (hydra's ``-prepend-rank`` adds
+  ``[rank] ``; with another mpiexec the supervisor adds it), and when the
+  child ends, writes what it saw before exiting with the child's status
+  (128 + signal number for a signal). mpiexec thus learns of a rank's death
+  only after it is recorded; the child dies with its supervisor
+  (``PR_SET_PDEATHSIG``), e.g. when hydra kills the job.
+
+A failing rank (exception or nonzero ``sys.exit``) records the failure,
+prints a one-line summary and (under MPI) calls ``MPI_Abort`` so that peers
+blocked in a collective do not wait forever.
+
+Modules: :mod:`~commlib.launch.cli` (arguments, ``main``),
+:mod:`~commlib.launch.backend` (NCCL or MPI), :mod:`~commlib.launch.environment`
+(the workers' environment), :mod:`~commlib.launch.jobs` (forked workers, an
+MPI job), :mod:`~commlib.launch.processes` (children and their output),
+:mod:`~commlib.launch.supervision` (watching a job, the report),
+:mod:`~commlib.launch.rank` (a rank's supervisor and the rank process),
+:mod:`~commlib.launch.records` (how ranks started and ended).
+
+Status directory (``COMMLIB_LAUNCH_STATUS_DIR``, made by the launcher): one
+JSON object per file, written to a temporary name and renamed, with ``rank``,
+``kind`` and ``time`` (``time.time()`` of the event):
+
+* ``started.R``: rank R made its first communicator over MPI: ``size`` (its
+  MPI world's) and ``library`` (mpi4py's MPI library).
+* ``done.R``: rank R's script returned (or exited with status 0); written by
+  the rank before MPI finalizes.
+* ``failed.R``: rank R's script failed: ``code`` (its exit status),
+  ``exception`` and ``message`` (None for ``sys.exit``), ``culprits`` (the
+  ranks a commlib error blames) and ``traceback``.
+* ``died.R``: written by the supervisor (the launcher itself for forked
+  workers) when the rank process ended without ``failed.R``, and without
+  ``done.R`` or with a nonzero status: ``signal`` or ``code``, ``finished``
+  (whether ``done.R`` exists) and ``requested`` (the signal the supervisor or
+  launcher had sent it, when it was asked to end; such records blame no one).
+
+A rank killed together with its supervisor (hydra's cleanup after another
+rank died or aborted) leaves no record and is not blamed. Workers inherit the
+launcher's environment; with N > 1 and no ``OMP_NUM_THREADS`` set, it is set
+to (CPU cores // N).
+
+When a worker fails or dies, the launcher ends the others (SIGTERM, then
+SIGKILL after ``--grace`` seconds); when all have ended it prints each
+distinct traceback once, headed by the ranks that raised it (tracebacks that
+differ only in ``rank R`` naming the rank's own number count as one), then
+one line naming the rank to blame: a rank named in others' ``culprits``
+first, then a rank that died or failed on its own before one that failed
+blaming others, the earliest first. SIGINT or SIGTERM to the launcher, or
+``--timeout``, ends all workers the same way. Exit status: 0 when every
+worker finished; the blamed rank's exit code (128 + signal number when it was
+killed by a signal, 1 when it exited with 0 without finishing its script);
+mpiexec's status when it failed and no rank left a record; 124 after
+``--timeout``; 3 when a rank's MPI world was not of size N; 128 + signal
+number when the launcher was interrupted; 2 for bad arguments or an mpiexec
+of another MPI than mpi4py's.
+"""
+import importlib
+
+#: public name -> the module of this package that defines it
+_WHERE = {
+    "main": "cli", "build_parser": "cli", "parse_args": "cli",
+    "choose_backend": "backend", "gpu_status": "backend",
+    "common_env": "environment", "worker_env": "environment", "LAUNCH_ENV": "environment",
+    "ForkedWorkers": "jobs", "MpiJob": "jobs",
+    "popen": "processes", "relay": "processes", "start_relays": "processes",
+    "supervise": "supervision", "report": "supervision", "wrong_size": "supervision",
+    "run_supervisor": "rank", "run_worker": "rank",
+    "Record": "records", "blame": "records", "distinct_tracebacks": "records",
+    "read_records": "records", "write_record": "records", "launcher_rank": "records",
+    "record_started": "records", "ENV_STATUS_DIR": "records",
+    "PROG": "common", "WORKER_FLAG": "common", "RANK_FLAG": "common",
+    "ENV_MPIEXEC": "common", "ENV_PREFIX": "common", "EXIT_TIMEOUT": "common",
+    "EXIT_WRONG_SIZE": "common",
+}
+
+__all__ = sorted(_WHERE)
+
+
+def __getattr__(name):
+    """The package's public names, each imported from its module on first
+    use (so that ``commlib.launch.records``, which every rank imports, does
+    not load the launcher itself)."""
+    module = _WHERE.get(name)
+    if module is None:
+        raise AttributeError("module %r has no attribute %r" % (__name__, name))
+    return getattr(importlib.import_module("." + module, __name__), name)

@@ -1,0 +1,6 @@
+"""``python -m commlib.launch``: see :mod:`commlib.launch`."""
+import sys
+
+from .cli import main
+
+sys.exit(main())

@@ -1,0 +1,104 @@
+"""The launcher's command line: arguments, and ``main``."""
+import argparse
+import os
+import sys
+
+from ..errors import CommlibError
+from .backend import choose_backend
+from .common import ENV_MPIEXEC, EXIT_TIMEOUT, EXIT_WRONG_SIZE, PROG, RANK_FLAG, WORKER_FLAG, say
+from .jobs import ForkedWorkers, MpiJob
+from .rank import run_supervisor, run_worker
+from .supervision import supervise
+
+
+def _positive_int(text):
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError("expected an integer, got %r" % text) from None
+    if value < 1:
+        raise argparse.ArgumentTypeError("must be >= 1, got %d" % value)
+    return value
+
+
+def _seconds(zero_ok):
+    """argparse type: a finite number of seconds, > 0 (or >= 0 when ``zero_ok``)."""
+    def parse(text):
+        try:
+            value = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError("expected seconds, got %r" % text) from None
+        if not (0 <= value < float("inf")) or (value == 0 and not zero_ok):
+            raise argparse.ArgumentTypeError("must be a finite number of seconds %s 0, got %r"
+                                             % (">=" if zero_ok else ">", text))
+        return value
+    return parse
+
+
+def build_parser():
+    parser = argparse.ArgumentParser(
+        prog=PROG, description="Run N data-parallel workers of a commlib training script.",
+        epilog="Exit status: 0 when all workers finish; else the exit code of the worker "
+               "that failed or died first (128 + N for signal N; the others are ended); "
+               "%d after --timeout; %d when a rank's MPI world is not of size N; 128 + N "
+               "after signal N to the launcher; 2 for bad arguments or an mpiexec of "
+               "another MPI than mpi4py's." % (EXIT_TIMEOUT, EXIT_WRONG_SIZE))
+    parser.add_argument("-n", "--nprocs", type=_positive_int, required=True,
+                        help="number of workers (ranks)")
+    parser.add_argument("--backend", choices=("auto", "nccl", "mpi"), default="auto",
+                        help="nccl: forked workers, one GPU each; mpi: mpiexec; "
+                             "auto (default): nccl when cupy, NCCL and N GPUs are usable")
+    parser.add_argument("--timeout", type=_seconds(False), default=None,
+                        help="end all workers and exit %d after this many seconds"
+                             % EXIT_TIMEOUT)
+    parser.add_argument("--grace", type=_seconds(True), default=5.0,
+                        help="seconds between SIGTERM and SIGKILL when ending workers "
+                             "(default 5)")
+    parser.add_argument("--mpiexec", default=None,
+                        help="the mpiexec to start MPI workers with (default: %s, else one "
+                             "of the MPI library mpi4py loads: the one beside the Python "
+                             "interpreter, the library's own, then PATH's)" % ENV_MPIEXEC)
+    parser.add_argument("script", help="the Python training script")
+    parser.add_argument("args", nargs=argparse.REMAINDER, help="the script's arguments")
+    return parser
+
+
+def parse_args(argv=None):
+    """Parsed and checked launcher arguments (exits 2 with a message on errors)."""
+    parser = build_parser()
+    ns = parser.parse_args(argv)
+    if not os.path.isfile(ns.script):
+        parser.error("script %r does not exist or is not a file" % ns.script)
+    return ns
+
+
+def main(argv=None):
+    """``commlib-run`` / ``python -m commlib.launch``; returns the exit status."""
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] in ([WORKER_FLAG], [RANK_FLAG]):
+        if len(argv) < 2:
+            say("%s needs a script" % argv[0])
+            return 2
+        run = run_supervisor if argv[0] == WORKER_FLAG else run_worker
+        return run(argv[1], argv[2:])
+    ns = parse_args(argv)
+    failed = []
+
+    def start():
+        try:
+            backend = choose_backend(ns.backend, ns.nprocs)
+            if backend == "nccl":
+                from ..bootstrap import NcclId
+                return ForkedWorkers.start_script(ns.script, ns.args, ns.nprocs, str(NcclId()))
+            return MpiJob.start(ns.script, ns.args, ns.nprocs, mpiexec=ns.mpiexec)
+        except CommlibError as exc:
+            failed.append(exc)
+            raise
+
+    try:
+        return supervise(start, timeout=ns.timeout, grace=ns.grace)
+    except CommlibError as exc:
+        if exc not in failed:
+            raise
+        say("error: %s" % exc)
+        return 2

@@ -1,0 +1,126 @@
+"""Child processes that die with the launcher, and their output passed on
+in whole lines with a ``[rank] `` prefix."""
+import ctypes
+import os
+import re
+import select
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+
+PARTIAL_LINE_S = 0.5  # an unfinished output line is passed on after this long
+PARTIAL_LINE_MAX = 1 << 16  # or when it has this many bytes
+
+_prctl = None
+
+
+def _child_setup(parent, new_group):
+    """preexec_fn (Linux): SIGKILL the child when ``parent`` (the pid that
+    starts it) dies; with ``new_group``, a process group of its own."""
+    def setup():
+        if new_group:
+            os.setpgid(0, 0)
+        if _prctl is not None:
+            _prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+            if os.getppid() != parent:  # the parent died before prctl
+                os._exit(128 + signal.SIGKILL)
+    return setup
+
+
+def popen(cmd, env, new_group=False, **kwargs):
+    """Popen whose child dies with this process (Linux)."""
+    global _prctl
+    preexec = None
+    if sys.platform.startswith("linux"):
+        try:
+            _prctl = _prctl or ctypes.CDLL(None, use_errno=True).prctl  # resolved before fork
+            preexec = _child_setup(os.getpid(), new_group)
+        except (OSError, AttributeError):
+            pass
+    return subprocess.Popen(cmd, env=env, preexec_fn=preexec, **kwargs)
+
+
+def _write_all(fd, data):
+    while data:
+        data = data[os.write(fd, data):]
+
+
+_LINE_END = re.compile(rb"\r\n|\n|\r(?=[^\n])")  # "\r" too: progress bars redraw a line
+
+
+def relay(src, dst, prefix=b""):
+    """Copy output from file descriptor ``src`` to ``dst`` in whole lines, one
+    write per line, each starting with ``prefix``; a line left unfinished for
+    PARTIAL_LINE_S (or longer than PARTIAL_LINE_MAX) is passed on as it is.
+    Closes ``src`` at its end."""
+    pending, at_line_start, broken = b"", True, False
+    readable = select.poll()
+    readable.register(src, select.POLLIN)
+
+    def emit(data):
+        nonlocal broken
+        if not broken:
+            try:
+                _write_all(dst, data)
+            except OSError:  # the reader is gone: keep reading so the writer never blocks
+                broken = True
+    try:
+        while True:
+            if pending and not readable.poll(PARTIAL_LINE_S * 1000):
+                emit((prefix if at_line_start else b"") + pending)
+                pending, at_line_start = b"", False
+                continue
+            try:
+                chunk = os.read(src, 65536)
+            except OSError:
+                chunk = b""
+            if not chunk:
+                break
+            data, start = pending + chunk, 0
+            for end in _LINE_END.finditer(data):
+                emit((prefix if at_line_start else b"") + data[start:end.end()])
+                start, at_line_start = end.end(), True
+            pending = data[start:]
+            if len(pending) >= PARTIAL_LINE_MAX:
+                emit((prefix if at_line_start else b"") + pending)
+                pending, at_line_start = b"", False
+        if pending:
+            emit((prefix if at_line_start else b"") + pending + b"\n")
+    finally:
+        os.close(src)
+
+
+def start_relays(proc, prefix=b""):
+    """Threads passing ``proc``'s stdout and stderr pipes on to ours."""
+    threads = []
+    for pipe, dst in ((proc.stdout, 1), (proc.stderr, 2)):
+        fd = os.dup(pipe.fileno())
+        pipe.close()
+        t = threading.Thread(target=relay, args=(fd, dst, prefix), daemon=True)
+        t.start()
+        threads.append(t)
+    return threads
+
+
+def join(threads, timeout):
+    deadline = time.monotonic() + timeout
+    for t in threads:
+        t.join(max(0.0, deadline - time.monotonic()))
+
+
+def end_processes(procs, grace):
+    """SIGTERM the live ``procs``, SIGKILL those still alive after ``grace`` s."""
+    for p in procs:
+        if p.poll() is None:
+            p.send_signal(signal.SIGTERM)
+    deadline = time.monotonic() + grace
+    for p in procs:
+        try:
+            p.wait(max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            p.kill()
+    for p in procs:
+        p.wait()
