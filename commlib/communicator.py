@@ -21,9 +21,7 @@ Integer rule: ``op="avg"`` and ``division=True`` need floating dtypes and
 raise :class:`~commlib.errors.ArrayTypeError` on integer arrays (no silent
 truncation); use ``op="sum"`` and divide yourself.
 """
-import atexit
 import itertools
-import sys
 import time
 import weakref
 from functools import partial
@@ -31,94 +29,18 @@ from functools import partial
 import numpy as np
 
 from . import board as _board
-from . import bootstrap, bucketing, consistency, mpi_library, settings, validation
-from .launch import records as launch_records
+from . import bootstrap, bucketing, consistency, lifetime, settings, validation
 from . import compression as _compression
-from ._cuda import available as _gpu_available, nccl_unavailable_reason
-from .board_exchange import ExchangeBoard
-from .bootstrap import NcclId
-from .errors import (ArgumentError, BackendUnavailableError, ClosedError, CommlibError,
-                     ConsistencyError, NonFiniteError, PayloadError)
+from .errors import (ArgumentError, ClosedError, CommlibError, ConsistencyError,
+                     NonFiniteError, PayloadError)
 from .ops._arrays import array_module, is_cupy
 from .inflight import InFlight, now, overlap
 from .stats import CommStats, CountingTransport
 from .waiting import SleepingWaits, Wait, background, relaxed
 from .work import GpuOrder, Progress
 
-_ABORT_DRAIN_S = 0.25   # seconds between printing the traceback and MPI_Abort
 #: errors a collective raises alike on every rank, after which it stays usable
 _AGREED = (NonFiniteError, PayloadError)
-_live = weakref.WeakSet()   # communicators not closed yet, for the exit hooks
-_made = itertools.count()   # creation order (the same on every rank: creation is collective)
-_hooks_installed = False
-
-
-def _gpu_count():
-    import cupy
-    return cupy.cuda.runtime.getDeviceCount()
-
-
-def _default_device(local_rank):
-    return local_rank % _gpu_count()
-
-
-def shared_gpu_text(local_size, gpus):
-    """Why NCCL cannot serve ``local_size`` ranks on a node of ``gpus`` GPUs."""
-    return ("%d ranks share this node but it has %d GPU(s): ranks %d and %d would share GPU 0, "
-            "and NCCL takes one rank per GPU (it refuses a duplicate device, "
-            "NCCL_ERROR_INVALID_USAGE); use the MPI transport with cupy arrays "
-            "(backend='mpi'), or at most %d rank(s) per node"
-            % (local_size, gpus, 0, gpus, max(gpus, 1)))
-
-
-def _install_hooks():
-    """On an uncaught exception, tell every peer (the status board) and end
-    an MPI job (``MPI_Abort``, unless ``COMMLIB_ABORT_ON_ERROR=0``), so no
-    rank stays blocked; at exit, close what is still open."""
-    global _hooks_installed
-    if _hooks_installed:
-        return
-    _hooks_installed = True
-    previous = sys.excepthook
-
-    def hook(kind, value, tb):
-        for comm in list(_live):
-            comm._abandon(_board.CLOSED_ON_EXCEPTION, "%s: %s" % (kind.__name__, value))
-        previous(kind, value, tb)
-        sys.stderr.flush()
-        MPI = sys.modules.get("mpi4py.MPI")
-        if (MPI is not None and settings.flag(settings.ABORT_ON_ERROR, True)
-                and MPI.Is_initialized() and not MPI.Is_finalized()
-                and MPI.COMM_WORLD.Get_size() > 1):
-            time.sleep(_ABORT_DRAIN_S)   # mpiexec drops output still in its pipes at an abort
-            MPI.COMM_WORLD.Abort(1)
-
-    sys.excepthook = hook
-    atexit.register(_close_at_exit)
-
-
-def _close_at_exit():
-    """Close the communicators still open when the interpreter exits, the
-    newest first (the same order on every rank, so no two ranks wait for
-    each other on different communicators); a peer still inside a
-    collective is told this rank exited."""
-    for comm in sorted(_live, key=lambda c: c._serial, reverse=True):
-        try:
-            comm._close(_board.EXITED)
-        except CommlibError as exc:
-            print("commlib: at exit: %s" % exc, file=sys.stderr, flush=True)
-
-
-def _options(bucket_bytes=None, check=None, timeout=None):
-    """The constructor options, checked and resolved against the environment."""
-    if bucket_bytes is not None and (isinstance(bucket_bytes, bool)
-                                     or not isinstance(bucket_bytes, (int, np.integer))
-                                     or bucket_bytes < 1):
-        raise ArgumentError("bucket_bytes must be a positive int (bytes), got %r"
-                            % (bucket_bytes,))
-    return {"bucket_bytes": None if bucket_bytes is None else int(bucket_bytes),
-            "check": settings.flag(settings.CHECK, True) if check is None else bool(check),
-            "timeout": settings.timeout(timeout)}
 
 
 class Communicator:
@@ -139,7 +61,7 @@ class Communicator:
                  mpi_transport=None, shm_transport=None, nccl_transport=None,
                  local_transport=None, board=None, segment=None, bucket_bytes=None, check=None,
                  timeout=None):
-        options = _options(bucket_bytes, check, timeout)
+        options = bootstrap.check_options(bucket_bytes, check, timeout)
         if mpi_transport is None and nccl_transport is None and local_transport is None:
             raise ArgumentError("Communicator needs at least one transport")
         self._rank, self._size = rank, size
@@ -171,15 +93,15 @@ class Communicator:
         self._seq = 0             # collectives entered
         self._failure = None      # the error that left the communicator unusable
         self._closed = False
-        self._serial = next(_made)
+        self._lifetime = lifetime.Registration(abandon=self._abandon_on_exception,
+                                               close=self._close_at_exit)
         if board is not None:
             board.warn_after = settings.stall_warning()
         self._relaxed_board = self._sleeping_board(board)
         if size > 1:
-            _live.add(self)
-            _install_hooks()
+            self._lifetime.open()
 
-    # -- construction ----------------------------------------------------------
+    # -- construction (see commlib.bootstrap) ----------------------------------
     @classmethod
     def from_mpi(cls, mpi_comm=None, device=None, *, backend=None, **options):
         """Bootstrap over MPI: every rank of ``mpi_comm`` (default
@@ -199,78 +121,7 @@ class Communicator:
                 ``MPI.COMM_WORLD`` has another size; raised before any
                 communication, on every process.
         """
-        from .transport.mpi import MpiTransport, mpi
-        from .transport.shm import SharedMemoryTransport
-        MPI = mpi()
-        world = MPI.COMM_WORLD.Get_size()
-        library = mpi_library.this_library()
-        launch_records.record_started(world, library.version)
-        mpi_library.check_world_size(world, library=library)
-        base = MPI.COMM_WORLD if mpi_comm is None else mpi_comm
-        if base.Get_size() > 1:
-            _install_hooks()      # an error below must end the job, not hang it
-        comm = base.Dup()
-        rank, size = comm.Get_rank(), comm.Get_size()
-        local = comm.Split_type(MPI.COMM_TYPE_SHARED)
-        local_rank, local_size = local.Get_rank(), local.Get_size()
-        local.Free()
-        error, mine, reason = None, {}, None
-        try:
-            if backend not in (None, "mpi", "nccl"):
-                raise ArgumentError("rank %d: backend must be None, 'mpi' or 'nccl', got %r"
-                                    % (rank, backend))
-            mine = dict(_options(**options), backend=backend,
-                        shm=settings.flag(settings.SHM, True), stores=settings.shm_stores())
-            if backend != "mpi":
-                reason = nccl_unavailable_reason()
-                if reason is None and device is None and _gpu_count() < local_size:
-                    reason = shared_gpu_text(local_size, _gpu_count())
-                if backend == "nccl" and reason is not None:
-                    raise BackendUnavailableError("rank %d: backend='nccl' but %s"
-                                                  % (rank, reason))
-            if device is None and backend != "mpi" and _gpu_available():
-                device = _default_device(local_rank)
-        except CommlibError as exc:
-            error = exc
-        except TypeError as exc:      # an unknown option name
-            error = ArgumentError("rank %d: %s" % (rank, exc))
-        mine["nccl_usable"] = reason is None and backend != "mpi"
-        try:
-            everyone = bootstrap.agree(comm, rank, {k: v for k, v in mine.items()
-                                                    if k != "nccl_usable"}, error)
-            usable = comm.allreduce(mine["nccl_usable"], op=MPI.LAND)
-            del everyone
-            use_nccl = backend == "nccl" or (backend is None and usable)
-            one_node = comm.allreduce(local_size == size, op=MPI.LAND)
-            segment = board = None
-            board_bytes = size * _board.LINE_BYTES
-            shm = mine["shm"] and one_node and size > 1
-            if one_node and size > 1:
-                segment = bootstrap.node_segment(
-                    comm, board_bytes + (SharedMemoryTransport.bytes_needed(size) if shm else 0))
-            if segment is not None:
-                board = _board.StatusBoard(segment.array[:board_bytes], rank, size)
-                board.join()
-            transport = MpiTransport(comm)
-            shared = None
-            if segment is not None and shm:
-                shared = SharedMemoryTransport(transport, segment.array[board_bytes:],
-                                               stores=mine["stores"])
-            if board is None and size > 1:
-                board = ExchangeBoard(transport, rank, size)
-            nccl = None
-            if use_nccl:
-                from .transport.nccl import NcclTransport
-                nid = NcclId() if rank == 0 else None
-                nid = NcclId(comm.bcast(nid.data if nid is not None else None, root=0))
-                nccl = NcclTransport(nid, rank, size, device)
-            comm.Barrier()        # every rank joined the board
-        except BaseException:
-            comm.Free()
-            raise
-        return cls(rank=rank, size=size, local_rank=local_rank, local_size=local_size,
-                   device=device, mpi_transport=transport, shm_transport=shared,
-                   nccl_transport=nccl, board=board, segment=segment, **options)
+        return cls(**bootstrap.parts_from_mpi(mpi_comm, device, backend, options), **options)
 
     @classmethod
     def from_nccl_id(cls, nccl_id, rank, size, device=None, *, local_rank=None,
@@ -282,53 +133,14 @@ class Communicator:
         ``local_rank`` (default ``rank``) modulo the GPU count. Processes on
         one node share a status board in memory named after the ID.
         """
-        if not isinstance(nccl_id, NcclId):
-            raise ArgumentError("nccl_id must be a commlib.NcclId, got %s"
-                                % type(nccl_id).__name__)
-        for name, value in (("rank", rank), ("size", size)):
-            if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
-                raise ArgumentError("%s must be an int, got %r" % (name, value))
-        if size < 1 or not 0 <= rank < size:
-            raise ArgumentError("rank=%d, size=%d: expected size >= 1 and 0 <= rank < size"
-                                % (rank, size))
-        _options(**options)
-        reason = nccl_unavailable_reason()
-        if reason is not None:
-            raise BackendUnavailableError("rank %d: from_nccl_id needs NCCL: %s" % (rank, reason))
-        from .transport.nccl import NcclTransport
-        local_rank = rank if local_rank is None else local_rank
-        local_size = size if local_size is None else local_size
-        if device is None:
-            if _gpu_count() < local_size:
-                raise BackendUnavailableError("rank %d: from_nccl_id: %s" % (
-                    rank, shared_gpu_text(local_size, _gpu_count())))
-            device = _default_device(local_rank)
-        segment = board = None
-        if size > 1:
-            segment = bootstrap.nccl_segment(nccl_id, size, size * _board.LINE_BYTES)
-        if segment is not None:
-            board = _board.StatusBoard(segment.array, rank, size)
-            board.join()
-        nccl = NcclTransport(nccl_id, rank, size, device)   # collective: every rank joined
-        if segment is not None:
-            segment.unlink()
-            if not board.everyone_joined():                  # ranks on other nodes
-                board, segment = None, segment.close()
-        if board is None and size > 1:
-            board = ExchangeBoard(nccl, rank, size)
-        return cls(rank=rank, size=size, local_rank=local_rank, local_size=local_size,
-                   device=device, nccl_transport=nccl, board=board, segment=segment,
-                   **options)
+        return cls(**bootstrap.parts_from_nccl_id(nccl_id, rank, size, device, local_rank,
+                                                  local_size, options), **options)
 
     @classmethod
     def single(cls, device=None, **options):
         """A communicator of one process that needs no MPI: every collective
         is local (what :func:`commlib.init` gives without mpi4py)."""
-        from .transport.local import LocalTransport
-        if device is None and _gpu_available():
-            device = 0
-        return cls(rank=0, size=1, local_rank=0, local_size=1, device=device,
-                   local_transport=LocalTransport(), **options)
+        return cls(**bootstrap.parts_single(device), **options)
 
     # -- properties --------------------------------------------------------------
     rank = property(lambda self: self._rank, doc="this process's rank, 0 <= rank < size")
@@ -887,6 +699,12 @@ class Communicator:
         finally:
             self._release()
 
+    def _abandon_on_exception(self, text):
+        self._abandon(_board.CLOSED_ON_EXCEPTION, text)
+
+    def _close_at_exit(self):
+        self._close(_board.EXITED)
+
     def _abandon(self, reason, text):
         """Leave without waiting for anyone (an exception is on its way up)."""
         if self._closed:
@@ -898,7 +716,7 @@ class Communicator:
     def _release(self):
         """Free this rank's resources; never waits for the other ranks."""
         self._closed = True
-        _live.discard(self)
+        self._lifetime.closed()
         if not self._quiesce():
             return        # a collective still runs on the progress thread: keep its memory
         self._fusion.clear()
