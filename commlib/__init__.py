@@ -11,6 +11,7 @@ from .bootstrap import NcclId
 from .bucketing import flat_arrays
 from .communicator import Communicator
 from .overlap import BackwardReducer
+from .reduce_state import ReduceState
 from .stats import CommStats
 from .work import Work
 from .errors import (ArgumentError, ArrayTypeError, BackendUnavailableError, ClosedError,
@@ -67,7 +68,7 @@ def init(**options):
 
 
 __all__ = ["Communicator", "NcclId", "init", "flat_arrays", "compression", "errors",
-           "Work", "CommStats", "BackwardReducer",
+           "Work", "CommStats", "BackwardReducer", "ReduceState",
            "optim", "DistributedOptimizer", "broadcast_parameters", "check_parameters",
            "partition", "ArgumentError", "ArrayTypeError",
            "BackendUnavailableError", "ClosedError", "CollectiveTimeoutError",

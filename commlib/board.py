@@ -93,7 +93,10 @@ class StatusBoard:
     numpy array of at least ``size * LINE_BYTES`` bytes, zero-filled when
     made, shared by all ``size`` ranks). :meth:`join` before use."""
 
-    def __init__(self, memory, rank, size):
+    def __init__(self, memory, rank, size, sleeping=False):
+        """A view of the status board in ``memory`` for rank ``rank`` of
+        ``size``; ``sleeping``: its compiled waits sleep between short spins
+        (:class:`commlib.waiting.SleepingWaits`, for a progress thread)."""
         self.rank, self.size = rank, size
         self.memory = memory[:size * LINE_BYTES]
         self.words = self.memory.view(np.int64)
@@ -101,6 +104,8 @@ class StatusBoard:
         self._gone = self.words[GONE:]        # for waits that watch for ranks leaving
         self._mine = self._lines[rank]
         self._ext = _native.module()
+        if sleeping and self._ext is not None:
+            self._ext = waiting.SleepingWaits(self._ext)
         self.warn_after = None                # seconds, see enter()
 
     @property

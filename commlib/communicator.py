@@ -21,7 +21,6 @@ Integer rule: ``op="avg"`` and ``division=True`` need floating dtypes and
 raise :class:`~commlib.errors.ArrayTypeError` on integer arrays (no silent
 truncation); use ``op="sum"`` and divide yourself.
 """
-import itertools
 import time
 import weakref
 from functools import partial
@@ -35,8 +34,9 @@ from .errors import (ArgumentError, ClosedError, CommlibError, ConsistencyError,
                      NonFiniteError, PayloadError)
 from .ops._arrays import array_module, is_cupy
 from .inflight import InFlight, now, overlap
+from .reduce_state import ReduceState
 from .stats import CommStats, CountingTransport
-from .waiting import SleepingWaits, Wait, background, relaxed
+from .waiting import Wait, background, relaxed
 from .work import GpuOrder, Progress
 
 #: errors a collective raises alike on every rank, after which it stays usable
@@ -77,7 +77,6 @@ class Communicator:
         self._counted = {id(t): CountingTransport(t, self._stats) for t in self._transports}
         self._progress = None     # the queue of asynchronous collectives, made on first use
         self._side = None         # the side stream of asynchronous GPU collectives
-        self._reducers = itertools.count()   # BackwardReducers made (the same on every rank)
         #: run asynchronous collectives on a thread (None: decide, see _threaded())
         self.async_threaded = None
         #: asynchronous all-reduces over MPI in flight at once (see commlib.inflight)
@@ -88,7 +87,6 @@ class Communicator:
         self._board, self._segment = board, segment
         self._wait = Wait(board=board, rank=rank)
         self._fusion = bucketing.FusionCache()
-        self._state_fusion = {}   # state (see _fused) -> its own FusionCache
         self._workspaces = {}     # compression state, see _workspace()
         self._seq = 0             # collectives entered
         self._failure = None      # the error that left the communicator unusable
@@ -166,6 +164,23 @@ class Communicator:
     def timeout(self):
         """The watch dog's deadline per collective, in seconds (None: off)."""
         return self._timeout
+
+    @property
+    def bucket_bytes(self):
+        """The ``bucket_bytes`` option (None: each transport's default)."""
+        return self._bucket_bytes
+
+    def bucket_bytes_for(self, kind):
+        """The fusion bucket cap, in bytes, for arrays of ``kind`` (``"numpy"``
+        or ``"cupy"``): the ``bucket_bytes`` option, else the default of the
+        transport that carries them (:data:`commlib.bucketing.DEFAULT_BUCKET_BYTES`)."""
+        return self._bucket_bytes_for(self._transport(kind))
+
+    def transport_for(self, kind):
+        """The name of the transport that carries arrays of ``kind``
+        (``"numpy"`` or ``"cupy"``): ``"shm"``, ``"mpi"``, ``"nccl"`` or
+        ``"local"``."""
+        return self._transport(kind).name
 
     @property
     def stats(self):
@@ -304,9 +319,7 @@ class Communicator:
         is no status board."""
         if not isinstance(board, _board.StatusBoard):
             return None
-        twin = _board.StatusBoard(board.memory, board.rank, board.size)
-        if twin._ext is not None:
-            twin._ext = SleepingWaits(twin._ext)
+        twin = _board.StatusBoard(board.memory, board.rank, board.size, sleeping=True)
         twin.warn_after = board.warn_after
         return twin
 
@@ -362,46 +375,46 @@ class Communicator:
         for every bucket and every in-place array of the list. With
         ``compressed = (strategy, op, scale, wait)``, a bucket or array
         the compression strategy applies to goes to the strategy instead;
-        ``state`` (hashable or None) separates its compression state from
-        that of other calls with the same layout, and its lists are
-        remembered apart (a BackwardReducer's bucket lists take turns, which
-        the communicator's own cache of the last lists would not keep)."""
+        ``state`` (a :class:`~commlib.reduce_state.ReduceState` or None)
+        holds the list's plan and compression state instead of the
+        communicator's own tables."""
         transport = self._transport(kind)
         if prepared is None:
             plan = bucketing.plan_for(items, self._bucket_bytes_for(transport))
-            fusion = self._fusion if state is None else self._state_fusion[state]
+            fusion = self._fusion if state is None else state.fusion
             prepared = fusion.prepare(key, items, plan, kind, writeable)
             prepared.digest = consistency.layout_digest(items)
+        tables = self._workspaces if state is None else state.workspaces
         for i, buf in prepared.buckets():
-            self._unit(transport, items, prepared, i if state is None else (state, i), i, buf,
-                       step, compressed)
+            self._unit(transport, items, prepared, i, i, buf, step, compressed, tables)
         for position, flat in zip(prepared.plan.direct, prepared.direct(items)):
-            where = ("direct", position)
-            self._unit(transport, items, prepared, where if state is None else (state, where),
-                       None, flat, step, compressed)
+            self._unit(transport, items, prepared, ("direct", position), None, flat, step,
+                       compressed, tables)
 
-    def _unit(self, transport, items, prepared, where, i, buf, step, compressed):
+    def _unit(self, transport, items, prepared, where, i, buf, step, compressed, tables):
         """One bucket (``i``) or in-place array (``i`` None) of a fused
         collective; ``where`` names it within the plan for the compression
-        state."""
+        state, kept in ``tables``."""
         strategy = compressed[0] if compressed else None
         if strategy is not None and strategy.applies_to(buf.dtype):
             strategy.reduce(transport, prepared.arrays(items, i, buf), *compressed[1:],
-                            workspace=self._workspace(prepared, strategy, where))
+                            workspace=self._workspace(prepared, strategy, where, tables))
         else:
             step(transport, buf, i, prepared)
 
-    def _workspace(self, prepared, strategy, where):
+    @staticmethod
+    def _workspace(prepared, strategy, where, tables):
         """The dict a compression strategy keeps for one bucket (``where``)
-        of one list layout (``prepared.plan.key``): it lasts as long as the
-        communicator, so error-feedback residuals carry over between calls
-        with arrays of the same shapes. It is keyed by the strategy's
-        settings (its ``name``), not the object: a new object with the same
-        settings continues where the last one stopped, on every rank alike.
-        The layout's table is looked up once per prepared list (hashing a
-        layout of many arrays is not free)."""
+        of one list layout (``prepared.plan.key``) in ``tables`` (the
+        communicator's, or a ReduceState's): it lasts as long as they do, so
+        error-feedback residuals carry over between calls with arrays of the
+        same shapes. It is keyed by the strategy's settings (its ``name``),
+        not the object: a new object with the same settings continues where
+        the last one stopped, on every rank alike. The layout's table is
+        looked up once per prepared list (hashing a layout of many arrays is
+        not free)."""
         if prepared.workspaces is None:
-            prepared.workspaces = self._workspaces.setdefault(prepared.plan.key, {})
+            prepared.workspaces = tables.setdefault(prepared.plan.key, {})
         key = (strategy.name, where)
         found = prepared.workspaces.get(key)
         if found is None:
@@ -409,7 +422,8 @@ class Communicator:
         return found
 
     # -- collectives -----------------------------------------------------------------
-    def all_reduce(self, arrays, op="sum", division=False, compression=None, async_op=False):
+    def all_reduce(self, arrays, op="sum", division=False, compression=None, async_op=False,
+                   state=None):
         """Reduce ``arrays`` (one array or a list) over all ranks, in place.
 
         ``op``: ``"sum"``, ``"avg"``, ``"max"``, ``"min"`` or ``"prod"``;
@@ -420,29 +434,15 @@ class Communicator:
         ``async_op=True`` a :class:`commlib.Work` at once, whose ``wait()``
         returns them (see :mod:`commlib.work`): the arrays belong to it
         until then, and every error, argument errors included, raises from
-        ``wait()``.
+        ``wait()``. ``state``: a :class:`commlib.ReduceState` the caller
+        owns, holding this list's fusion plan and compression state instead
+        of the communicator's tables (kept per list layout, so lists of the
+        same shapes would share residuals); every rank passes one of the
+        same name.
         """
         return self._issue("all_reduce", self._reduce, ("all_reduce", arrays, None, op,
-                                                        division, compression),
+                                                        division, compression, state),
                            async_op, arrays)
-
-    def _all_reduce_with_state(self, arrays, op, compression, state):
-        """Asynchronous all_reduce whose compression state (residuals,
-        partial windows) is kept apart under ``state`` (hashable, the same
-        on every rank), as a BackwardReducer's buckets need: buckets of the
-        same layout must not share it. Returns the Work."""
-        return self._issue("all_reduce", self._reduce, ("all_reduce", arrays, None, op, False,
-                                                        compression, state), True, arrays)
-
-    def _forget_states(self, owner):
-        """Drop the fusion caches and compression state of every ``state``
-        whose first two items are ``owner`` (a BackwardReducer that died)."""
-        for state in [k for k in self._state_fusion if k[:2] == owner]:
-            del self._state_fusion[state]
-        for table in self._workspaces.values():
-            for key in [k for k in table if isinstance(k[1], tuple) and
-                        isinstance(k[1][0], tuple) and k[1][0][:2] == owner]:
-                del table[key]
 
     def broadcast(self, arrays, root=0):
         """Copy ``arrays`` of rank ``root`` into every rank's ``arrays``, in place.
@@ -488,12 +488,13 @@ class Communicator:
         averaging = op == "avg" or (division is True and op == "sum")
         receives = root is None or self._rank == root
         items, key, prepared, strategy = [], None, None, None
-        fusion = self._fusion if state is None else \
-            self._state_fusion.get(state) or self._state_fusion.setdefault(
-                state, bucketing.FusionCache(max_entries=1))
+        fusion = state.fusion if isinstance(state, ReduceState) else self._fusion
 
         def checks():
             nonlocal items, key, prepared, strategy
+            if state is not None and not isinstance(state, ReduceState):
+                raise ArgumentError("rank %d: %s: state must be a commlib.ReduceState or "
+                                    "None, got %s" % (self._rank, name, type(state).__name__))
             items = validation.as_list(arrays, rank=self._rank)[0]
             key, prepared = fusion.lookup(items)
             if root is not None:
@@ -507,8 +508,8 @@ class Communicator:
         reduce_op = "sum" if op == "avg" else op
         params = (name, reduce_op, averaging, root,
                   None if compression is None else getattr(compression, "name", compression))
-        if state is not None:
-            params += (state,)
+        if isinstance(state, ReduceState):
+            params += (state.name,)
         kind, wait = self._begin(name, params, checks, lambda: (items, prepared))
         if kind is None:
             return arrays
@@ -720,7 +721,6 @@ class Communicator:
         if not self._quiesce():
             return        # a collective still runs on the progress thread: keep its memory
         self._fusion.clear()
-        self._state_fusion.clear()
         for transport in self._transports:
             transport.close()
         if self._segment is not None:

@@ -11,12 +11,18 @@ layers still compute. Buckets start strictly in bucket order on every rank,
 so the ranks issue the same collectives in the same order however their
 ``ready`` calls interleave.
 """
+import itertools
 import numbers
 import os
 import weakref
 
 from .errors import ArgumentError
 from .ops._arrays import is_cupy
+from .reduce_state import ReduceState
+
+#: communicator -> the count of BackwardReducers made with it (the same on
+#: every rank: every rank makes its reducers in the same order)
+_serials = weakref.WeakKeyDictionary()
 
 
 #: the reducer's default bucket size (bytes), at least the transport's own
@@ -67,7 +73,7 @@ def early_start_pays(comm, grads):
     backward pass of a numpy loop fills it): started early, the reduction
     only competes with the computation for the same cores (ResNet-50 at 2
     ranks on 2 cores: 2-9 % slower, ``benchmarks/overlap.py``)."""
-    if not grads or is_cupy(grads[0]) or comm._transport("numpy").name != "shm":
+    if not grads or is_cupy(grads[0]) or comm.transport_for("numpy") != "shm":
         return True
     return usable_cores() > comm.local_size
 
@@ -114,8 +120,8 @@ class BackwardReducer:
         first_bucket_bytes = None
         if bucket_bytes is None:
             kind = "cupy" if grads and is_cupy(grads[0]) else "numpy"
-            bucket_bytes = comm._bucket_bytes or max(
-                REDUCER_BUCKET_BYTES, comm._bucket_bytes_for(comm._transport(kind)))
+            bucket_bytes = comm.bucket_bytes or max(
+                REDUCER_BUCKET_BYTES, comm.bucket_bytes_for(kind))
             first_bucket_bytes = min(FIRST_BUCKET_BYTES, bucket_bytes)
         elif (isinstance(bucket_bytes, bool) or not isinstance(bucket_bytes, numbers.Integral)
               or bucket_bytes < 1):
@@ -127,9 +133,10 @@ class BackwardReducer:
         #: whether ready() starts buckets (else wait() starts them all)
         self.overlap = early_start_pays(comm, grads) if overlap == "auto" else bool(overlap)
         self._buckets = backward_buckets(self.grads, self.bucket_bytes, first_bucket_bytes)
-        self._serial = next(comm._reducers)
-        # the communicator keeps each bucket's plan and compression state until then
-        weakref.finalize(self, comm._forget_states, ("BackwardReducer", self._serial))
+        serial = next(_serials.setdefault(comm, itertools.count()))
+        #: each bucket's plan and compression state, living as long as the reducer
+        self._states = [ReduceState("BackwardReducer %d bucket %d" % (serial, k))
+                        for k in range(len(self._buckets))]
         self._lists = [[self.grads[j] for j in b] for b in self._buckets]   # reused each step
         self._bucket_of = [0] * len(self.grads)
         for k, bucket in enumerate(self._buckets):
@@ -169,8 +176,9 @@ class BackwardReducer:
         works = self._works
         while len(works) < len(self._buckets) and may_start(len(works)):
             k = len(works)
-            works.append(self.comm._all_reduce_with_state(
-                self._lists[k], self.op, self.compression, ("BackwardReducer", self._serial, k)))
+            works.append(self.comm.all_reduce(self._lists[k], op=self.op,
+                                              compression=self.compression, async_op=True,
+                                              state=self._states[k]))
 
     def wait(self):
         """Start the buckets not started yet (in order), wait for every one
