@@ -30,6 +30,7 @@ import numpy as np
 from . import board as _board
 from . import bootstrap, bucketing, consistency, lifetime, settings, validation
 from . import compression as _compression
+from .compression.base import Bucket
 from .errors import (ArgumentError, ClosedError, CommlibError, ConsistencyError,
                      NonFiniteError, PayloadError)
 from .ops._arrays import array_module, is_cupy
@@ -397,8 +398,8 @@ class Communicator:
         state, kept in ``tables``."""
         strategy = compressed[0] if compressed else None
         if strategy is not None and strategy.applies_to(buf.dtype):
-            strategy.reduce(transport, prepared.arrays(items, i, buf), *compressed[1:],
-                            workspace=self._workspace(prepared, strategy, where, tables))
+            strategy.reduce(Bucket(transport, prepared.arrays(items, i, buf), *compressed[1:],
+                                   state=self._workspace(prepared, strategy, where, tables)))
         else:
             step(transport, buf, i, prepared)
 

@@ -28,9 +28,9 @@ def recording(cls):
         workspace = tamper = None
         tamper_rank = -1
 
-        def reduce(self, transport, arrays, op, scale, deadline, workspace):
-            self.workspace = workspace
-            return super().reduce(transport, arrays, op, scale, deadline, workspace)
+        def reduce(self, bucket):
+            self.workspace = bucket.state
+            return super().reduce(bucket)
 
         def select(self, acc):
             indices, values = super().select(acc)

@@ -3,8 +3,10 @@
 ``comm.all_reduce(grads, op="avg", compression="fp16")`` (or a
 :class:`Compression` instance) hands every bucket of arrays the strategy
 applies to (:meth:`Compression.applies_to`) to :meth:`Compression.reduce`
-instead of the plain all-reduce; the other arrays of the call are reduced as
-usual. One small module per strategy: :mod:`.half` (float16 / bfloat16),
+as a :class:`Bucket` (its arrays, op, scale, its own state dict, and the
+call's communication) instead of the plain all-reduce; the other arrays of
+the call are reduced as usual. A strategy of one's own subclasses
+:class:`Compression` (see :mod:`.base`). One small module per strategy: :mod:`.half` (float16 / bfloat16),
 :mod:`.topk` and :mod:`.threshold` (sparsification with error feedback),
 :mod:`.partial` (partial synchronisation).
 
@@ -17,7 +19,7 @@ The sparse strategies validate every rank's payload before writing and raise
 one is malformed (:mod:`._payload`).
 """
 from ..errors import ArgumentError
-from .base import Compression
+from .base import Bucket, Compression
 from .half import BF16, FP16, HalfPrecision
 from .partial import Partial
 from .threshold import Threshold
@@ -40,5 +42,5 @@ def resolve(compression, rank):
     return found
 
 
-__all__ = ["Compression", "HalfPrecision", "FP16", "BF16", "TopK", "Threshold", "Partial",
+__all__ = ["Bucket", "Compression", "HalfPrecision", "FP16", "BF16", "TopK", "Threshold", "Partial",
            "BY_NAME", "resolve"]

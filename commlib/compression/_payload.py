@@ -169,8 +169,9 @@ def fail(context, found, tail):
     return PayloadError("%s: %s %s" % (context, text, tail), culprits=sorted(found))
 
 
-def exchange(transport, record, slots, n, wait, context, tail, on_headers):
-    """All-gather every rank's :func:`encode` record and validate it.
+def exchange(bucket, record, slots, n, context, tail, on_headers):
+    """All-gather every rank's :func:`encode` record over ``bucket`` (a
+    :class:`~commlib.compression.base.Bucket`) and validate it.
 
     slots: the number of entries in every record (one all-gather), or None
     when counts vary (headers all-gathered first, then the entries by count,
@@ -185,15 +186,15 @@ def exchange(transport, record, slots, n, wait, context, tail, on_headers):
     malformed.
     """
     xp = array_module(record)
-    size = transport.size
+    size = bucket.size
     if slots is not None:
         width = HEADER + 2 * slots
         table = xp.empty((size, width), dtype=np.int32)
-        transport.all_gather(record, table.reshape(-1), wait)
+        bucket.all_gather(record, table.reshape(-1))
         headers = table[:, :HEADER]
     else:
         headers = xp.empty((size, HEADER), dtype=np.int32)
-        transport.all_gather(record[:HEADER], headers.reshape(-1), wait)
+        bucket.all_gather(record[:HEADER], headers.reshape(-1))
     headers = headers if xp is np else xp.ascontiguousarray(headers).get()
     found = check_headers(headers, n, slots)
     if found:
@@ -206,7 +207,7 @@ def exchange(transport, record, slots, n, wait, context, tail, on_headers):
     else:
         gathered = xp.empty(2 * sum(counts), dtype=np.int32)
         if gathered.size:
-            transport.all_gatherv(record[HEADER:], gathered, [2 * c for c in counts], wait)
+            bucket.all_gatherv(record[HEADER:], gathered, [2 * c for c in counts])
         starts = np.concatenate(([0], np.cumsum([2 * c for c in counts]))).tolist()
         indices = xp.concatenate([gathered[s:s + c] for s, c in zip(starts, counts)])
         values = xp.concatenate([gathered[s + c:s + 2 * c] for s, c in zip(starts, counts)])

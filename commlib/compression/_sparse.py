@@ -64,7 +64,8 @@ class Sparsifier(Compression):
         nonfinite = hostselect.accumulate_finite(residual, flat, acc)
         return (nonfinite,) + tuple(self.select(acc))
 
-    def reduce(self, transport, arrays, op, scale, wait, workspace):
+    def reduce(self, bucket):
+        arrays, scale, workspace = bucket.arrays, bucket.scale, bucket.state
         flat = gather(arrays, workspace)
         xp, n = array_module(flat), flat.size
         acc = buffer(workspace, "acc", xp, n, np.float32)
@@ -82,7 +83,7 @@ class Sparsifier(Compression):
             indices, values = self.select(acc)
         slots = self.count_for(n)
         record = _payload.encode(xp, indices, values, nonfinite, slots)
-        context = "rank %d: compression %s" % (transport.rank, self.name)
+        context = "rank %d: compression %s" % (bucket.rank, self.name)
         where = describe(n, len(arrays))
         dropped = []
 
@@ -96,7 +97,7 @@ class Sparsifier(Compression):
             dropped[:] = counts
 
         all_indices, all_values, counts = _payload.exchange(
-            transport, record, slots, n, wait, context,
+            bucket, record, slots, n, context,
             "in %s; nothing was written: arrays and residuals are unchanged" % where,
             on_headers)
         if xp is np:

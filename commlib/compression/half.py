@@ -61,28 +61,29 @@ class HalfPrecision(Compression):
     def applies_to(self, dtype):
         return dtype == np.float32
 
-    def reduce(self, transport, arrays, op, scale, wait, workspace):
+    def reduce(self, bucket):
         # a scale comes only with "sum" (averaging): dividing before the cast
         # keeps the half-precision sum from overflowing
+        arrays, scale, workspace = bucket.arrays, bucket.scale, bucket.state
         xp = array_module(arrays[0])
         size = sum(a.size for a in arrays)
         wire = _flat.buffer(workspace, "wire", xp, size, self._storage)
         if xp is not np:             # one pack / unpack launch, casting on the way
             sent = xp.zeros((), dtype=np.int64)
             _pack.pack(arrays, wire, scale=scale, nonfinite=sent)
-            self._all_reduce(transport, wire, op, wait)
-            warning = self._settle(transport, wire, sent, arrays, wait)
+            self._all_reduce(bucket, wire)
+            warning = self._settle(bucket, wire, sent)
             _pack.unpack(wire, arrays)
         else:   # numpy: the arrays cast into their parts of the wire and back
             sent = _flat.cast_parts(arrays, wire, workspace,
                                     np.float32(1) if scale is None else np.float32(scale))
-            self._all_reduce(transport, wire, op, wait)
-            warning = self._settle(transport, wire, sent, arrays, wait)
+            self._all_reduce(bucket, wire)
+            warning = self._settle(bucket, wire, sent)
             _flat.cast_parts(arrays, wire, workspace, into_wire=False)
         if warning:
             _nonfinite.warn(warning)
 
-    def _all_reduce(self, transport, wire, op, wait):
+    def _all_reduce(self, bucket, wire):
         # overflow is counted and reported by _settle, not warned by numpy
         # (the MPI transport reduces half formats with numpy ufuncs)
         # numpy float16 wires name their format too, which sends them to the
@@ -90,9 +91,9 @@ class HalfPrecision(Compression):
         # shared-memory reducer's numpy float16 ufunc (several times slower)
         fmt = self.fmt if type(wire) is np.ndarray else self._wire_fmt
         with np.errstate(over="ignore", invalid="ignore"):    # the wire buffer is commlib's
-            transport.all_reduce(wire, op, wait, fmt=fmt, owned=True)
+            bucket.all_reduce(wire, fmt=fmt, owned=True)
 
-    def _settle(self, transport, wire, sent, arrays, wait):
+    def _settle(self, bucket, wire, sent):
         """Count the NaN and inf in the reduced ``wire`` (one host read on
         GPUs). If there are any, all-gather every rank's count of non-finite
         values sent (``sent``: int or 0-d device array), then raise
@@ -105,14 +106,14 @@ class HalfPrecision(Compression):
             total = int(xp.count_nonzero((bits & self._exponent) == self._exponent))
         if not total:
             return None
-        counts = xp.empty(transport.size, dtype=np.int64)
-        transport.all_gather(xp.asarray(sent, dtype=np.int64).reshape(1), counts, wait)
+        counts = xp.empty(bucket.size, dtype=np.int64)
+        bucket.all_gather(xp.asarray(sent, dtype=np.int64).reshape(1), counts)
         counts = (counts if xp is np else counts.get()).tolist()
         origin = ("sent by " + _nonfinite.ranks(counts) if any(counts)
                   else "no rank sent any: the %s reduction overflowed" % self.fmt)
         text = ("rank %d: compression %s: the reduced %s result holds %d NaN or inf, in %s; %s"
-                % (transport.rank, self.name, self.fmt, total,
-                   _flat.describe(wire.size, len(arrays)), origin))
+                % (bucket.rank, self.name, self.fmt, total,
+                   _flat.describe(wire.size, len(bucket.arrays)), origin))
         if self.nonfinite == "raise":
             raise _nonfinite.error(text + "; nothing was written: arrays are unchanged", counts)
         return text + "; written as they are"

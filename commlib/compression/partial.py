@@ -49,13 +49,14 @@ class Partial(Compression):
         start = (call % self.period(size)) * width
         return start, min(size, start + width)
 
-    def reduce(self, transport, arrays, op, scale, wait, workspace):
+    def reduce(self, bucket):
+        workspace = bucket.state
         call = workspace.get("calls", 0)
         workspace["calls"] = call + 1
-        flat = _flat.gather(arrays, workspace)
+        flat = _flat.gather(bucket.arrays, workspace)
         start, stop = self.window(flat.size, call)
         piece = flat[start:stop]
-        transport.all_reduce(piece, op, wait)
-        if scale is not None:
-            piece *= np.float32(scale)
-        _flat.scatter(flat, arrays)
+        bucket.all_reduce(piece)
+        if bucket.scale is not None:
+            piece *= np.float32(bucket.scale)
+        _flat.scatter(flat, bucket.arrays)
