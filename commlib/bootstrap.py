@@ -307,7 +307,8 @@ def _mpi_transports(comm, rank, size, one_node, mine, use_nccl, device):
         nid = NcclId() if rank == 0 else None
         nid = NcclId(comm.bcast(nid.data if nid is not None else None, root=0))
         nccl = NcclTransport(nid, rank, size, device)
-    return dict(mpi_transport=transport, shm_transport=shared, nccl_transport=nccl,
+    return dict(routes={"numpy": shared or transport, "cupy": nccl or transport},
+                transports=[t for t in (shared, nccl, transport) if t is not None],
                 board=board, segment=segment)
 
 
@@ -350,7 +351,8 @@ def parts_from_nccl_id(nccl_id, rank, size, device, local_rank, local_size, opti
     if board is None and size > 1:
         board = ExchangeBoard(nccl, rank, size)
     return dict(rank=rank, size=size, local_rank=local_rank, local_size=local_size,
-                device=device, nccl_transport=nccl, board=board, segment=segment)
+                device=device, routes={"numpy": nccl, "cupy": nccl}, board=board,
+                segment=segment)
 
 
 def parts_single(device):
@@ -359,5 +361,26 @@ def parts_single(device):
     from .transport.local import LocalTransport
     if device is None and gpu_available():
         device = 0
+    local = LocalTransport()
     return dict(rank=0, size=1, local_rank=0, local_size=1, device=device,
-                local_transport=LocalTransport())
+                routes={"numpy": local, "cupy": local})
+
+
+def parts_from_transport(transport, cupy_transport, local_rank, local_size, device):
+    """The parts of :meth:`Communicator.from_transport` (see there): the
+    caller's transports, and the fingerprint exchange over ``transport``
+    as the status board when there are several ranks."""
+    from .board_exchange import ExchangeBoard
+    from .transport.base import Transport
+    for what, t in (("transport", transport), ("cupy_transport", cupy_transport)):
+        if t is not None and not isinstance(t, Transport):
+            raise ArgumentError("from_transport: %s must be a commlib.transport.base.Transport, "
+                                "got %s" % (what, type(t).__name__))
+    if transport is None:
+        raise ArgumentError("from_transport: transport must be a Transport, got None")
+    rank, size = transport.rank, transport.size
+    board = ExchangeBoard(transport, rank, size) if size > 1 else None
+    return dict(rank=rank, size=size, local_rank=rank if local_rank is None else local_rank,
+                local_size=size if local_size is None else local_size, device=device,
+                routes={"numpy": transport, "cupy": cupy_transport or transport},
+                board=board)

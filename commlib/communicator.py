@@ -58,21 +58,28 @@ class Communicator:
     collective.
     """
 
-    def __init__(self, *, rank, size, local_rank, local_size, device=None,
-                 mpi_transport=None, shm_transport=None, nccl_transport=None,
-                 local_transport=None, board=None, segment=None, bucket_bytes=None, check=None,
+    def __init__(self, *, rank, size, local_rank, local_size, routes, transports=None,
+                 device=None, board=None, segment=None, bucket_bytes=None, check=None,
                  timeout=None):
+        """The factories (:meth:`from_mpi`, :meth:`from_nccl_id`,
+        :meth:`single`, :meth:`from_transport`) make communicators; this
+        takes their parts. ``routes``: ``{"numpy": transport, "cupy":
+        transport}``, the :class:`~commlib.transport.base.Transport` that
+        carries arrays of each kind; ``transports``: every transport the
+        communicator owns, fails and closes (default: those of ``routes``);
+        ``board``: the status board of the consistency check and the watch
+        dog (None: no check); ``segment``: shared memory to close last."""
         options = bootstrap.check_options(bucket_bytes, check, timeout)
-        if mpi_transport is None and nccl_transport is None and local_transport is None:
-            raise ArgumentError("Communicator needs at least one transport")
+        if not isinstance(routes, dict) or set(routes) != {"numpy", "cupy"}:
+            raise ArgumentError("Communicator: routes must be a dict with the keys 'numpy' and "
+                                "'cupy', got %r" % (routes,))
         self._rank, self._size = rank, size
         self._local_rank, self._local_size = local_rank, local_size
         self._device = device
-        self._mpi, self._nccl = mpi_transport, nccl_transport
-        self._shm, self._local = shm_transport, local_transport
+        #: array kind -> the transport that carries it
+        self._routes = dict(routes)
         #: every transport, the one in front of another first
-        self._transports = [t for t in (shm_transport, nccl_transport, mpi_transport,
-                                        local_transport) if t is not None]
+        self._transports = list(transports or dict.fromkeys(routes.values()))
         self._stats = CommStats()
         #: what collectives call: each transport behind a front counting its bytes
         self._counted = {id(t): CountingTransport(t, self._stats) for t in self._transports}
@@ -136,6 +143,29 @@ class Communicator:
                                                   local_size, options), **options)
 
     @classmethod
+    def from_transport(cls, transport, *, cupy_transport=None, local_rank=None,
+                       local_size=None, device=None, **options):
+        """A communicator over a transport of the caller's own.
+
+        Args:
+            transport: a :class:`commlib.transport.base.Transport` (one
+                method per collective); carries numpy arrays, and cupy
+                arrays unless ``cupy_transport`` is given.
+            cupy_transport: a transport for cupy arrays, or None.
+            local_rank, local_size: this rank among the ranks of its node
+                (default: the transport's rank and size).
+            device: the GPU of cupy arrays, or None.
+            options: ``bucket_bytes``, ``check``, ``timeout``, as for every
+                factory; the consistency check exchanges fingerprints over
+                ``transport``.
+
+        Raises:
+            ArgumentError: an option, or ``transport`` is not a Transport.
+        """
+        return cls(**bootstrap.parts_from_transport(transport, cupy_transport, local_rank,
+                                                    local_size, device), **options)
+
+    @classmethod
     def single(cls, device=None, **options):
         """A communicator of one process that needs no MPI: every collective
         is local (what :func:`commlib.init` gives without mpi4py)."""
@@ -150,11 +180,9 @@ class Communicator:
 
     @property
     def backend(self):
-        """``"nccl"`` when cupy arrays go over NCCL, ``"mpi"`` over MPI,
-        ``"local"`` for a single process without MPI."""
-        if self._nccl is not None:
-            return "nccl"
-        return "mpi" if self._mpi is not None else "local"
+        """The transport of cupy arrays: ``"nccl"``, ``"mpi"``, ``"local"``
+        for a single process without MPI, or another transport's name."""
+        return self._routes["cupy"].name
 
     @property
     def check(self):
@@ -191,14 +219,9 @@ class Communicator:
 
     # -- plumbing ------------------------------------------------------------------
     def _transport(self, kind):
-        """The transport for arrays of ``kind``: cupy arrays over NCCL, else
-        MPI; numpy arrays through shared memory (one node), else MPI, else
-        NCCL (staged); a single process's own."""
-        if kind == "cupy":
-            found = self._nccl or self._mpi or self._local
-        else:
-            found = self._shm or self._mpi or self._nccl or self._local
-        return self._counted[id(found)]
+        """The transport for arrays of ``kind`` (see ``routes``), behind its
+        byte counter."""
+        return self._counted[id(self._routes[kind])]
 
     def _bucket_bytes_for(self, transport):
         return self._bucket_bytes or bucketing.DEFAULT_BUCKET_BYTES[transport.name]
@@ -253,11 +276,7 @@ class Communicator:
         deferred, when waited for)."""
         if self.async_threaded is not None:
             return bool(self.async_threaded)
-        if self._mpi is None:
-            return True
-        from .transport.mpi import mpi
-        MPI = mpi()
-        return MPI.Query_thread() >= MPI.THREAD_MULTIPLE
+        return all(t.thread_safe() for t in self._transports)
 
     def _gpu_order(self, arrays):
         """A GpuOrder when ``arrays`` (an array or a list) hold cupy arrays."""

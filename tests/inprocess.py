@@ -19,8 +19,9 @@ def communicators(size, **options):
         status = board.StatusBoard(group.board_memory, rank, size) if size > 1 else None
         if status is not None:
             status.join()
+        threads = ThreadTransport(group, rank)
         comms.append(Communicator(rank=rank, size=size, local_rank=rank, local_size=size,
-                                  local_transport=ThreadTransport(group, rank), board=status,
+                                  routes={"numpy": threads, "cupy": threads}, board=status,
                                   **options))
     return comms
 

@@ -79,6 +79,12 @@ class Transport:
     def barrier(self, wait=FOREVER):
         raise NotImplementedError
 
+    def thread_safe(self):
+        """Whether collectives may run on another thread than the one that
+        made the transport (a progress thread); else asynchronous
+        collectives run when waited for."""
+        return True
+
     def close(self):
         """Release this rank's resources without waiting for the others."""
         self._broken = self._broken or "closed"

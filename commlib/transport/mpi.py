@@ -164,6 +164,11 @@ class MpiTransport(Transport):
         self._spares = []         # numpy uint8 buffers of chunk_bytes for deferred pieces
 
     # -- staging -------------------------------------------------------------
+
+    def thread_safe(self):
+        """Only where MPI provides ``MPI_THREAD_MULTIPLE``."""
+        MPI = mpi()
+        return MPI.Query_thread() >= MPI.THREAD_MULTIPLE
     def _host(self, buf):
         """A buffer MPI can use for ``buf``: itself (numpy, or cupy with a
         CUDA-aware MPI, after synchronising the stream) or a host copy."""

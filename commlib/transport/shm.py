@@ -321,6 +321,9 @@ class SharedMemoryTransport(Transport):
         self.fallback = fallback
         self.reducer = SharedMemoryReducer(fallback.comm, memory, WINDOW_BYTES, stores=stores)
 
+    def thread_safe(self):
+        return self.fallback.thread_safe()
+
     @staticmethod
     def bytes_needed(size):
         """Bytes of shared memory for ``size`` ranks."""
