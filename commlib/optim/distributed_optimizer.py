@@ -146,7 +146,10 @@ class DistributedOptimizer:
             ranks and counts, parameters untouched), ``"warn"`` (a
             RuntimeWarning, then the update) or ``"skip"`` (every rank skips
             the update; :meth:`step` returns False). With a loss scaler:
-            ``"skip"``. The check costs one small all-gather per update.
+            ``"skip"``. The check costs one small all-gather per update;
+            with compression it is made before any bucket is sent (so a
+            skipped update leaves the error-feedback residuals as they
+            were), and :meth:`grad_ready` then starts nothing early.
 
     Raises:
         ArgumentError: a bad argument, naming it and the rank.
@@ -234,7 +237,7 @@ class DistributedOptimizer:
         self._started = False          # grad_ready started this update's all-reduce
         self._no_sync = False          # inside no_sync(): accumulate, do not average
         self._joining = False          # inside join(): vote before every average
-        self._updates_in_join = 0      # updates this rank took part in inside join()
+        self._updates_in_join = 0      # updates with this rank's own gradients in join()
         self._clip_now = None          # join(): the clip_norm of the update voted on
         self._bad = {}                 # i -> non-finite count of grads[i] before the average
         self._hooks = []
@@ -430,7 +433,7 @@ class DistributedOptimizer:
         if self._micro:
             g += self._sums[i]
             g /= self._micro + 1
-        if self.nonfinite is not None and self._checked_strategy is None:
+        if self.nonfinite is not None and not isinstance(self._checked_strategy, Partial):
             self._bad[i] = _count_nonfinite(g)
 
     _checked_strategy = None       # the strategy of the update being prepared
@@ -457,6 +460,7 @@ class DistributedOptimizer:
         self._checked_strategy = self.compression
         self._prepare(i)
         if (self._last() and self.overlap and not self._joining
+                and not (self.nonfinite is not None and self.compression is not None)
                 and not isinstance(self.compression, Partial)):
             self._started = True
             self._timed(self._reducer_for(self.compression).ready, i)
@@ -533,30 +537,36 @@ class DistributedOptimizer:
     def _finish(self, strategy, clip, active):
         """Average, check, unscale, hook, clip and apply (every rank)."""
         found = None
-        try:
-            self._reduce(strategy)
-        except NonFiniteError as exc:       # a compression's check, on every rank alike
-            if self.nonfinite != "skip":
-                raise
-            found = list(exc.counts)
-        if active != self.comm.size:        # join(): the mean over the ranks that contributed
-            factor = self.comm.size / active
-            for g in self._rule_args[1]:
-                g *= factor
-        if found is None and self.nonfinite is not None:
-            found = self._nonfinite_counts()
+        if strategy is not None and self.nonfinite is not None:
+            # compressed: decide before any bucket is sent, so that a skipped
+            # update leaves every bucket's error-feedback residual as it was
+            found = self._nonfinite_counts(averaged=False)
+            if any(found) and self.nonfinite == "warn":
+                self._nonfinite_text(found, "; sending anyway", warn=True)
+                found = None
+        if not (found and any(found)):
+            try:
+                self._reduce(strategy)
+            except NonFiniteError as exc:       # a compression's check, on every rank alike
+                if self.nonfinite != "skip":
+                    raise
+                found = list(exc.counts)
+            if active != self.comm.size:    # join(): the mean over the ranks that contributed
+                factor = self.comm.size / active
+                for g in self._rule_args[1]:
+                    g *= factor
+            if found is None and self.nonfinite is not None:
+                found = self._nonfinite_counts(averaged=True)
         if found is not None and any(found):
-            text = ("rank %d: DistributedOptimizer.step: NaN or inf in the averaged gradients "
-                    "(before the average: %s)" % (self.comm.rank, _nonfinite.ranks(found)
-                                                 or "none; the sum overflowed"))
             if self.nonfinite == "raise":
-                raise _nonfinite.error(text + "; parameters not updated", found)
+                raise _nonfinite.error(self._nonfinite_text(found, "; parameters not updated"),
+                                       found)
             if self.nonfinite == "skip":
                 self._skipped += 1
                 if self.loss_scaler is not None:
                     self.loss_scaler._update(True)
                 return False
-            _nonfinite.warn(text + "; applied anyway")
+            self._nonfinite_text(found, "; applied anyway", warn=True)
         if self.loss_scaler is not None:
             inv = 1.0 / self.loss_scaler.scale
             for g in self._rule_args[1]:
@@ -571,12 +581,21 @@ class DistributedOptimizer:
         self._steps += 1
         return True
 
-    def _nonfinite_counts(self):
+    def _nonfinite_text(self, found, tail, warn=False):
+        text = ("rank %d: DistributedOptimizer.step: NaN or inf in the gradients (before the "
+                "average: %s)%s" % (self.comm.rank, _nonfinite.ranks(found)
+                                    or "none; the sum overflowed", tail))
+        if warn:
+            _nonfinite.warn(text)
+        return text
+
+    def _nonfinite_counts(self, averaged):
         """Per rank: the non-finite values of its gradients before the
-        average (1 more when the average itself has some, as when the sum
-        overflowed); the same list on every rank (one all-gather)."""
+        average (with ``averaged``, 1 when there were none but the average
+        has some, as when the sum overflowed); the same list on every rank
+        (one all-gather)."""
         mine = sum(int(c) for c in self._bad.values())
-        if not mine and not all(_all_finite(g) for g in self._rule_args[1]):
+        if averaged and not mine and not all(_all_finite(g) for g in self._rule_args[1]):
             mine = -1
         counts = self._timed(self.comm.all_gather, np.array([mine], np.int64)).reshape(-1)
         overflow = bool((counts < 0).any())
@@ -721,7 +740,6 @@ class DistributedOptimizer:
                 try:
                     if not self._vote(False):
                         break
-                    self._updates_in_join += 1
                     for g in self._rule_args[1]:
                         g.fill(0)
                     self._checked_strategy = self.compression
