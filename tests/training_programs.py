@@ -499,7 +499,7 @@ def check_sampler(comm):
                 if mode == "drop":
                     keep = order[:n // SIZE * SIZE]
                 elif mode == "pad" and n % SIZE:
-                    keep = np.concatenate([order, order])[:math.ceil(n / SIZE) * SIZE]
+                    keep = np.concatenate([order] * SIZE)[:math.ceil(n / SIZE) * SIZE]
                 else:
                     keep = order
                 want = [keep[r::SIZE].tolist() for r in range(SIZE)]

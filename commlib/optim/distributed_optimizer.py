@@ -729,6 +729,11 @@ class DistributedOptimizer:
         if self._started or self._marked:
             raise ArgumentError("rank %d: join(): entered in the middle of a micro-batch "
                                 "whose gradients were marked ready" % rank)
+        if self.compression is not None and not isinstance(self.compression,
+                                                           _compression.HalfPrecision):
+            raise ArgumentError("rank %d: join(): only plain or half-precision averaging can "
+                                "take ranks that have finished, not compression=%r"
+                                % (rank, self.compression))
         self._joining, self._updates_in_join = True, 0
         try:
             yield self

@@ -219,21 +219,26 @@ class LinearLR(LRScheduler):
                        * t / self.total_iters)
 
 
-def LinearWarmup(optimizer, warmup, start_factor=None):
-    """A :class:`LinearLR` from ``start_factor`` (default ``1 / warmup``:
-    the first step at base / warmup) to 1 over ``warmup`` steps.
+def LinearWarmup(optimizer, warmup):
+    """Linear warm-up over ``warmup`` steps: ``lr = base * min(1, (t + 1) /
+    warmup)``, so the first step runs at base / warmup and step warmup - 1
+    at base (a :class:`LinearLR` from ``1 / warmup`` over ``warmup - 1``).
 
     Args:
         optimizer: the optimizer.
         warmup: int >= 1.
-        start_factor: in (0, 1].
 
     Returns:
         The LinearLR.
+
+    Raises:
+        ArgumentError: warmup not an int >= 1.
     """
     warmup = _int(warmup, "LinearWarmup: warmup", 1)
-    return LinearLR(optimizer, start_factor=1.0 / warmup if start_factor is None
-                    else start_factor, end_factor=1.0, total_iters=warmup)
+    if warmup == 1:
+        return LinearLR(optimizer, start_factor=1.0, end_factor=1.0, total_iters=1)
+    return LinearLR(optimizer, start_factor=1.0 / warmup, end_factor=1.0,
+                    total_iters=warmup - 1)
 
 
 class SequentialLR(LRScheduler):
