@@ -319,15 +319,33 @@ def translate(a, dy, dx, fill):
     return out
 
 
-def test_learning_rate_warms_up_then_decays_to_zero(monkeypatch):
+def test_scheduler_warms_up_then_decays_to_zero(monkeypatch):
+    """The example's scheduler object: per step, linear warm-up over --warmup epochs
+    (step t at lr * (t + 1) / warmup steps), then a cosine to 0 at the last step."""
     _, _, mnist_train = example_modules(monkeypatch)
-    lr = mnist_train.learning_rate
-    assert lr(0.1, 0.0, 10, 1) == 0 and lr(0.1, 0.5, 10, 1) == pytest.approx(0.05)
-    assert lr(0.1, 1.0, 10, 1) == pytest.approx(0.1)
-    assert lr(0.1, 5.5, 10, 1) == pytest.approx(0.05)
-    assert lr(0.1, 10.0, 10, 1) == pytest.approx(0.0, abs=1e-12)
-    assert lr(0.1, 1.0, 1, 1) == pytest.approx(0.1)       # all warm-up: no division by 0
-    assert lr(0.1, 3.0, 10, 0) == pytest.approx(0.1 * 0.5 * (1 + np.cos(np.pi * 0.3)))
+    import commlib
+    from inprocess import run_ranks
+
+    def lrs(warmup, epochs, steps):
+        def body(comm):
+            args = mnist_train.parse_args(["--warmup", str(warmup), "--epochs", str(epochs),
+                                           "--lr", "0.1", "--train-images", "64"])
+            opt = commlib.DistributedOptimizer(comm, [np.zeros(3, np.float32)],
+                                               commlib.optim.SGD(args.lr))
+            sched = mnist_train.scheduler(opt, args, steps)
+            out = []
+            for _ in range(steps):
+                out.append(opt.lr)
+                sched.step()
+            return out
+        return run_ranks(1, body)[0]
+
+    got = lrs(1, 10, 100)                       # 10 steps per epoch: 10 of warm-up
+    assert got[:10] == pytest.approx([0.01 * (t + 1) for t in range(10)], rel=1e-12)
+    assert got[10] == pytest.approx(0.1) and got[55] == pytest.approx(0.05)
+    assert got[-1] == pytest.approx(0.1 * 0.5 * (1 + np.cos(np.pi * 89 / 90)), rel=1e-12)
+    assert lrs(0, 10, 20)[5] == pytest.approx(0.1 * 0.5 * (1 + np.cos(np.pi * 0.25)))
+    assert lrs(1, 1, 4) == pytest.approx([0.1 / 3, 0.2 / 3, 0.1, 0.1])   # all but one warm-up
 
 
 # -- the comparison script ----------------------------------------------------------------------
