@@ -605,13 +605,25 @@ class DistributedOptimizer:
         return out
 
     def _clip(self, clip):
-        """Scale the averaged gradients to global norm ``clip`` when above."""
+        """Scale the averaged gradients to global norm ``clip`` when above.
+        The squared norm is summed here (BLAS dot products, float64 only
+        where float32 overflows), then its maximum over the ranks is taken
+        (one 8-byte all-reduce), so that every rank scales alike even where
+        ranks' BLAS libraries round differently."""
         total = 0.0
         for g in self._rule_args[1]:
             xp = array_module(g)
-            flat = g.reshape(-1).astype(xp.float64)
-            total += float(xp.dot(flat, flat))
-        norm = math.sqrt(total)
+            flat = g.reshape(-1)
+            if flat.dtype.itemsize < 4:
+                flat = flat.astype(xp.float32)
+            part = float(xp.dot(flat, flat))
+            if math.isinf(part) and flat.dtype != xp.float64:
+                wide = flat.astype(xp.float64)
+                part = float(xp.dot(wide, wide))
+            total += part
+        total = np.array([total], np.float64)
+        self._timed(self.comm.all_reduce, total, "max")
+        norm = math.sqrt(float(total[0]))
         self.last_grad_norm = norm
         coef = clip / (norm + 1e-6)
         if coef < 1:
