@@ -211,7 +211,7 @@ def parse_args(argv=None):
     parser.add_argument("--momentum", type=float, default=0.9, help="SGD momentum")
     parser.add_argument("--weight-decay", type=float, default=1e-4,
                         help="SGD weight decay of the weights (the biases have none)")
-    parser.add_argument("--clip-norm", type=float, default=3.0,
+    parser.add_argument("--clip-norm", type=float, default=5.0,
                         help="clip the averaged gradients to this global L2 norm (0: never; "
                              "never with --compression partial)")
     parser.add_argument("--model", choices=tuple(cnn_model.MODELS), default="cnn",
