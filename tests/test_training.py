@@ -19,7 +19,7 @@ from inprocess import run_ranks
 from mpirun import run_mpi
 
 CODE = "import training_programs\ntraining_programs.main()\n"
-PROGRAMS = ["groups,schedules,clip", "scaler,scaler_residuals,nonfinite",
+PROGRAMS = ["groups,schedules,clip", "scaler,scaler_residuals,scaler_half,nonfinite",
             "no_sync,sampler,join"]
 
 
@@ -53,6 +53,8 @@ def test_training_programs_match_numpy_references(checks, n, tmp_path):
         if name == "scaler":
             want = [2, 5, 8] if n > 1 else [2, 5]
             assert all(r["skipped"] == want for r in mine.values()), mine
+        if name == "scaler_half":
+            assert all(r["skipped"] == [1] for r in mine.values()), mine
         if name == "scaler_residuals":
             assert all(r["skipped"] == [1, 3] for r in mine.values()), mine
         if name == "clip":
@@ -255,3 +257,17 @@ def test_zero_grad_and_rule_defaults_follow_the_rule():
         return zero, [g["lr"] for g in opt.param_groups if opt.step() or True]
     zero, lrs = one_rank(body)
     assert zero and lrs == [0.2, 0.3]
+
+
+def test_state_without_groups_from_before_they_were_saved_still_loads():
+    def body(comm):
+        a = groups_of(comm, Adam(0.01), {}, {"lr": 0.5})
+        a.step([np.ones((3, 4), np.float32), np.ones(5, np.float32)])
+        old = {k: v for k, v in a.state_dict().items()
+               if not k.startswith("groups.") and k != "skipped_steps"}
+        b = groups_of(comm, Adam(0.01), {}, {"lr": 0.25})
+        b.load_state_dict(old)
+        same = all(np.array_equal(x, y) for x, y in zip(a.params, b.params))
+        return same, b.steps, [g["lr"] for g in b.param_groups], b.rule.t
+    for same, steps, lrs, t in run_ranks(2, body):
+        assert same and steps == 1 and t == 1 and lrs == [0.01, 0.25]

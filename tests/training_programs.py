@@ -402,6 +402,37 @@ def check_scaler_residuals(comm):
     return {"skipped": runs[0][1]}
 
 
+def check_scaler_half(comm):
+    """Averaged in float16 with a loss scaler: a gradient finite in float32
+    on rank 0 but beyond float16's range (1e5) at update 1 makes the
+    float16 average overflow; that update is skipped on every rank (the
+    parameters as they were), the others applied, within float16 rounding
+    of the reference."""
+    shapes = [(301,), (3, 7)]
+    params = [np.zeros(s, np.float32) for s in shapes]
+    scaler = DynamicLossScaler(init_scale=4.0, growth_interval=100)
+    opt = commlib.DistributedOptimizer(comm, params, SGD(1.0), compression="fp16",
+                                       loss_scaler=scaler)
+    want, skipped = [np.zeros(s) for s in shapes], []
+    for step in range(4):
+        rng = np.random.default_rng([3, step, RANK])
+        g = [rng.standard_normal(s).astype(np.float32) for s in shapes]
+        if step == 1 and RANK == 0:
+            g[0][5] = 1e5
+        before = [p.copy() for p in params]
+        if not opt.step([x * np.float32(scaler.scale) for x in g]):
+            skipped.append(step)
+            assert all(np.array_equal(a, b) for a, b in zip(params, before))
+            continue
+        rngs = [np.random.default_rng([3, step, r]) for r in range(SIZE)]
+        every = [[r.standard_normal(s).astype(np.float32).astype(np.float64) for s in shapes]
+                 for r in rngs]
+        want = [w - np.mean([e[i] for e in every], axis=0) for i, w in enumerate(want)]
+        close(params, want, rtol=0, atol=2e-2, what="half step %d" % step)
+    assert skipped == [1] and opt.steps == 3 and scaler.scale == 2.0, (skipped, scaler.scale)
+    return {"skipped": skipped}
+
+
 def check_nonfinite(comm):
     """nonfinite='raise' on the dense path: a NaN on one rank raises
     NonFiniteError on every rank naming that rank and its count, the
@@ -556,7 +587,7 @@ def check_join(comm):
 
 CHECKS = {"groups": check_groups, "schedules": check_schedules, "clip": check_clip,
           "scaler": check_scaler, "scaler_residuals": check_scaler_residuals,
-          "nonfinite": check_nonfinite, "no_sync": check_no_sync, "sampler": check_sampler,
+          "scaler_half": check_scaler_half, "nonfinite": check_nonfinite, "no_sync": check_no_sync, "sampler": check_sampler,
           "join": check_join}
 NEEDS_DIR = ("groups", "schedules")
 

@@ -379,7 +379,7 @@ class DistributedOptimizer:
     # -- loop helpers ----------------------------------------------------------------
     def zero_grad(self):
         """Set every gradient in :attr:`grads` to 0 (for a backward pass
-        that adds into them)."""
+        that adds into them). Not collective; returns None."""
         for g in self._rule_args[1]:
             g.fill(0)
 
@@ -389,7 +389,11 @@ class DistributedOptimizer:
         no communication): the first step after it averages the mean of
         all micro-batches since the last update, like DDP's ``no_sync``
         decided at run time (with ``accumulate=N`` also, whichever comes
-        later). Every rank must use it alike."""
+        later). Every rank must use it alike.
+
+        Returns:
+            A context manager (yielding this optimizer).
+        """
         before, self._no_sync = self._no_sync, True
         try:
             yield self
@@ -536,14 +540,16 @@ class DistributedOptimizer:
 
     def _finish(self, strategy, clip, active):
         """Average, check, unscale, hook, clip and apply (every rank)."""
-        found = None
+        found, check_average = None, self.nonfinite is not None
         if strategy is not None and self.nonfinite is not None:
             # compressed: decide before any bucket is sent, so that a skipped
             # update leaves every bucket's error-feedback residual as it was
             found = self._nonfinite_counts(averaged=False)
             if any(found) and self.nonfinite == "warn":
                 self._nonfinite_text(found, "; sending anyway", warn=True)
-                found = None
+                check_average = False           # warned once
+            if not any(found) or self.nonfinite == "warn":
+                found = None                    # the average is checked below too
         if not (found and any(found)):
             try:
                 self._reduce(strategy)
@@ -555,7 +561,7 @@ class DistributedOptimizer:
                 factor = self.comm.size / active
                 for g in self._rule_args[1]:
                     g *= factor
-            if found is None and self.nonfinite is not None:
+            if found is None and check_average:
                 found = self._nonfinite_counts(averaged=True)
         if found is not None and any(found):
             if self.nonfinite == "raise":
@@ -786,12 +792,26 @@ class DistributedOptimizer:
     # -- SINGA's DistOpt ------------------------------------------------------------
     def update(self, grads=None):
         """SINGA's ``backward_and_update``: :meth:`step` (the constructor's
-        compression)."""
+        compression and clip_norm).
+
+        Args:
+            grads: as :meth:`step`'s.
+
+        Returns:
+            As :meth:`step`.
+        """
         return self._step(grads, self.compression, self.clip_norm)
 
     def update_half(self, grads=None):
         """SINGA's ``backward_and_update_half``: the gradients are averaged in
-        float16 (``compression="fp16"``)."""
+        float16 (``compression="fp16"``).
+
+        Args:
+            grads: as :meth:`step`'s.
+
+        Returns:
+            As :meth:`step`.
+        """
         return self._step(grads, _compression.resolve("fp16", self.comm.rank), self.clip_norm)
 
     def update_partial(self, grads=None, fraction=None):
@@ -801,7 +821,19 @@ class DistributedOptimizer:
         (:class:`~commlib.compression.Partial`; default: the constructor's
         Partial, else 0.1). Ranks' parameters differ between windows:
         average them all (``comm.all_reduce(params, op="avg")``) before
-        evaluating or saving."""
+        evaluating or saving.
+
+        Args:
+            grads: as :meth:`step`'s.
+            fraction: the share of each bucket averaged per call.
+
+        Returns:
+            As :meth:`step`.
+
+        Raises:
+            ArgumentError: a bad fraction, or a clip_norm set (partial updates
+                cannot be clipped by a global norm).
+        """
         if fraction is None:
             strategy = (self.compression if isinstance(self.compression, Partial)
                         else Partial(0.1))
@@ -815,7 +847,17 @@ class DistributedOptimizer:
         travel (:class:`~commlib.compression.TopK`), else those with
         magnitude above ``spars`` (:class:`~commlib.compression.Threshold`);
         ``corr``: error feedback (what was not sent is added to the next
-        step's gradients)."""
+        step's gradients).
+
+        Args:
+            grads: as :meth:`step`'s.
+            spars: the fraction (top-K) or the threshold.
+            topK: top-K (True) or threshold (False).
+            corr: error feedback.
+
+        Returns:
+            As :meth:`step`.
+        """
         kind = TopK if topK else Threshold
         return self._step(grads, kind(spars, error_feedback=corr), self.clip_norm)
 
