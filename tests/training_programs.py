@@ -87,7 +87,8 @@ def ref_sgd(p, g, buf, h, t):
 def ref_adam(p, g, mv, h, t, kind):
     """Adam ("adam"), AdamW ("adamw") or LAMB ("lamb") on one array; mv: [m, v]."""
     b1, b2 = h.get("betas", (0.9, 0.999))
-    eps, wd, lr = h.get("eps", 1e-6 if kind == "lamb" else 1e-8), h.get("weight_decay", 0.0), h["lr"]
+    eps = h.get("eps", 1e-6 if kind == "lamb" else 1e-8)
+    wd, lr = h.get("weight_decay", 0.0), h["lr"]
     if kind == "adam":
         g = g + wd * p
     elif kind == "adamw":
@@ -587,8 +588,8 @@ def check_join(comm):
 
 CHECKS = {"groups": check_groups, "schedules": check_schedules, "clip": check_clip,
           "scaler": check_scaler, "scaler_residuals": check_scaler_residuals,
-          "scaler_half": check_scaler_half, "nonfinite": check_nonfinite, "no_sync": check_no_sync, "sampler": check_sampler,
-          "join": check_join}
+          "scaler_half": check_scaler_half, "nonfinite": check_nonfinite,
+          "no_sync": check_no_sync, "sampler": check_sampler, "join": check_join}
 NEEDS_DIR = ("groups", "schedules")
 
 
