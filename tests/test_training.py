@@ -209,6 +209,7 @@ def test_argument_errors_name_the_argument_and_rank(make, fragments):
     (lambda: DistributedSampler(10, rank=3, size=3), "0 <= rank < size"),
     (lambda: DistributedSampler(-1, rank=0, size=1), "n must be an int >= 0"),
     (lambda: DistributedSampler(10), "needs comm"),
+    (lambda: DistributedSampler(10, "comm"), "comm must be a commlib.Communicator"),
     (lambda: DistributedSampler(10, rank=0, size=1, drop_last="yes"), "drop_last"),
     (lambda: DistributedSampler(10, rank=0, size=1).set_epoch(-1), "epoch"),
     (lambda: StepLR(object(), 3), "optimizer"),

@@ -46,7 +46,10 @@ class DistributedSampler:
         if comm is not None:
             if rank is not None or size is not None:
                 raise ArgumentError("DistributedSampler: give comm or rank and size, not both")
-            rank, size = comm.rank, comm.size
+            rank, size = getattr(comm, "rank", None), getattr(comm, "size", None)
+            if rank is None or size is None:
+                raise ArgumentError("DistributedSampler: comm must be a commlib.Communicator "
+                                    "(with rank and size), got %s" % type(comm).__name__)
         if rank is None or size is None:
             raise ArgumentError("DistributedSampler: needs comm, or rank and size")
         self.size = _int(size, "size", 1)
