@@ -5,17 +5,20 @@
     python examples/mnist_train.py                              # one process
     python examples/mnist_train.py --data ~/mnist               # full MNIST (IDX files or npz)
 
-SINGA's distributed MNIST example (``opt.DistOpt``) on commlib: the training
-set is partitioned once into one contiguous shard per rank
-(``commlib.partition``), every rank shuffles its own shard each epoch, and
-each step computes the gradients of its minibatch (each image moved by up to
-``--shift`` pixels) layer by layer, last layer first. As each layer's
-gradients are written into ``opt.grads`` the script calls
-``opt.grad_ready(i)``, so their bucket's all-reduce starts while the earlier
-layers' backward still computes; ``opt.step()`` waits for the average over
-the ranks and applies SGD with momentum. Rank 0 initialises the
-parameters and broadcasts them, so all ranks start (and stay) identical;
-the script checks that at the end.
+SINGA's distributed MNIST example (``opt.DistOpt``) on commlib: each epoch
+a ``commlib.optim.DistributedSampler`` deals every rank its share of the
+training set, reshuffled from ``(seed, epoch)``, and each step computes the
+gradients of its minibatch (each image moved by up to ``--shift`` pixels)
+layer by layer, last layer first. As each layer's gradients are written
+into ``opt.grads`` the script calls ``opt.grad_ready(i)``, so their
+bucket's all-reduce starts while the earlier layers' backward still
+computes; ``opt.step()`` waits for the average over the ranks, clips it to
+the global norm ``--clip-norm`` and applies SGD with momentum to two
+parameter groups: the weights with ``--weight-decay``, the biases without.
+A scheduler object sets the learning rate each step. Rank 0 initialises
+the parameters and broadcasts them, so all ranks start (and stay)
+identical; the script checks that at the end. On a terminal rank 0 shows a
+progress bar per epoch (tqdm when installed).
 
 Data (``--data``): ``examples/data/mnist_5k.npz`` by default (5,000 MNIST
 digits, see data/README.md), split once into ``1 - --eval-fraction`` for
@@ -30,8 +33,10 @@ per epoch to a file.
 Models (``--model``): ``cnn`` (the default; conv 5x5x20 - relu - maxpool 2 -
 conv 5x5x50 - relu - maxpool 2 - fc 800-500 - relu - fc 500-10, im2col
 convolutions; LeCun-normal initialisation) and ``mlp`` (784-256-10). The
-learning rate rises linearly from 0 to ``--lr`` over the first ``--warmup``
-epochs, then follows a cosine to 0 at the end of the run. Arrays are numpy
+learning rate rises linearly to ``--lr`` over the first ``--warmup`` epochs
+(``LinearWarmup``), then follows a cosine to 0 at the end of the run
+(``CosineAnnealingLR``, one after the other by ``SequentialLR``), stepped
+once per update. Arrays are numpy
 on CPU and cupy on the communicator's GPU (``--device``). Unless
 ``OMP_NUM_THREADS`` is set, each worker uses one BLAS thread.
 
@@ -51,7 +56,6 @@ compares them.
 import argparse
 import hashlib
 import json
-import math
 import os
 import sys
 import time
@@ -81,12 +85,48 @@ def strategy(args):
             "partial": lambda: c.Partial(args.ratio)}[args.compression]()
 
 
-def learning_rate(base, progress, epochs, warmup):
-    """Learning rate after ``progress`` epochs: linear from 0 to ``base`` over the first
-    ``warmup`` epochs, then a cosine decay from ``base`` to 0 at ``epochs``."""
-    if progress < warmup or epochs <= warmup:
-        return base * min(progress / warmup, 1.0)
-    return base * 0.5 * (1.0 + math.cos(math.pi * (progress - warmup) / (epochs - warmup)))
+def progress(total, desc, enabled):
+    """A progress bar of ``total`` steps on stderr (tqdm where installed, else
+    one line rewritten in place); a stand-in that does nothing unless ``enabled``."""
+    if not enabled:
+        return _Quiet()
+    try:
+        from tqdm import tqdm
+    except ImportError:
+        return _Line(total, desc)
+    return tqdm(total=total, desc=desc, unit="step", leave=False, file=sys.stderr)
+
+
+class _Quiet:
+    def update(self, n=1):
+        pass
+
+    def set_postfix_str(self, text):
+        pass
+
+    def close(self):
+        pass
+
+
+class _Line(_Quiet):
+    def __init__(self, total, desc):
+        self.total, self.desc, self.done, self.shown, self.text = total, desc, 0, 0.0, ""
+
+    def update(self, n=1):
+        self.done += n
+        now = time.monotonic()
+        if now - self.shown > 0.2 or self.done == self.total:
+            self.shown = now
+            sys.stderr.write("\r%s: %d/%d steps %s" % (self.desc, self.done, self.total,
+                                                        self.text))
+            sys.stderr.flush()
+
+    def set_postfix_str(self, text):
+        self.text = text
+
+    def close(self):
+        sys.stderr.write("\r\033[K")
+        sys.stderr.flush()
 
 
 def shifted(x, rng, shift):
@@ -103,24 +143,30 @@ def shifted(x, rng, shift):
     return padded[xp.arange(b)[:, None, None], rows[:, :, None], cols[:, None, :]]
 
 
-def train_epoch(comm, model, opt, train, epoch, args):
-    """One epoch over this rank's shard; returns (mean loss, accuracy) over all ranks."""
-    x, y = train
+def train_epoch(comm, model, opt, sched, train, sampler, epoch, args):
+    """One epoch over this rank's share; returns (mean loss, accuracy) over all ranks."""
+    x, y = train                            # the whole training set, on every rank
     xp = cnn_model.xp_of(x)
-    rng = np.random.default_rng([args.seed, epoch, comm.rank])
-    perm = rng.permutation(len(y))
-    steps = len(y) // args.batch_size       # shards are of one size: the same on every rank
+    sampler.set_epoch(epoch)                # this epoch's shuffle, the same on every rank
+    rng = np.random.default_rng([args.seed, epoch, comm.rank])      # the image shifts
+    where = {id(p): i for i, p in enumerate(opt.params)}            # groups reorder params
+    ready = [where[id(p)] for p in model.params]
     totals = xp.zeros(3, xp.float64)        # loss sum, correct, images
-    for step in range(steps):
-        opt.lr = learning_rate(args.lr, epoch + (step + 1) / steps, args.epochs, args.warmup)
-        idx = xp.asarray(perm[step * args.batch_size:(step + 1) * args.batch_size])
+    batches = sampler.batches(args.batch_size, drop_last=True)    # as many on every rank
+    bar = progress(len(batches), "Epoch %d" % epoch, comm.rank == 0 and sys.stderr.isatty())
+    for idx in batches:
+        idx = xp.asarray(idx)
         logits = model.forward(shifted(x[idx], rng, args.shift))
         loss, correct, dlogits = cnn_model.softmax_cross_entropy(logits, y[idx])
-        model.backward(dlogits, ready=opt.grad_ready)   # buckets start as soon as they are final
-        opt.step()                                      # wait for the average, update
+        model.backward(dlogits, ready=lambda i: opt.grad_ready(ready[i]))   # buckets start early
+        opt.step()                          # wait for the average, clip, update
+        sched.step()                        # the learning rate of the next step
         totals[0] += loss * len(idx)        # device-side sums: no host sync per step
         totals[1] += correct
         totals[2] += len(idx)
+        bar.update()
+        bar.set_postfix_str("lr %.4f" % opt.lr)
+    bar.close()
     comm.all_reduce(totals)
     loss_sum, correct, n = to_host(totals)
     return loss_sum / n, correct / n
@@ -163,7 +209,11 @@ def parse_args(argv=None):
     parser.add_argument("--warmup", type=float, default=1.0,
                         help="epochs of linear learning-rate warm-up before the cosine decay")
     parser.add_argument("--momentum", type=float, default=0.9, help="SGD momentum")
-    parser.add_argument("--weight-decay", type=float, default=1e-4, help="SGD weight decay")
+    parser.add_argument("--weight-decay", type=float, default=1e-4,
+                        help="SGD weight decay of the weights (the biases have none)")
+    parser.add_argument("--clip-norm", type=float, default=5.0,
+                        help="clip the averaged gradients to this global L2 norm (0: never; "
+                             "never with --compression partial)")
     parser.add_argument("--model", choices=tuple(cnn_model.MODELS), default="cnn",
                         help="SINGA's convolutional network or a two-layer perceptron")
     parser.add_argument("--seed", type=int, default=0,
@@ -196,6 +246,8 @@ def parse_args(argv=None):
             parser.error("--%s must be >= 0" % name.replace("_", "-"))
     if not args.lr > 0 or not 0 <= args.momentum < 1 or not args.weight_decay >= 0:
         parser.error("--lr must be > 0, --momentum in [0, 1) and --weight-decay >= 0")
+    if not args.clip_norm >= 0:
+        parser.error("--clip-norm must be >= 0")
     try:
         args.strategy = strategy(args)
     except commlib.ArgumentError as exc:
@@ -219,11 +271,27 @@ def array_module(comm, device):
     return cupy
 
 
-def shard(comm, xp, data, drop_remainder):
-    """This rank's contiguous shard of (images, labels), normalised, on ``xp``."""
+def on_device(xp, data):
+    """(images, labels), normalised, on ``xp``."""
     images, labels = data
-    mine = commlib.partition(len(labels), comm.rank, comm.size, drop_remainder=drop_remainder)
-    return xp.asarray(mnist_data.normalise(images[mine])), xp.asarray(labels[mine])
+    return xp.asarray(mnist_data.normalise(images)), xp.asarray(labels)
+
+
+def shard(comm, xp, data):
+    """This rank's contiguous shard of (images, labels), normalised, on ``xp``."""
+    mine = commlib.partition(len(data[1]), comm.rank, comm.size, drop_remainder=False)
+    return on_device(xp, (data[0][mine], data[1][mine]))
+
+
+def scheduler(opt, args, steps):
+    """Linear warm-up over ``--warmup`` epochs, then a cosine to 0 at the last
+    of ``steps`` updates."""
+    warmup = min(steps - 1, round(args.warmup * steps / args.epochs))
+    cosine = lambda: commlib.optim.CosineAnnealingLR(opt, T_max=steps - warmup)  # noqa: E731
+    if warmup < 1:
+        return cosine()
+    return commlib.optim.SequentialLR(
+        opt, [commlib.optim.LinearWarmup(opt, warmup), cosine()], milestones=[warmup])
 
 
 def main(argv=None):
@@ -235,29 +303,39 @@ def main(argv=None):
     if args.batch_size * comm.size > n_train:
         raise SystemExit("--batch-size %d x %d workers exceeds the %d training images"
                          % (args.batch_size, comm.size, n_train))
-    train = shard(comm, xp, args.train, drop_remainder=True)
-    evaluation = shard(comm, xp, args.evaluation, drop_remainder=False)
+    train = on_device(xp, args.train)
+    sampler = commlib.optim.DistributedSampler(n_train, comm, seed=args.seed, drop_last=True)
+    evaluation = shard(comm, xp, args.evaluation)
     model = cnn_model.MODELS[args.model](xp)
     if comm.rank == 0:
         model.init_params(args.seed)
     rule = commlib.optim.SGD(args.lr, momentum=args.momentum, weight_decay=args.weight_decay)
-    opt = commlib.DistributedOptimizer(comm, model.params, rule, compression=args.strategy)
-    model.bind_grads(opt.grads)
+    groups = [{"params": [p for p in model.params if p.ndim > 1]},                  # weights
+              {"params": [p for p in model.params if p.ndim == 1], "weight_decay": 0.0}]
+    if args.compression == "partial":       # each rank's own gradients: no global norm
+        args.clip_norm = 0
+    opt = commlib.DistributedOptimizer(comm, groups, rule, compression=args.strategy,
+                                       clip_norm=args.clip_norm or None)
+    by_array = {id(p): g for p, g in zip(opt.params, opt.grads)}
+    model.bind_grads([by_array[id(p)] for p in model.params])
+    steps_per_epoch = len(sampler) // args.batch_size
+    sched = scheduler(opt, args, args.epochs * steps_per_epoch)
     opt.broadcast_parameters(root=0)
     before = communication(comm, opt)       # the broadcast's share, left out of the log
     say("MNIST: %d workers (%s, %s), model %s, %d train / %d evaluation images, batch %d per "
-        "worker, lr %g, momentum %g, weight decay %g, seed %d, compression %s"
-        % (comm.size, comm.backend, xp.__name__, args.model, n_train, n_eval, args.batch_size,
-           args.lr, args.momentum, args.weight_decay, args.seed, args.strategy), flush=True)
+        "worker, lr %g, momentum %g, weight decay %g (weights), clip norm %g, seed %d, "
+        "compression %s" % (comm.size, comm.backend, xp.__name__, args.model, n_train, n_eval,
+                            args.batch_size, args.lr, args.momentum, args.weight_decay,
+                            args.clip_norm, args.seed, args.strategy), flush=True)
     log, start = [], time.perf_counter()
     for epoch in range(args.epochs):
         say("Starting Epoch %d:" % epoch)
         t0 = time.perf_counter()
-        loss, train_acc = train_epoch(comm, model, opt, train, epoch, args)
+        loss, train_acc = train_epoch(comm, model, opt, sched, train, sampler, epoch, args)
         seconds = time.perf_counter() - t0
         eval_acc = evaluate(comm, model, evaluation)
         sent, blocked = (now - then for now, then in zip(communication(comm, opt), before))
-        images = (len(train[1]) // args.batch_size) * args.batch_size * comm.size
+        images = steps_per_epoch * args.batch_size * comm.size
         log.append({"epoch": epoch, "loss": loss, "train_accuracy": train_acc,
                     "eval_accuracy": eval_acc, "seconds": seconds,
                     "images_per_second": images / seconds,

@@ -16,6 +16,11 @@ def host_copies(arrays):
     return {k: (v.get() if is_cupy(v) else np.array(v, copy=True)) for k, v in arrays.items()}
 
 
+def optional(name):
+    """Names a state may lack (from before they were saved)."""
+    return name.startswith("groups.") or name == "skipped_steps"
+
+
 def _fit(template, given):
     """Copy the arrays of mapping ``given`` into the numpy arrays of
     ``template`` (same names, shapes and dtypes; raw bytes of the same width,
@@ -23,12 +28,16 @@ def _fit(template, given):
     Returns None, or the text of what does not fit."""
     if not isinstance(given, Mapping):
         return "expected a dict of arrays (from state_dict()), got %s" % type(given).__name__
-    missing, unexpected = sorted(set(template) - set(given)), sorted(set(given) - set(template))
+    # an older state has no groups' hyperparameters nor skipped steps: those stay
+    missing = sorted(k for k in set(template) - set(given) if not optional(k))
+    unexpected = sorted(set(given) - set(template))
     if missing or unexpected:
         return "names differ from this optimizer's: missing %s, unexpected %s" % (
             missing, unexpected)
     values = {}
     for name, target in template.items():
+        if name not in given:
+            continue
         value = np.asarray(given[name])
         if value.dtype.kind == "V" and value.dtype.itemsize == target.dtype.itemsize:
             value = value.view(target.dtype)
@@ -67,6 +76,8 @@ def _restore(opt, read, root):
             target.set(value)
         else:
             target[...] = value
+    if hasattr(opt, "_loaded"):
+        opt._loaded(live)
 
 
 def load_state_dict(opt, state_dict, root=0):
