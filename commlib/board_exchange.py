@@ -77,8 +77,9 @@ class ExchangeBoard:
     def give_up(self, seq, what, kind, text, culprits):
         return kind("rank %d: %s" % (self.rank, text), culprits=culprits)
 
-    def leave(self, completed, reason, text=""):
-        """Nothing to publish without shared memory (closing exchanges)."""
+    def leave(self, completed, reason, text="", blame=()):
+        """Nothing to publish without shared memory (closing exchanges); the
+        signature is the status board's."""
 
     def wait_left(self, completed, deadline):
         """The closing exchange: every rank must close after collective

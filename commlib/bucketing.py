@@ -36,6 +36,12 @@ DEFAULT_BUCKET_BYTES = {"mpi": 1 << 20, "shm": 1 << 20, "nccl": 25 << 20, "local
                         "threads": 1 << 20}
 
 
+def default_bucket_bytes(transport_name):
+    """The default bucket cap of the transport named ``transport_name``
+    (:data:`DEFAULT_BUCKET_BYTES`; MPI's for a transport of another name)."""
+    return DEFAULT_BUCKET_BYTES.get(transport_name, DEFAULT_BUCKET_BYTES["mpi"])
+
+
 class Bucket(NamedTuple):
     """Arrays ``indices`` (into the caller's list) packed back to back."""
     dtype: object      # numpy dtype

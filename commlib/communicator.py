@@ -224,7 +224,7 @@ class Communicator:
         return self._counted[id(self._routes[kind])]
 
     def _bucket_bytes_for(self, transport):
-        return self._bucket_bytes or bucketing.DEFAULT_BUCKET_BYTES[transport.name]
+        return self._bucket_bytes or bucketing.default_bucket_bytes(transport.name)
 
     def _usable(self, name):
         if self._closed:

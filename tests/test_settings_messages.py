@@ -10,7 +10,7 @@ from commlib import settings
 from commlib.compression import Partial
 from commlib.errors import ArgumentError
 
-README = Path(__file__).resolve().parent.parent / "README.md"
+COMPRESSION_DOC = Path(__file__).resolve().parent.parent / "docs" / "compression.md"
 NAMES = ("COMMLIB_WATCHDOG_ENABLE", "COMMLIB_WATCHDOG_TIMEOUT",
          "NNABLA_MPI_WATCH_DOG_ENABLE", "NNABLA_MPI_WATCH_DOG_TIMEOUT")
 
@@ -58,8 +58,8 @@ def test_partial_period_is_the_calls_that_cover_every_value(fraction, size):
     assert p.window(size, calls) == p.window(size, 0)       # and it starts over
 
 
-def test_readme_states_the_real_partial_period():
-    text = " ".join(README.read_text().split())
+def test_the_docs_state_the_real_partial_period():
+    text = " ".join(COMPRESSION_DOC.read_text().split())
     assert "once every `ceil(N / ceil(fraction * N))` calls" in text
     assert not re.search(r"once every `ceil\(1 / fraction\)` calls", text)
     assert Partial(0.45).period(10) == 2 and "2 calls for fraction 0.45 of 10 values" in text
