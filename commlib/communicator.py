@@ -93,7 +93,6 @@ class Communicator:
         self._check = options["check"]
         self._timeout = options["timeout"]
         self._board, self._segment = board, segment
-        self._wait = Wait(board=board, rank=rank)
         self._fusion = bucketing.FusionCache()
         self._workspaces = {}     # compression state, see _workspace()
         self._seq = 0             # collectives entered
@@ -306,9 +305,8 @@ class Communicator:
             error = exc
         seq = self._seq = self._seq + 1
         timeout = self._timeout if timeout is None else timeout
-        wait = self._wait
-        wait.seq, wait.what = seq, consistency.CODES[name]
-        wait.deadline = None if timeout is None else time.monotonic() + timeout
+        wait = Wait(None if timeout is None else time.monotonic() + timeout, seq,
+                    consistency.CODES[name], self._board, self._rank)
         board = self._board if self._relaxed_board is None or not (
             relaxed() or background() is not None) else self._relaxed_board
         if board is not None and not self._check:
@@ -537,8 +535,6 @@ class Communicator:
         flight = None
         if root is None and strategy is None:
             flight = self._in_flight(kind, items, wait)
-            if flight is not None:
-                wait = flight.wait
         after = now if flight is None else flight.then
 
         def step(transport, buf, i, prepared):
@@ -552,7 +548,10 @@ class Communicator:
             # the user's own memory is scaled by the transport as it writes the
             # result; a packed bucket, as it is copied out
             scaled = root is None and not owned
-            if root is None:
+            if root is None and flight is not None:
+                transport.all_reduce(buf, reduce_op, wait, owned=owned,
+                                     scale=scale if scaled else None, defer=flight)
+            elif root is None:
                 transport.all_reduce(buf, reduce_op, wait, owned=owned,
                                      scale=scale if scaled else None)
             else:
@@ -577,13 +576,12 @@ class Communicator:
         with a collective in flight (else None: it runs whole, after them)."""
         progress = self._progress
         if (kind != "numpy" or progress is None or not progress.may_defer()
-                or self._transport(kind).name != "mpi"):
+                or not items or not self._transport(kind).defers(items[0])):
             return None
-        flight = InFlight(wait.copy(), holds=items)
+        flight = InFlight(wait, holds=items)
         earlier = progress.in_flight()
         if earlier and any(overlap(flight.spans(), f.spans()) for f in earlier):
             return None
-        flight.wait.defer = flight
         progress.defer(flight)
         return flight
 

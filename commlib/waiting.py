@@ -87,23 +87,16 @@ class Backoff:
 
 class Wait:
     """What a transport needs to wait inside collective ``seq`` (code
-    ``what``, see :data:`commlib.consistency.COLLECTIVES`) of rank ``rank``.
-    ``defer``: None, or the :class:`commlib.inflight.InFlight` of this
-    collective, which a transport that can (MPI's ``all_reduce``) hands its
-    started requests and the work left for after them instead of waiting."""
+    ``what``, see :data:`commlib.consistency.COLLECTIVES`) of rank ``rank``:
+    the collective's ``deadline`` (``time.monotonic()`` seconds, or None)
+    and the status ``board`` to watch for peers that leave. One per
+    collective, made when it begins, never changed."""
 
-    __slots__ = ("deadline", "seq", "what", "board", "rank", "defer")
+    __slots__ = ("deadline", "seq", "what", "board", "rank")
 
     def __init__(self, deadline=None, seq=0, what=0, board=None, rank=0):
         self.deadline, self.seq, self.what = deadline, seq, what
         self.board, self.rank = board, rank
-        self.defer = None
-
-    def copy(self):
-        """A Wait of its own for this collective (the communicator reuses its own)."""
-        twin = Wait(self.deadline, self.seq, self.what, self.board, self.rank)
-        twin.defer = self.defer
-        return twin
 
     def check(self, late=None):
         """Raise PeerError when a peer left or died, CollectiveTimeoutError
@@ -133,11 +126,9 @@ class SleepingWaits:
     """The compiled waits of ``ext`` (``commlib._hostloops``: ``board_enter``,
     ``wait_flags``) with the same arguments and results, for a relaxed
     thread or one with a background poll (:func:`background`): each call
-    spins only briefly in C at a time (its time slice set to zero), calls
-    the background poll and sleeps with backoff between (relaxed only),
-    until the slice it was given has passed."""
-
-    _ARGS = {"board_enter": (12, 13), "wait_flags": (5, 6)}   # publish flag, deadline
+    spins only briefly in C at a time (deadline and slice set to zero),
+    calls the background poll and sleeps with backoff between (relaxed
+    only), until the slice it was given has passed."""
 
     def __init__(self, ext):
         self._ext = ext
@@ -145,29 +136,39 @@ class SleepingWaits:
     def __getattr__(self, name):
         return getattr(self._ext, name)
 
-    def _wait(self, name, args):
-        publish_at, deadline_at = self._ARGS[name]
-        args = list(args)
-        deadline, slice_s = args[deadline_at], args[deadline_at + 1]
-        until = time.monotonic() + slice_s
-        if deadline is not None:
-            until = min(until, deadline)
-        args[deadline_at], args[deadline_at + 1] = 0.0, 0.0
-        call, backoff, poll = getattr(self._ext, name), Backoff(), background()
-        while True:
-            code = call(*args)
-            if code != -1 or time.monotonic() >= until:
-                return code
-            args[publish_at] = False
-            if poll is not None:
-                poll()
-            backoff.pause()
+    def board_enter(self, words, stride, nranks, rank, entered_at, gone_at, slot_at, seq,
+                    d0, d1, what, when, publishing, deadline, slice_s):
+        def once(publishing, deadline, slice_s):
+            return self._ext.board_enter(words, stride, nranks, rank, entered_at, gone_at,
+                                         slot_at, seq, d0, d1, what, when, publishing,
+                                         deadline, slice_s)
+        return _in_short_spins(once, publishing, deadline, slice_s)
 
-    def board_enter(self, *args):
-        return self._wait("board_enter", args)
+    def wait_flags(self, flags, rank, nranks, stride, seq, first, deadline, slice_s, gone,
+                   gone_stride, board_seq):
+        def once(first, deadline, slice_s):
+            return self._ext.wait_flags(flags, rank, nranks, stride, seq, first, deadline,
+                                        slice_s, gone, gone_stride, board_seq)
+        return _in_short_spins(once, first, deadline, slice_s)
 
-    def wait_flags(self, *args):
-        return self._wait("wait_flags", args)
+
+def _in_short_spins(once, publish, deadline, slice_s):
+    """Call ``once(publish, deadline, slice_s)`` with no deadline and no
+    slice (one look in C) until it returns other than -1 or ``slice_s``
+    (or the deadline) passed, publishing only the first time; the thread's
+    background poll and a backoff sleep between calls."""
+    until = time.monotonic() + slice_s
+    if deadline is not None:
+        until = min(until, deadline)
+    backoff, poll = Backoff(), background()
+    while True:
+        code = once(publish, 0.0, 0.0)
+        if code != -1 or time.monotonic() >= until:
+            return code
+        publish = False
+        if poll is not None:
+            poll()
+        backoff.pause()
 
 
 #: a Wait with no deadline and nothing to watch

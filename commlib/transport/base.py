@@ -38,12 +38,21 @@ class Transport:
         self._broken = None
 
     # -- collectives (in place unless a recv buffer is given) ---------------
-    def all_reduce(self, buf, op, wait=FOREVER, fmt=None, owned=False, scale=None):
+    def all_reduce(self, buf, op, wait=FOREVER, fmt=None, owned=False, scale=None, defer=None):
         """Reduce ``buf`` in place over all ranks, then multiply it by
         ``scale`` (a float, or None: no scaling; floating ``buf`` without
         ``fmt`` only). ``fmt="bfloat16"``: ``buf`` is uint16 holding bfloat16
-        bit patterns (cupy has no bfloat16 dtype)."""
+        bit patterns (cupy has no bfloat16 dtype). ``defer``: None, or the
+        collective's :class:`commlib.inflight.InFlight`, given only to a
+        transport whose :meth:`defers` says so: it starts its requests,
+        hands them and the work left for after them to ``defer`` and returns
+        without waiting."""
         raise NotImplementedError
+
+    def defers(self, buf):
+        """Whether :meth:`all_reduce` of a buffer like ``buf`` can leave its
+        requests in flight (``defer=``)."""
+        return False
 
     def reduces_parts(self, buf):
         """Whether :meth:`all_reduce_parts` takes a fused bucket like ``buf``

@@ -15,7 +15,7 @@ bfloat16, which MPI lacks, use user-defined operators computed with numpy.
 Errors MPI reports become :class:`~commlib.errors.TransportError`.
 
 ``all_reduce`` can also start its requests and return at once, handing
-them to the collective's :class:`~commlib.inflight.InFlight` (``wait.defer``)
+them to the collective's :class:`~commlib.inflight.InFlight` (``defer=``)
 together with the copies left for after them, each piece then staged in a
 buffer of its own (see :mod:`commlib.inflight`).
 (On one node the communicator puts
@@ -278,12 +278,16 @@ class MpiTransport(Transport):
                               % (self.rank, _NAMES[name], text.strip(), hint))
 
     # -- collectives ---------------------------------------------------------
-    def all_reduce(self, buf, op, wait=waiting.FOREVER, fmt=None, owned=False, scale=None):
-        """See :meth:`Transport.all_reduce`; with ``wait.defer`` (numpy
-        buffers only) the requests are started and handed over, and the
-        call returns at once."""
+    def defers(self, buf):
+        """numpy buffers: their requests can stay in flight."""
+        return type(buf) is np.ndarray
+
+    def all_reduce(self, buf, op, wait=waiting.FOREVER, fmt=None, owned=False, scale=None,
+                   defer=None):
+        """See :meth:`Transport.all_reduce`; with ``defer`` (numpy buffers
+        only) the requests are started and handed over, and the call
+        returns at once."""
         h = self._host(buf)
-        defer = wait.defer
         if defer is not None and h is not buf:
             raise ValueError("a deferred all_reduce takes host buffers only")
         mop, mtype = _mpi_op(h.dtype, op, fmt), _mpi_type(h.dtype)

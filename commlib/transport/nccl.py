@@ -31,14 +31,13 @@ class NcclWatch:
     def __init__(self, transport, every=0.05):
         self.transport, self.every = transport, every
         self.failure = None
-        self._pending = []          # (event, Wait copy)
+        self._pending = []          # (event, the collective's Wait)
         self._lock = threading.Lock()
         self._thread = None
 
     def add(self, event, wait):
         with self._lock:
-            self._pending.append((event, waiting.Wait(wait.deadline, wait.seq, wait.what,
-                                                      wait.board, wait.rank)))
+            self._pending.append((event, wait))
             if self._thread is None:
                 self._thread = threading.Thread(target=self._run, daemon=True,
                                                 name="commlib-nccl-watch")
