@@ -508,8 +508,10 @@ def test_mpi_stall_inside_a_collective_in_flight():
         failed = rec["outcome"][2:]
         assert all(f is not None for f in failed), rec
         # the third in flight times out, or the fourth does first (waiting
-        # for rank 1 to enter it) and the third fails with it
-        assert failed[0][0] in ("CollectiveTimeoutError", "ClosedError"), rec
+        # for rank 1 to enter it) and the third fails with it, or the other
+        # waiting rank's deadline came first and this rank learns that it
+        # gave up (a loaded machine)
+        assert failed[0][0] in ("CollectiveTimeoutError", "ClosedError", "PeerError"), rec
         assert "did not complete before its deadline" in failed[0][2], rec
         assert all(f[0] in ("CollectiveTimeoutError", "ClosedError", "PeerError")
                    for f in failed[1:]), rec

@@ -32,10 +32,10 @@ if check:
         comm.all_reduce(np.zeros(3 + comm.rank, np.float32))
     except commlib.ConsistencyError as exc:
         assert "disagree" in str(exc), exc
-        print("mismatch named by rank", comm.rank, flush=True)
+        print("mismatch named by rank %d" % comm.rank, flush=True)
 rank = comm.rank
 comm.close()
-print("nodes ok rank", rank, flush=True)
+print("nodes ok rank %d" % rank, flush=True)
 """
 
 
