@@ -395,7 +395,7 @@ def hang_in_flight(comm):
             if name == "Iallreduce":
                 calls.append(1)
                 if len(calls) == 3:
-                    comm._progress.complete_flight()
+                    comm._session.progress.complete_flight()
                     time.sleep(DEADLINE + 3.0)
             return call(self, name, *args, **kwargs)
 
@@ -508,7 +508,7 @@ def deferred(comm):
     y = [np.full(3, rank + 1.0, np.float32)]
     w2 = comm.all_reduce(y, op="max", async_op=True)
     assert np.all(work.wait()[0] == comm.size * (comm.size + 1) / 2)
-    assert not comm._progress.threaded
+    assert not comm._session.progress.threaded
     comm.barrier()                                   # runs w2 first
     assert w2.done() and np.all(y[0] == comm.size)
     report(what="deferred", rank=rank, early=early)

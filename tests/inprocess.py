@@ -48,7 +48,7 @@ def run_ranks(size, fn, timeout=60, **options):
     stuck = [r for r, t in enumerate(threads) if t.is_alive()]
     assert not stuck, "ranks %s did not finish within %s s" % (stuck, timeout)
     for comm in comms:
-        comm._abandon(board.CLOSED, "")
+        comm._session.abandon(board.CLOSED, "")
     for error in errors:
         if error is not None:
             raise error

@@ -15,7 +15,7 @@ import commlib
 from commlib.board_exchange import ExchangeBoard
 check = sys.argv[1] == "on"
 comm = commlib.Communicator.from_mpi(check=check)
-assert isinstance(comm._board, ExchangeBoard), type(comm._board)
+assert isinstance(comm._session.board, ExchangeBoard), type(comm._session.board)
 assert comm.backend == "mpi" and comm.local_size == 1
 rng = np.random.default_rng(0)
 inputs = [[rng.standard_normal(n).astype(np.float32) for n in (0, 1, 4097, 300001)]
