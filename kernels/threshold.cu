@@ -30,13 +30,10 @@ struct ThresholdPolicy {
 
 using namespace threshold_impl;
 
-// Blocks per SM the kernel is built for: 4 on sm_90 (63 registers), 3
-// elsewhere (at 4 on sm_80 ptxas keeps 8 bytes on the stack).
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ == 900
-#define CL_THRESHOLD_BLOCKS 4
-#else
+// Built for kMinBlocks blocks per SM (at most 85 registers) on every
+// architecture: at 4 on sm_90 (64 registers) the NVRTC of CUDA 12.9 and
+// 13.0 kept 8 bytes of it on the stack.
 #define CL_THRESHOLD_BLOCKS kMinBlocks
-#endif
 
 // x: n floats misaligned by `off` elements; t >= 0. out_idx/out_val hold
 // `cap` entries; *count receives the number of qualifying elements.
