@@ -82,6 +82,10 @@ struct GatherPolicy {
     run.add(key >> 20);
     return key >= low ? 1 : 0;
   }
+  __device__ __forceinline__ int reclassify(int id, float v) {
+    u32 key;
+    return valid_key(id, v, key) && key >= low ? 1 : 0;
+  }
   __device__ __forceinline__ void visit(int id, float v) { (void)classify(id, v); }
   __device__ __forceinline__ void emit(u32 pos, int id, float v) {
     if (pos < cap) {
@@ -111,6 +115,24 @@ __device__ __forceinline__ void load_acc(const float* x, float* resid, long long
   }
 }
 
+// compact_super's loader of pass 1: the first read of a tile loads (and with
+// RESID accumulates into the residual), a second read loads the sums back.
+template <bool RESID, bool VEC>
+struct AccLoader {
+  const float* x;
+  float* resid;
+  long long n;
+  int off;
+  __device__ __forceinline__ void operator()(long long tile, float (&v)[kRounds][kVec],
+                                             int (&id)[kRounds][kVec], bool first) const {
+    if (!RESID || first) {
+      load_acc<RESID, VEC>(x, resid, n, off, tile, v, id);
+    } else {
+      load_tile<VEC>(Source{resid, nullptr, n, off}, tile, v, id);
+    }
+  }
+};
+
 template <bool RESID, bool VEC>
 __device__ __forceinline__ void hist1_body(const float* x, float* resid, long long n, int off,
                                            u32* ws, u32 k, u32 cap, int* cand_idx,
@@ -124,11 +146,12 @@ __device__ __forceinline__ void hist1_body(const float* x, float* resid, long lo
   int id[kRounds][kVec];
   if (cap != 0) {
     u64* status = status_of(ws, n, 0);
+    const long long supers = (tiles + kSuperTiles - 1) / kSuperTiles;
+    const AccLoader<RESID, VEC> load{x, resid, n, off};
     for (;;) {
-      const long long tile = next_tile(ws + kTiles1);
-      if (tile >= tiles) break;
-      load_acc<RESID, VEC>(x, resid, n, off, tile, v, id);
-      compact_tile(tile, tiles, v, id, status, 0u, pol);
+      const long long st = next_tile(ws + kTiles1);
+      if (st >= supers) break;
+      compact_super(load, tiles, st, supers, status, 0u, pol);
     }
   } else {
     for (long long tile = blockIdx.x; tile < tiles; tile += gridDim.x) {

@@ -25,6 +25,9 @@ pytestmark = pytest.mark.skipif(chb.GXX is None or chb.OBJCOPY is None,
 
 # lengths around tile (4096) and 16-byte vector boundaries
 LENGTHS = (1, 2, 5, TILE - 1, TILE, TILE + 1, 3 * TILE + 7)
+# kernels/select_common.cuh: elements per super-tile (one look-back each) and
+# selected elements one super-tile holds in shared memory
+SUPER, STASH = 8 * TILE, 2048
 # topk.cu's workspace words (kernels/topk.cu, enum at the top)
 K_DONE, K_USE_BUF, K_FILL = 4, 5, 6
 
@@ -240,6 +243,44 @@ def test_threshold_capacity_overflow_and_small_values(gpu):
             check_threshold(gpu, x, t, capacity, off=(i + capacity) % 4)
 
 
+def _super_counts(x, t=None, k=None):
+    """Selected elements per super-tile: |x| > t, or the keys >= the k-th largest."""
+    keys = x.view(np.uint32) & np.uint32(0x7FFFFFFF)
+    keys = np.where(keys > 0x7F800000, 0, keys)
+    if t is not None:
+        hit = np.abs(x) > t
+    else:
+        hit = keys >= np.sort(keys)[-k]
+    return np.add.reduceat(hit, np.arange(0, x.size, SUPER))
+
+
+def test_super_tiles_stash_and_second_read(gpu):
+    # several super-tiles (a look-back between each), the last one partial;
+    # few selected elements per super-tile (written from the stash) and more
+    # than the stash holds (the super-tile read a second time)
+    n = 2 * SUPER + TILE + 5
+    x = selection_values(n, 31)
+    held, reread = False, False
+    for i, t in enumerate((0.0, 2.5, 3.3)):
+        counts = _super_counts(x, t=t)
+        held |= counts.max() <= STASH
+        reread |= counts.max() > STASH
+        for capacity in (None, int(counts.sum()) // 2):
+            gpu.schedule = SCHEDULES[(i + (capacity is None)) % len(SCHEDULES)]
+            vary_device(gpu, i + 2 * (capacity is None))
+            check_threshold(gpu, x, t, capacity, off=(i + 1) % 4)
+    assert held and reread
+    r = selection_values(n, 32, "small")
+    for i, k in enumerate((n // 100, n // 4)):
+        for off, roff in ((i % 4, i % 4), (1, 3)):
+            gpu.schedule = SCHEDULES[(2 * i + off) % len(SCHEDULES)]
+            vary_device(gpu, 2 * i + off)
+            where, _ = _paths(check_topk(gpu, x, k, off))
+            assert where == "gathered", (k, where)
+            check_topk(gpu, x, k, off, r, roff)
+    assert _super_counts(x, k=n // 100).max() <= STASH < _super_counts(x, k=n // 4).max()
+
+
 # ---------------------------------------------------------------- scatter-add
 
 def check_scatter(gpu, dense, idx, val, alpha, segments, offs=(0, 0, 0)):
@@ -416,17 +457,17 @@ def test_collective_and_barrier_misuse_is_reported(kernels):
 
 
 def test_endless_spin_is_reported(kernels):
-    # a look-back whose predecessor tile never publishes: status of tile 0
-    # stays zero while block 0 starts at tile 1 (tile counter preset)
-    x = np.ones(2 * TILE, np.float32)
-    ws = np.zeros(4, np.uint64)
+    # a look-back whose predecessor super-tile never publishes: status of
+    # super-tile 0 stays zero while block 0 starts at super-tile 1 (counter preset)
+    x = np.ones(2 * SUPER, np.float32)
+    ws = np.zeros(2 * SUPER // TILE + 1, np.uint64)
     ws[0] = 1
-    idx, val = np.zeros(2 * TILE, np.int32), np.zeros(2 * TILE, np.float32)
+    idx, val = np.zeros(2 * SUPER, np.int32), np.zeros(2 * SUPER, np.float32)
     count = np.zeros(1, np.int64)
     with pytest.raises(KernelFault, match="spun more than"):
-        kernels.launch("threshold_select", 1, 256, [x, np.int64(2 * TILE), np.int32(0),
+        kernels.launch("threshold_select", 1, 256, [x, np.int64(2 * SUPER), np.int32(0),
                                                     np.float32(0), ws, idx, val,
-                                                    np.int64(2 * TILE), count],
+                                                    np.int64(2 * SUPER), count],
                        spin_limit=10000)
 
 
@@ -447,7 +488,13 @@ def _topk_no_buffer(gpu):
 
 
 def _threshold(gpu):
-    check_threshold(gpu, selection_values(3 * TILE + 7, 3), 0.5, off=1)
+    # three super-tiles, the last one partial; one block per SM on the
+    # smallest device, so a block takes more than one super-tile
+    x = selection_values(2 * SUPER + 7, 3)
+    gpu.set_device(2, 2048)
+    check_threshold(gpu, x, 2.5, off=1)
+    gpu.set_device(1, 256)
+    check_threshold(gpu, x, 2.5, off=1)
 
 
 def _scatter(gpu):
@@ -477,8 +524,12 @@ MUTATIONS = [
      "bins[b] = 0;\n  __syncthreads();", "bins[b] = 0;\n", _topk_no_buffer, SCHEDULES, (),
      "shared memory race"),
     ("threshold-no-barrier-after-look-back", "select_common.cuh",
-     "pol.total(before + agg);\n    }\n  }\n  __syncthreads();",
-     "pol.total(before + agg);\n    }\n  }\n", _threshold, SCHEDULES, (), "shared memory race"),
+     "if (st == supers - 1) pol.total(before + agg);\n    }\n  }\n  __syncthreads();",
+     "if (st == supers - 1) pol.total(before + agg);\n    }\n  }\n", _threshold, SCHEDULES,
+     (), "shared memory race"),
+    ("threshold-stash-ignores-earlier-tiles", "select_common.cuh",
+     "u32 t = run + table[r * kWarps + warp] + excl[r];",
+     "u32 t = table[r * kWarps + warp] + excl[r];", _threshold, SCHEDULES, (), "mismatch"),
     ("threshold-look-back-no-wait", "select_common.cuh",
      "while ((s & ~kValueMask) == 0) {\n        __nanosleep(64);\n        s = st[t];\n      }",
      "if ((s & ~kValueMask) == 0) s = kFlagAgg;", _threshold, CONCURRENT, SEQUENTIAL,

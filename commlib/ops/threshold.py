@@ -14,7 +14,7 @@ import numpy as np
 from ..errors import ArgumentError
 from ._arrays import is_cupy
 from ._select import (BLOCK, INF_KEY, check_count, check_length, check_vector, grid_for,
-                      magnitude_keys, misalignment, tiles_of)
+                      magnitude_keys, misalignment, supers_of, tiles_of)
 
 def _threshold_key(t):
     """Magnitude key of the largest float32 <= t, so |x| > t is exact."""
@@ -80,7 +80,7 @@ def _threshold_cuda(x, tkey, capacity):
         ws = _workspace(x.device.id, tiles + 1)
         kernel = get_function("threshold.cu", "threshold_select")
         t32 = np.uint32(tkey).view(np.float32)
-        kernel(grid_for(tiles, kernel), (BLOCK,),
+        kernel(grid_for(supers_of(n, off), kernel), (BLOCK,),
                (x, np.int64(n), np.int32(off), t32, ws, indices, values,
                 np.int64(capacity), count))
     return indices, values, count
