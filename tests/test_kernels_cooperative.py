@@ -326,6 +326,17 @@ def test_scatter_add_segments_padding_and_bad_indices(gpu):
                 i += 1
 
 
+def test_scatter_add_waits_for_earlier_segments(gpu):
+    # all blocks resident: an item of a later segment waits (spins) until
+    # every item of the earlier segments is done
+    for sched in SCHEDULES:
+        gpu.schedule = sched
+        before = gpu.kernels.spins
+        _scatter_ordered(gpu)
+        spun = gpu.kernels.spins - before
+        assert (spun > 0) == (sched.resident > 1), (sched.name, spun)
+
+
 def test_scatter_add_empty_and_all_padding(gpu):
     dense = selection_values(33, 7)
     check_scatter(gpu, dense, np.zeros(0, np.int32), np.zeros(0, np.float32), 1.0, None)
@@ -451,9 +462,11 @@ def test_collective_and_barrier_misuse_is_reported(kernels):
     dense = np.zeros(4, np.float32)
     idx, val = np.zeros(4, np.int32), np.ones(4, np.float32)
     bad = np.zeros((), np.uint64)
+    table = np.array([0, 1, 0, 4], np.int64)   # one segment of 4 entries, one item
+    ws = np.zeros(3, np.uint32)
     with pytest.raises(KernelFault, match="names lanes outside the block"):
-        kernels.launch("scatter_add", 1, 48, [dense, np.int64(4), idx, val, np.int64(0),
-                                              np.int64(4), np.float32(1), bad])
+        kernels.launch("scatter_add", 1, 48, [dense, np.int64(4), idx, val, table,
+                                              np.int64(1), np.float32(1), bad, ws])
 
 
 def test_endless_spin_is_reported(kernels):
@@ -502,6 +515,15 @@ def _scatter(gpu):
     check_scatter(gpu, selection_values(300, 5), idx, val, 1.0, [200, 50])
 
 
+def _scatter_ordered(gpu):
+    # three segments of several items each over few elements: most indices
+    # repeat across segments, so segment order matters
+    sizes = [2500, 3000, 2000]
+    idx, val = sparse_sets(3100, sizes, 6)
+    gpu.set_device(2, 2048)
+    check_scatter(gpu, selection_values(3100, 7, "small"), idx, val, 0.375, sizes)
+
+
 def _cast(gpu):
     for n, xoff, ooff in ((9, 0, 0), (33, 1, 1), (1001, 2, 2)):
         check_cast(gpu, adversarial("float32", n, n), "float16", 1.0, False, xoff, ooff)
@@ -536,6 +558,9 @@ MUTATIONS = [
      "mismatch"),
     ("scatter-add-wrong-mask", "sparse.cu", "__shfl_xor_sync(0xffffffffu, nbad, d)",
      "__shfl_xor_sync(0x0000ffffu, nbad, d)", _scatter, SCHEDULES, (), "not in mask 0x0000ffff"),
+    ("scatter-add-no-wait-for-earlier-segments", "sparse.cu",
+     "while ((long long)*done < first[s]) __nanosleep(100);", "", _scatter_ordered,
+     CONCURRENT, SEQUENTIAL, "mismatch"),
     ("cast-vector-tail-off-by-one", "common.cuh", "nvec = (n - head) / V;",
      "nvec = (n - head + V - 1) / V;", _cast, SCHEDULES, (), "out-of-bounds 16-byte load"),
     ("pack-segment-edge-off-by-one", "pack.cu", "if (first[mid] <= c) lo = mid;",
