@@ -411,20 +411,21 @@ __device__ void compact_all(const Source& src, u64* status, u32* tile_counter, u
 }
 
 // ------------------------------------------------------------ super-tiles
-// Ordered compaction that pays one look-back per super-tile of kSuperTiles
-// tiles (kSuper elements) instead of one per tile: the block scans the
-// super-tile's tiles one after another and keeps the selected elements, in
-// order, in a shared-memory stash; then it looks back once and writes the
-// stash out. A super-tile with more than kStash selected elements is read a
-// second time from global memory and written out directly instead.
+// Ordered compaction that pays one look-back per super-tile of `per` tiles
+// (at most kSuperTiles, kSuper elements) instead of one per tile: the block
+// scans the super-tile's tiles one after another and keeps the selected
+// elements, in order, in a shared-memory stash; then it looks back once and
+// writes the stash out. A super-tile with more than kStash selected elements
+// is read a second time from global memory and written out directly instead.
 //
-// Policy P as for compact_tile, plus
+// Policy P as for compact_tile, but without ties (classify returns 0 or 1),
+// plus
 //   int reclassify(int index, float value): classify's answer without its
 //       side effects (the second read of an overflowing super-tile).
 constexpr int kSuperTiles = 8;
 constexpr int kSuper = kSuperTiles * kTile;  // 32768 elements
-constexpr int kStash = 2048;                 // selected elements held per super-tile
-static_assert(kSuper <= 32768, "in-super-tile counts are packed in 15/16 bits");
+constexpr int kStash = 4096;                 // selected elements held per super-tile
+static_assert(kSuper < 65536, "in-tile counts are packed in 16 bits");
 
 __device__ __forceinline__ long long source_supers(const Source& s) {
   return (source_tiles(s) + kSuperTiles - 1) / kSuperTiles;
@@ -433,13 +434,12 @@ __device__ __forceinline__ long long source_supers(const Source& s) {
 struct Stash {
   int id[kStash];
   float v[kStash];
-  u32 meta[kStash];  // bit 31: a tie; bits 0..15: ties before it in the super-tile
 };
 
 // Classifies (first read: classify, else reclassify) and scans one tile:
-// cls (2 bits per element), excl[r]: the thread's exclusive packed
-// (kept << 16 | ties) count inside its (round, warp) row; table: exclusive
-// prefixes of the 32 rows; returns the tile's packed total (every thread).
+// cls (1 bit per element), excl[r]: the thread's exclusive count inside its
+// (round, warp) row; table: exclusive prefixes of the 32 rows; returns the
+// tile's total (every thread).
 template <bool FIRST, class P>
 __device__ __forceinline__ u32 scan_tile(const float (&v)[kRounds][kVec],
                                          const int (&id)[kRounds][kVec], P& pol, u32& cls,
@@ -453,9 +453,9 @@ __device__ __forceinline__ u32 scan_tile(const float (&v)[kRounds][kVec],
 #pragma unroll
     for (int e = 0; e < kVec; ++e) {
       const u32 k = (u32)(FIRST ? pol.classify(id[r][e], v[r][e])
-                                : pol.reclassify(id[r][e], v[r][e]));
-      cls |= k << (2 * (r * kVec + e));
-      c += k == 1u ? 0x10000u : (k == 2u ? 1u : 0u);
+                                : pol.reclassify(id[r][e], v[r][e])) & 1u;
+      cls |= k << (r * kVec + e);
+      c += k;
     }
     const u32 inc = warp_scan(c, lane);
     excl[r] = inc - c;
@@ -482,45 +482,42 @@ struct SourceLoader {
   }
 };
 
-// Ordered compaction of super-tile `st` of `tiles` tiles (all threads of the
-// block); status: one look-back word per super-tile. Call it after
-// next_tile(), whose barrier keeps the stash of the previous super-tile
-// from being overwritten while it is still being written out.
+// Ordered compaction of super-tile `st` (tiles st * per ... of `tiles`; per
+// <= kSuperTiles) by all threads of the block; status: one look-back word per
+// super-tile. Call it after next_tile(), whose barrier keeps the stash of the
+// previous super-tile from being overwritten while it is still written out.
 template <class P, class L>
-__device__ void compact_super(const L& load, long long tiles, long long st, long long supers,
-                              u64* status, u32 rem, P& pol) {
+__device__ void compact_super(const L& load, long long tiles, int per, long long st,
+                              long long supers, u64* status, P& pol) {
   __shared__ Stash stash;
   __shared__ u32 table[kWarp];
   __shared__ u32 tile_total;
   __shared__ u64 super_prefix;
   const int lane = threadIdx.x & (kWarp - 1);
   const int warp = threadIdx.x / kWarp;
-  const long long first = st * kSuperTiles;
-  const int count = (int)(tiles - first < kSuperTiles ? tiles - first : kSuperTiles);
+  const long long first = st * per;
+  const int count = (int)(tiles - first < per ? tiles - first : per);
 
   float v[kRounds][kVec];
   int id[kRounds][kVec];
   u32 cls;
   u32 excl[kRounds];
-  u32 run = 0;  // packed (kept << 16 | ties) of the earlier tiles of the super-tile
+  u32 run = 0;  // selected in the earlier tiles of the super-tile
   for (int j = 0; j < count; ++j) {
     load(first + j, v, id, true);
     const u32 tot = scan_tile<true>(v, id, pol, cls, excl, table, &tile_total);
     if (cls != 0) {
 #pragma unroll
       for (int r = 0; r < kRounds; ++r) {
-        u32 t = run + table[r * kWarps + warp] + excl[r];
+        u32 s = run + table[r * kWarps + warp] + excl[r];
 #pragma unroll
         for (int e = 0; e < kVec; ++e) {
-          const u32 k = (cls >> (2 * (r * kVec + e))) & 3u;
-          if (k != 0u) {
-            const u32 s = (t >> 16) + (t & 0xffffu);
+          if ((cls >> (r * kVec + e)) & 1u) {
             if (s < (u32)kStash) {
               stash.id[s] = id[r][e];
               stash.v[s] = v[r][e];
-              stash.meta[s] = (k == 2u ? 0x80000000u : 0u) | (t & 0xffffu);
             }
-            t += k == 1u ? 0x10000u : 1u;
+            ++s;
           }
         }
       }
@@ -530,7 +527,7 @@ __device__ void compact_super(const L& load, long long tiles, long long st, long
   }
 
   if (warp == 0) {
-    const u64 agg = pack_pair(run >> 16, run & 0xffffu);
+    const u64 agg = pack_pair(run, 0u);
     const u64 before = look_back(status, st, agg, lane);
     if (lane == 0) {
       super_prefix = before;
@@ -538,21 +535,9 @@ __device__ void compact_super(const L& load, long long tiles, long long st, long
     }
   }
   __syncthreads();
-  const u64 before = super_prefix;
-  const u32 kept0 = pair_a(before), ties0 = pair_b(before);
-  const u32 held = (run >> 16) + (run & 0xffffu);
-  if (held <= (u32)kStash) {
-    for (u32 s = threadIdx.x; s < held; s += kBlock) {
-      const u32 m = stash.meta[s];
-      const u32 tb = m & 0xffffu;
-      const u32 a = kept0 + (s - tb);
-      const u32 b = ties0 + tb;
-      if ((m & 0x80000000u) == 0u) {
-        pol.emit(a + umin32(b, rem), stash.id[s], stash.v[s]);
-      } else if (b < rem) {
-        pol.emit(a + b, stash.id[s], stash.v[s]);
-      }
-    }
+  const u32 kept0 = pair_a(super_prefix);
+  if (run <= (u32)kStash) {
+    for (u32 s = threadIdx.x; s < run; s += kBlock) pol.emit(kept0 + s, stash.id[s], stash.v[s]);
   } else {
     // too many to hold: read the super-tile again and write out directly
     run = 0;
@@ -562,18 +547,12 @@ __device__ void compact_super(const L& load, long long tiles, long long st, long
       if (cls != 0) {
 #pragma unroll
         for (int r = 0; r < kRounds; ++r) {
-          const u32 t = run + table[r * kWarps + warp] + excl[r];
-          u32 a = kept0 + (t >> 16);
-          u32 b = ties0 + (t & 0xffffu);
+          u32 a = kept0 + run + table[r * kWarps + warp] + excl[r];
 #pragma unroll
           for (int e = 0; e < kVec; ++e) {
-            const u32 k = (cls >> (2 * (r * kVec + e))) & 3u;
-            if (k == 1u) {
-              pol.emit(a + umin32(b, rem), id[r][e], v[r][e]);
+            if ((cls >> (r * kVec + e)) & 1u) {
+              pol.emit(a, id[r][e], v[r][e]);
               ++a;
-            } else if (k == 2u) {
-              if (b < rem) pol.emit(a + b, id[r][e], v[r][e]);
-              ++b;
             }
           }
         }
@@ -585,16 +564,15 @@ __device__ void compact_super(const L& load, long long tiles, long long st, long
   // no barrier here: the caller's next_tile() has one before the stash is refilled
 }
 
-// Ordered compaction of a whole source by super-tiles; `counter` and
-// `status` (one word per super-tile) must start zeroed.
+// Ordered compaction of a whole source by super-tiles of kSuperTiles tiles;
+// `counter` and `status` (one word per super-tile) must start zeroed.
 template <class P>
-__device__ void compact_all_super(const Source& src, u64* status, u32* counter, u32 rem,
-                                  P& pol) {
+__device__ void compact_all_super(const Source& src, u64* status, u32* counter, P& pol) {
   const long long supers = source_supers(src);
   for (;;) {
     const long long st = next_tile(counter);
     if (st >= supers) break;
-    compact_super(SourceLoader{src}, source_tiles(src), st, supers, status, rem, pol);
+    compact_super(SourceLoader{src}, source_tiles(src), kSuperTiles, st, supers, status, pol);
   }
 }
 

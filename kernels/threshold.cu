@@ -48,7 +48,7 @@ threshold_select(const float* x, long long n, int off, float t, u64* ws, int* ou
   ThresholdPolicy pol{mag_key(t), out_idx, out_val, cap, count};
   const Source src{x, nullptr, n, off};
   u32* counters = reinterpret_cast<u32*>(ws);  // [0] tiles handed out, [1] blocks finished
-  compact_all_super(src, ws + 1, counters, 0u, pol);
+  compact_all_super(src, ws + 1, counters, pol);
   if (last_block(counters + 1)) {
     const long long words = 1 + source_tiles(src);
     for (long long i = threadIdx.x; i < words; i += kBlock) ws[i] = 0;

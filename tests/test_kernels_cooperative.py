@@ -27,7 +27,7 @@ pytestmark = pytest.mark.skipif(chb.GXX is None or chb.OBJCOPY is None,
 LENGTHS = (1, 2, 5, TILE - 1, TILE, TILE + 1, 3 * TILE + 7)
 # kernels/select_common.cuh: elements per super-tile (one look-back each) and
 # selected elements one super-tile holds in shared memory
-SUPER, STASH = 8 * TILE, 2048
+SUPER, STASH = 8 * TILE, 4096
 # topk.cu's workspace words (kernels/topk.cu, enum at the top)
 K_DONE, K_USE_BUF, K_FILL = 4, 5, 6
 
@@ -243,18 +243,15 @@ def test_threshold_capacity_overflow_and_small_values(gpu):
             check_threshold(gpu, x, t, capacity, off=(i + capacity) % 4)
 
 
-def _super_counts(x, t=None, k=None):
-    """Selected elements per super-tile: |x| > t, or the keys >= the k-th largest."""
+def _super_counts(x, t=None, low=None, per=8):
+    """Selected elements per super-tile of ``per`` tiles: |x| > t, or magnitude
+    keys >= low (NaN never)."""
     keys = x.view(np.uint32) & np.uint32(0x7FFFFFFF)
-    keys = np.where(keys > 0x7F800000, 0, keys)
-    if t is not None:
-        hit = np.abs(x) > t
-    else:
-        hit = keys >= np.sort(keys)[-k]
-    return np.add.reduceat(hit, np.arange(0, x.size, SUPER))
+    hit = np.abs(x) > t if t is not None else (keys >= low) & (keys <= 0x7F800000)
+    return np.add.reduceat(hit, np.arange(0, x.size, per * TILE))
 
 
-def test_super_tiles_stash_and_second_read(gpu):
+def test_super_tiles_stash_and_second_read(gpu, monkeypatch):
     # several super-tiles (a look-back between each), the last one partial;
     # few selected elements per super-tile (written from the stash) and more
     # than the stash holds (the super-tile read a second time)
@@ -270,15 +267,26 @@ def test_super_tiles_stash_and_second_read(gpu):
             vary_device(gpu, i + 2 * (capacity is None))
             check_threshold(gpu, x, t, capacity, off=(i + 1) % 4)
     assert held and reread
+    # top-K's first pass: candidates of a super-tile in the stash, and (the
+    # largest magnitudes all at the start) more than it holds
     r = selection_values(n, 32, "small")
-    for i, k in enumerate((n // 100, n // 4)):
+    clustered = x[np.argsort(-np.abs(np.nan_to_num(x, nan=0.0)), kind="stable")]
+    lows = []
+    seen = []
+    gpu.after_launch = None
+    for i, (data, k) in enumerate(((x, n // 100), (clustered, n // 100), (x, n // 4),
+                                   (clustered, n // 4))):
         for off, roff in ((i % 4, i % 4), (1, 3)):
             gpu.schedule = SCHEDULES[(2 * i + off) % len(SCHEDULES)]
             vary_device(gpu, 2 * i + off)
-            where, _ = _paths(check_topk(gpu, x, k, off))
-            assert where == "gathered", (k, where)
-            check_topk(gpu, x, k, off, r, roff)
-    assert _super_counts(x, k=n // 100).max() <= STASH < _super_counts(x, k=n // 4).max()
+            seen = check_topk(gpu, data, k, off)
+            if data is x:
+                assert _paths(seen)[0] == "gathered", (i, k)
+            ws = next(w for name, w in seen if name == "topk_sample")
+            per = topk_mod._super_tiles(topk_mod._sample_rank(n, k))
+            lows.append(_super_counts(data, low=ws[8], per=per).max())  # kLow
+            check_topk(gpu, data, k, off, r, roff)
+    assert min(lows) <= STASH < max(lows), lows
 
 
 # ---------------------------------------------------------------- scatter-add
@@ -550,8 +558,8 @@ MUTATIONS = [
      "if (st == supers - 1) pol.total(before + agg);\n    }\n  }\n", _threshold, SCHEDULES,
      (), "shared memory race"),
     ("threshold-stash-ignores-earlier-tiles", "select_common.cuh",
-     "u32 t = run + table[r * kWarps + warp] + excl[r];",
-     "u32 t = table[r * kWarps + warp] + excl[r];", _threshold, SCHEDULES, (), "mismatch"),
+     "u32 s = run + table[r * kWarps + warp] + excl[r];",
+     "u32 s = table[r * kWarps + warp] + excl[r];", _threshold, SCHEDULES, (), "mismatch"),
     ("threshold-look-back-no-wait", "select_common.cuh",
      "while ((s & ~kValueMask) == 0) {\n        __nanosleep(64);\n        s = st[t];\n      }",
      "if ((s & ~kValueMask) == 0) s = kFlagAgg;", _threshold, CONCURRENT, SEQUENTIAL,

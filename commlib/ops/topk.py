@@ -19,8 +19,7 @@ import numpy as np
 from ..errors import ArgumentError
 from ._arrays import is_cupy
 from ._select import (BLOCK, INF_KEY, TILE, check_count, check_length, check_same_kind,
-                      check_vector, grid_for, magnitude_keys, misalignment, supers_of,
-                      tiles_of)
+                      check_vector, grid_for, magnitude_keys, tiles_of)
 
 # u32 words of the workspace before the look-back status words (kernels/topk.cu)
 _WS_STATUS = 16 + 2048 + 2048 + 512
@@ -102,6 +101,20 @@ def _sample_rank(n, k):
     return int(min(SAMPLES, math.ceil(1.25 * expected + 4.0 * math.sqrt(expected) + 16)))
 
 
+STASH = 4096       # candidates one super-tile of the first pass holds (kernels/select_common.cuh)
+SUPER_TILES = 8    # tiles per super-tile at most
+
+
+def _super_tiles(rank):
+    """Tiles per super-tile of the first pass: as many as keep the expected
+    candidates of a super-tile (a fraction rank / SAMPLES of its elements)
+    within three quarters of its stash (more are read twice)."""
+    per = SUPER_TILES
+    while per > 1 and rank * per * TILE > 0.75 * STASH * SAMPLES:
+        per //= 2
+    return per
+
+
 def _topk_cuda(x, kk, residual):
     import cupy
     from . import _launch
@@ -133,8 +146,8 @@ def _topk_cuda(x, kk, residual):
         if p.sample is not None:
             kernel, grid, rank = p.sample
             kernel(grid, _BLOCK_DIM, (x, src, p.has_resid, n64, ws, rank))
-        kernel, grid, off1 = p.hist1
-        kernel(grid, _BLOCK_DIM, (x, src, n64, off1, ws, k32, cap32, cand_idx, cand_val))
+        kernel, grid, off1, per = p.hist1
+        kernel(grid, _BLOCK_DIM, (x, src, n64, off1, ws, k32, cap32, cand_idx, cand_val, per))
         off32 = p.off32
         kernel, grid = p.filter
         kernel(grid, _BLOCK_DIM, (src, n64, off32, ws, cand_idx, cand_val, cap32))
@@ -163,16 +176,18 @@ def _topk_plan(n, kk, off, has_resid, same_off):
     tiles = tiles_of(n, off)
     cap = _candidate_capacity(n, kk)
     sample = None
+    per = 1
     if cap:
-        sample = kernel_grid("topk_sample", None) + (np.uint32(_sample_rank(n, kk)),)
-    if not has_resid:
-        hist1 = kernel_grid("topk_hist1", supers_of(n, off) if cap else tiles) + (np.int32(off),)
-    elif same_off:
-        hist1 = kernel_grid("topk_hist1_resid", supers_of(n, off) if cap else tiles) + \
-            (np.int32(off),)
-    else:
-        hist1 = kernel_grid("topk_hist1_resid_scalar",
-                            supers_of(n, 0) if cap else tiles_of(n, 0)) + (np.int32(0),)
+        rank = _sample_rank(n, kk)
+        sample = kernel_grid("topk_sample", None) + (np.uint32(rank),)
+        per = _super_tiles(rank)
+    off1 = off if not has_resid or same_off else 0
+    tiles1 = tiles_of(n, off1)
+    name = "topk_hist1" if not has_resid else ("topk_hist1_resid" if same_off
+                                               else "topk_hist1_resid_scalar")
+    # with a sample, pass 1 pulls super-tiles of `per` tiles, else it strides over tiles
+    hist1 = kernel_grid(name, -(-tiles1 // per) if cap else tiles1) + (np.int32(off1),
+                                                                       np.int32(per))
     return _Plan(ws_words=_WS_STATUS + 6 * (n // TILE + 2), cap=cap, n64=np.int64(n),
                  k32=np.uint32(kk), cap32=np.uint32(cap), off32=np.int32(off),
                  has_resid=np.int32(has_resid), sample=sample, hist1=hist1,
