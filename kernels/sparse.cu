@@ -38,7 +38,7 @@ using namespace sparse_impl;
 // counters (items claimed, items done, blocks finished), zero on entry and
 // zero again on return (the last block clears them). Launch with 256-thread
 // blocks; any grid size works.
-extern "C" __global__ void __launch_bounds__(sel::kBlock, 8)
+extern "C" __global__ void __launch_bounds__(sel::kBlock, CL_FULL_SM_BLOCKS)
 scatter_add(float* dense, long long n_dense, const int* idx, const float* val,
             const long long* table, long long nseg, float alpha, unsigned long long* bad,
             unsigned int* ws) {

@@ -497,6 +497,8 @@ class HostCupy:
         # launch plans and workspaces of the wrappers: per stand-in
         monkeypatch.setattr(_launch, "_plans", collections.OrderedDict())
         monkeypatch.setattr(_launch, "_workspaces", collections.OrderedDict())
+        from commlib.ops import topk as topk_mod
+        monkeypatch.setattr(topk_mod, "_candidate_views", {})
         monkeypatch.setattr(_loader, "get_function", self.get_function)
         monkeypatch.setattr(_loader, "_device_props", lambda device_id: self.props)
         # the pack wrapper caches device tables and launch plans by address

@@ -157,8 +157,8 @@ def test_nvrtc_compiles_like_the_loader(source, major):
     results = json.loads(res.stdout)
     assert set(results) == set(NVRTC_ARCHS)
     for arch, (status, log) in sorted(results.items()):
-        assert status == "ok", "NVRTC %d, sm_%s: %s\n%s" % (major, arch, status, log)
-        assert "warning" not in log, "NVRTC %d, sm_%s:\n%s" % (major, arch, log)
+        assert status == "ok", "NVRTC %s, sm_%s: %s\n%s" % (major, arch, status, log)
+        assert "warning" not in log, "NVRTC %s, sm_%s:\n%s" % (major, arch, log)
 
 
 @pytest.mark.parametrize("path", sorted(KERNELS.glob("*.cu*")), ids=lambda p: p.name)

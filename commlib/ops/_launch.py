@@ -32,13 +32,14 @@ def plan(key, build):
     return hit
 
 
-def workspace(device_id, name, size, dtype, zeroed=False):
-    """An array of at least ``size`` elements of ``dtype`` for the current
-    stream (``name`` tells workspaces of different uses apart). With
-    ``zeroed`` a new array starts zero-filled (callers that leave their
-    workspace zeroed on return use this)."""
+def workspace(device_id, name, size, dtype, zeroed=False, stream=None):
+    """An array of at least ``size`` elements of ``dtype`` for ``stream``
+    (default: the current stream; ``name`` tells workspaces of different
+    uses apart). With ``zeroed`` a new array starts zero-filled (callers that
+    leave their workspace zeroed on return use this)."""
     import cupy
-    stream = cupy.cuda.get_current_stream()
+    if stream is None:
+        stream = cupy.cuda.get_current_stream()
     key = (device_id, getattr(stream, "ptr", 0), name)
     hit = _workspaces.get(key)
     if hit is not None and hit[1].size >= size:
@@ -51,9 +52,11 @@ def workspace(device_id, name, size, dtype, zeroed=False):
     return ws
 
 
-def memset0(a, nbytes=None):
+def memset0(a, nbytes=None, stream=None):
     """Zero the first ``nbytes`` bytes (default: all) of device array ``a``
-    on the current stream (one runtime call, no kernel launch)."""
+    on ``stream`` (default: the current one): one runtime call, no kernel."""
     import cupy
+    if stream is None:
+        stream = cupy.cuda.get_current_stream()
     cupy.cuda.runtime.memsetAsync(a.data.ptr, 0, a.nbytes if nbytes is None else nbytes,
-                                  cupy.cuda.get_current_stream().ptr)
+                                  stream.ptr)

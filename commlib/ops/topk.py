@@ -134,12 +134,18 @@ def _topk_cuda(x, kk, residual):
         key = ("topk", device, n, kk, off, residual is None, xoff == off,
                _candidate_capacity, _sample_rank, _loader.get_function)
         p = _launch.plan(key, lambda: _topk_plan(n, kk, off, residual is not None, xoff == off))
-        ws = _launch.workspace(device, "topk", p.ws_words, cupy.uint32)
-        _launch.memset0(ws, 4 * p.ws_words)
+        stream = cupy.cuda.get_current_stream()
+        ws = _launch.workspace(device, "topk", p.ws_words, cupy.uint32, stream=stream)
+        _launch.memset0(ws, 4 * p.ws_words, stream)
         if p.cap:
-            cand = _launch.workspace(device, "topk-candidates", 2 * p.cap, cupy.int32)
-            cand_idx = cand
-            cand_val = cand[p.cap:2 * p.cap].view(cupy.float32)
+            cand = _launch.workspace(device, "topk-candidates", 2 * p.cap, cupy.int32,
+                                     stream=stream)
+            views = _candidate_views.get(id(cand))
+            if views is None or views[0] is not cand or views[1].size != p.cap:
+                views = (cand, cand[:p.cap], cand[p.cap:2 * p.cap].view(cupy.float32))
+                _candidate_views.clear()  # the latest only: holds no dropped buffer alive
+                _candidate_views[id(cand)] = views
+            cand_idx, cand_val = views[1], views[2]
         else:
             cand_idx = cand_val = ws  # never touched
         n64, k32, cap32 = p.n64, p.k32, p.cap32
@@ -160,6 +166,7 @@ def _topk_cuda(x, kk, residual):
 
 
 _BLOCK_DIM = (BLOCK,)
+_candidate_views = {}  # id(buffer) -> (buffer, index view, value view), the latest call's
 _Plan = collections.namedtuple(
     "_Plan", "ws_words cap n64 k32 cap32 off32 has_resid sample hist1 filter refine compact")
 
