@@ -295,6 +295,14 @@ CL_HD void cl_transform_vec(const typename S::T* src, typename D::T* dst, float 
                             cl_u64& count) {
   typedef typename S::T ST;
   typedef typename D::T DT;
+  if constexpr (S::raw && D::raw) {
+    // a bit copy moves the vector as it is (no element view: with one, NVRTC
+    // 13.5 kept part of pack_raw1's vector on the stack on sm_90)
+    cl_st16(dst, cl_ld16(src));
+    (void)scale;
+    (void)count;
+    return;
+  }
   constexpr int V = 16 / (sizeof(ST) < sizeof(DT) ? sizeof(ST) : sizeof(DT));
   constexpr int QS = V * (int)sizeof(ST) / 16, QD = V * (int)sizeof(DT) / 16;
   union { uint4 q[QS]; ST e[V]; } a;
@@ -341,10 +349,14 @@ CL_HD void cl_transform_range(const typename S::T* __restrict__ src,
   constexpr int V = 16 / (sizeof(ST) < sizeof(DT) ? sizeof(ST) : sizeof(DT));
   const I head = (I)cl_vec_head<sizeof(ST), sizeof(DT)>(src, dst, n);
   const I nvec = (n - head) / V;
+  // head and tail hold fewer than V elements: their loops stay rolled (an
+  // unrolled one costs registers the vector loop needs)
+#pragma unroll 1
   for (I i = t; i < head; i += nt)
     cl_transform_scalar<S, D, ACC>(src + i, dst + i, scale, count);
   for (I j = t; j < nvec; j += nt)
     cl_transform_vec<S, D, ACC>(src + head + j * V, dst + head + j * V, scale, count);
+#pragma unroll 1
   for (I i = head + nvec * V + t; i < n; i += nt)
     cl_transform_scalar<S, D, ACC>(src + i, dst + i, scale, count);
 }

@@ -48,9 +48,12 @@ CL_HD void segments_thread(const cl_i64* table, cl_i64 nseg, cl_i64 chunk, const
   const cl_i64* offset = table + nseg;
   const cl_i64* count_of = table + 2 * nseg;
   const cl_i64* first = table + 3 * nseg;
-  const cl_i64 nchunks = nseg > 0 ? first[nseg] : 0;
+  // chunk numbers fit in 32 bits (a chunk holds at least 16 elements of
+  // arrays indexed in 32 bits): 32-bit chunk arithmetic saves the registers
+  // that kept pack_raw1 off the stack under NVRTC 13.5 on sm_90
+  const int nchunks = nseg > 0 ? (int)first[nseg] : 0;
   cl_u64 count = 0;
-  for (cl_i64 c = block; c < nchunks; c += nblocks) {
+  for (int c = (int)block; c < nchunks; c += (int)nblocks) {
     const cl_i64 s = segment_of(first, nseg, c);
     const cl_i64 begin = (c - first[s]) * chunk;
     const cl_i64 rest = count_of[s] - begin;

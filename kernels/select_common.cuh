@@ -410,6 +410,172 @@ __device__ void compact_all(const Source& src, u64* status, u32* tile_counter, u
   }
 }
 
+// ------------------------------------------------------------ super-tiles
+// Ordered compaction that pays one look-back per super-tile of `per` tiles
+// (at most kSuperTiles, kSuper elements) instead of one per tile: the block
+// scans the super-tile's tiles one after another and keeps the selected
+// elements, in order, in a shared-memory stash; then it looks back once and
+// writes the stash out. A super-tile with more than kStash selected elements
+// is read a second time from global memory and written out directly instead.
+//
+// Policy P as for compact_tile, but without ties (classify returns 0 or 1),
+// plus
+//   int reclassify(int index, float value): classify's answer without its
+//       side effects (the second read of an overflowing super-tile).
+constexpr int kSuperTiles = 8;
+constexpr int kSuper = kSuperTiles * kTile;  // 32768 elements
+constexpr int kStash = 4096;                 // selected elements held per super-tile
+static_assert(kSuper < 65536, "in-tile counts are packed in 16 bits");
+
+__device__ __forceinline__ long long source_supers(const Source& s) {
+  return (source_tiles(s) + kSuperTiles - 1) / kSuperTiles;
+}
+
+struct Stash {
+  int id[kStash];
+  float v[kStash];
+};
+
+// Classifies (first read: classify, else reclassify) and scans one tile:
+// cls (1 bit per element), excl[r]: the thread's exclusive count inside its
+// (round, warp) row; table: exclusive prefixes of the 32 rows; returns the
+// tile's total (every thread).
+template <bool FIRST, class P>
+__device__ __forceinline__ u32 scan_tile(const float (&v)[kRounds][kVec],
+                                         const int (&id)[kRounds][kVec], P& pol, u32& cls,
+                                         u32 (&excl)[kRounds], u32* table, u32* tile_total) {
+  const int lane = threadIdx.x & (kWarp - 1);
+  const int warp = threadIdx.x / kWarp;
+  cls = 0;
+#pragma unroll
+  for (int r = 0; r < kRounds; ++r) {
+    u32 c = 0;
+#pragma unroll
+    for (int e = 0; e < kVec; ++e) {
+      const u32 k = (u32)(FIRST ? pol.classify(id[r][e], v[r][e])
+                                : pol.reclassify(id[r][e], v[r][e])) & 1u;
+      cls |= k << (r * kVec + e);
+      c += k;
+    }
+    const u32 inc = warp_scan(c, lane);
+    excl[r] = inc - c;
+    if (lane == kWarp - 1) table[r * kWarps + warp] = inc;
+  }
+  __syncthreads();
+  if (warp == 0) {
+    const u32 x = table[lane];
+    const u32 inc = warp_scan(x, lane);
+    table[lane] = inc - x;
+    if (lane == kWarp - 1) *tile_total = inc;
+  }
+  __syncthreads();
+  return *tile_total;
+}
+
+// Loads tiles of a Source (compact_super's loader L: load(tile, v, id, first),
+// first: whether this is the tile's first read).
+struct SourceLoader {
+  Source src;
+  __device__ __forceinline__ void operator()(long long tile, float (&v)[kRounds][kVec],
+                                             int (&id)[kRounds][kVec], bool) const {
+    load_tile<true>(src, tile, v, id);
+  }
+};
+
+// Ordered compaction of super-tile `st` (tiles st * per ... of `tiles`; per
+// <= kSuperTiles) by all threads of the block; status: one look-back word per
+// super-tile. Call it after next_tile(), whose barrier keeps the stash of the
+// previous super-tile from being overwritten while it is still written out.
+template <class P, class L>
+__device__ void compact_super(const L& load, long long tiles, int per, long long st,
+                              long long supers, u64* status, P& pol) {
+  __shared__ Stash stash;
+  __shared__ u32 table[kWarp];
+  __shared__ u32 tile_total;
+  __shared__ u64 super_prefix;
+  const int lane = threadIdx.x & (kWarp - 1);
+  const int warp = threadIdx.x / kWarp;
+  const long long first = st * per;
+  const int count = (int)(tiles - first < per ? tiles - first : per);
+
+  float v[kRounds][kVec];
+  int id[kRounds][kVec];
+  u32 cls;
+  u32 excl[kRounds];
+  u32 run = 0;  // selected in the earlier tiles of the super-tile
+  for (int j = 0; j < count; ++j) {
+    load(first + j, v, id, true);
+    const u32 tot = scan_tile<true>(v, id, pol, cls, excl, table, &tile_total);
+    if (cls != 0) {
+#pragma unroll
+      for (int r = 0; r < kRounds; ++r) {
+        u32 s = run + table[r * kWarps + warp] + excl[r];
+#pragma unroll
+        for (int e = 0; e < kVec; ++e) {
+          if ((cls >> (r * kVec + e)) & 1u) {
+            if (s < (u32)kStash) {
+              stash.id[s] = id[r][e];
+              stash.v[s] = v[r][e];
+            }
+            ++s;
+          }
+        }
+      }
+    }
+    run += tot;
+    __syncthreads();  // table and tile_total are rewritten by the next tile
+  }
+
+  if (warp == 0) {
+    const u64 agg = pack_pair(run, 0u);
+    const u64 before = look_back(status, st, agg, lane);
+    if (lane == 0) {
+      super_prefix = before;
+      if (st == supers - 1) pol.total(before + agg);
+    }
+  }
+  __syncthreads();
+  const u32 kept0 = pair_a(super_prefix);
+  if (run <= (u32)kStash) {
+    for (u32 s = threadIdx.x; s < run; s += kBlock) pol.emit(kept0 + s, stash.id[s], stash.v[s]);
+  } else {
+    // too many to hold: read the super-tile again and write out directly
+    run = 0;
+    for (int j = 0; j < count; ++j) {
+      load(first + j, v, id, false);
+      const u32 tot = scan_tile<false>(v, id, pol, cls, excl, table, &tile_total);
+      if (cls != 0) {
+#pragma unroll
+        for (int r = 0; r < kRounds; ++r) {
+          u32 a = kept0 + run + table[r * kWarps + warp] + excl[r];
+#pragma unroll
+          for (int e = 0; e < kVec; ++e) {
+            if ((cls >> (r * kVec + e)) & 1u) {
+              pol.emit(a, id[r][e], v[r][e]);
+              ++a;
+            }
+          }
+        }
+      }
+      run += tot;
+      __syncthreads();
+    }
+  }
+  // no barrier here: the caller's next_tile() has one before the stash is refilled
+}
+
+// Ordered compaction of a whole source by super-tiles of kSuperTiles tiles;
+// `counter` and `status` (one word per super-tile) must start zeroed.
+template <class P>
+__device__ void compact_all_super(const Source& src, u64* status, u32* counter, P& pol) {
+  const long long supers = source_supers(src);
+  for (;;) {
+    const long long st = next_tile(counter);
+    if (st >= supers) break;
+    compact_super(SourceLoader{src}, source_tiles(src), kSuperTiles, st, supers, status, pol);
+  }
+}
+
 }  // namespace sel
 
 #endif  // COMMLIB_SELECT_COMMON_CUH

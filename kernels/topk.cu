@@ -9,7 +9,9 @@
 //   topk_hist1*   histogram of key bits 30..20 (optionally fusing
 //                 acc = residual + x, written back into residual); after a
 //                 sample it also compacts every key >= L into the candidate
-//                 buffer in index order. The last block picks the bucket of
+//                 buffer in index order, by super-tiles (select_common.cuh:
+//                 the candidates of up to 8 tiles wait in shared memory and
+//                 one look-back is paid per super-tile). The last block picks the bucket of
 //                 the s-th largest key, s = min(k, #non-NaN), and decides
 //                 where the candidates are: the gathered buffer (it holds at
 //                 least s keys and did not overflow), else the bucket and
@@ -82,6 +84,10 @@ struct GatherPolicy {
     run.add(key >> 20);
     return key >= low ? 1 : 0;
   }
+  __device__ __forceinline__ int reclassify(int id, float v) {
+    u32 key;
+    return valid_key(id, v, key) && key >= low ? 1 : 0;
+  }
   __device__ __forceinline__ void visit(int id, float v) { (void)classify(id, v); }
   __device__ __forceinline__ void emit(u32 pos, int id, float v) {
     if (pos < cap) {
@@ -111,10 +117,28 @@ __device__ __forceinline__ void load_acc(const float* x, float* resid, long long
   }
 }
 
+// compact_super's loader of pass 1: the first read of a tile loads (and with
+// RESID accumulates into the residual), a second read loads the sums back.
+template <bool RESID, bool VEC>
+struct AccLoader {
+  const float* x;
+  float* resid;
+  long long n;
+  int off;
+  __device__ __forceinline__ void operator()(long long tile, float (&v)[kRounds][kVec],
+                                             int (&id)[kRounds][kVec], bool first) const {
+    if (!RESID || first) {
+      load_acc<RESID, VEC>(x, resid, n, off, tile, v, id);
+    } else {
+      load_tile<VEC>(Source{resid, nullptr, n, off}, tile, v, id);
+    }
+  }
+};
+
 template <bool RESID, bool VEC>
 __device__ __forceinline__ void hist1_body(const float* x, float* resid, long long n, int off,
                                            u32* ws, u32 k, u32 cap, int* cand_idx,
-                                           float* cand_val) {
+                                           float* cand_val, int per) {
   __shared__ u32 bins[2048];
   __shared__ Pick pick;
   zero_bins<2048>(bins);
@@ -124,11 +148,12 @@ __device__ __forceinline__ void hist1_body(const float* x, float* resid, long lo
   int id[kRounds][kVec];
   if (cap != 0) {
     u64* status = status_of(ws, n, 0);
+    const long long supers = (tiles + per - 1) / per;
+    const AccLoader<RESID, VEC> load{x, resid, n, off};
     for (;;) {
-      const long long tile = next_tile(ws + kTiles1);
-      if (tile >= tiles) break;
-      load_acc<RESID, VEC>(x, resid, n, off, tile, v, id);
-      compact_tile(tile, tiles, v, id, status, 0u, pol);
+      const long long st = next_tile(ws + kTiles1);
+      if (st >= supers) break;
+      compact_super(load, tiles, per, st, supers, status, pol);
     }
   } else {
     for (long long tile = blockIdx.x; tile < tiles; tile += gridDim.x) {
@@ -278,26 +303,28 @@ topk_sample(const float* x, const float* resid, int has_resid, long long n, u32*
 // Pass 1. x: input (n floats, misaligned by `off` elements); resid:
 // residual of the same length (ignored by topk_hist1); k: entries wanted;
 // cap: candidate buffer capacity (0: no sample, no buffer); ws: zero-filled
-// workspace.
+// workspace; per: tiles per super-tile of the gathering compaction (1 to
+// kSuperTiles, chosen so that the candidates of a super-tile likely fit its
+// stash).
 extern "C" __global__ void __launch_bounds__(kBlock, kMinBlocks)
 topk_hist1(const float* x, float* resid, long long n, int off, u32* ws, u32 k, u32 cap,
-           int* cand_idx, float* cand_val) {
-  hist1_body<false, true>(x, resid, n, off, ws, k, cap, cand_idx, cand_val);
+           int* cand_idx, float* cand_val, int per) {
+  hist1_body<false, true>(x, resid, n, off, ws, k, cap, cand_idx, cand_val, per);
 }
 
 // Pass 1 with error feedback: resid <- resid + x, selection on the sum.
 // x and resid share the misalignment `off`.
 extern "C" __global__ void __launch_bounds__(kBlock, kMinBlocks)
 topk_hist1_resid(const float* x, float* resid, long long n, int off, u32* ws, u32 k, u32 cap,
-                 int* cand_idx, float* cand_val) {
-  hist1_body<true, true>(x, resid, n, off, ws, k, cap, cand_idx, cand_val);
+                 int* cand_idx, float* cand_val, int per) {
+  hist1_body<true, true>(x, resid, n, off, ws, k, cap, cand_idx, cand_val, per);
 }
 
 // Same, when x and resid are misaligned differently (scalar loads, off = 0).
 extern "C" __global__ void __launch_bounds__(kBlock, kMinBlocks)
 topk_hist1_resid_scalar(const float* x, float* resid, long long n, int off, u32* ws, u32 k,
-                        u32 cap, int* cand_idx, float* cand_val) {
-  hist1_body<true, false>(x, resid, n, off, ws, k, cap, cand_idx, cand_val);
+                        u32 cap, int* cand_idx, float* cand_val, int per) {
+  hist1_body<true, false>(x, resid, n, off, ws, k, cap, cand_idx, cand_val, per);
 }
 
 // Pass 2 over `x` (the residual when error feedback is on) or the buffer.

@@ -430,8 +430,13 @@ class HostCupy:
                 return RawKernel(None, name)
 
         class _Stream:
+            ptr = 0
+
             def synchronize(self):
                 pass
+
+        def memset_async(ptr, value, size, stream=0):
+            ctypes.memset(ptr, value, size)
 
         class _Event:
             def __init__(self, *args, **kwargs):
@@ -453,6 +458,7 @@ class HostCupy:
             runtime=types.SimpleNamespace(getDevice=lambda: 0, getDeviceCount=lambda: 1,
                                           getDeviceProperties=lambda i: dict(props),
                                           runtimeGetVersion=lambda: 0,
+                                          memsetAsync=memset_async,
                                           driverGetVersion=lambda: 0))
         rng = device_functions(np.random)
         mod = types.ModuleType("cupy")
@@ -472,8 +478,10 @@ class HostCupy:
     def set_device(self, sm_count, threads_per_sm=2048):
         """Device shape the wrappers size their grids from (fewer, larger
         persistent blocks with fewer SMs or threads per SM)."""
+        from commlib.ops import _launch
         self.props["multiProcessorCount"] = sm_count
         self.props["maxThreadsPerMultiProcessor"] = threads_per_sm
+        _launch.clear()  # grids and workspaces of the old shape
 
     def get_function(self, source, name, options=()):
         if name not in self.kernels.names:
@@ -484,8 +492,13 @@ class HostCupy:
     def install(self, monkeypatch):
         """Make ``import cupy`` and commlib's kernel loader use this stand-in
         for the rest of the test (``monkeypatch`` undoes it)."""
-        from commlib.ops import _loader, _pack_cuda
+        from commlib.ops import _launch, _loader, _pack_cuda
         monkeypatch.setitem(sys.modules, "cupy", self.module)
+        # launch plans and workspaces of the wrappers: per stand-in
+        monkeypatch.setattr(_launch, "_plans", collections.OrderedDict())
+        monkeypatch.setattr(_launch, "_workspaces", collections.OrderedDict())
+        from commlib.ops import topk as topk_mod
+        monkeypatch.setattr(topk_mod, "_candidate_views", {})
         monkeypatch.setattr(_loader, "get_function", self.get_function)
         monkeypatch.setattr(_loader, "_device_props", lambda device_id: self.props)
         # the pack wrapper caches device tables and launch plans by address

@@ -70,7 +70,7 @@ SELECTION_BLOCKS = int(re.search(r"constexpr int kMinBlocks = (\d+);",
                                  (KERNELS / "select_common.cuh").read_text()).group(1))
 
 
-ARCH_DESIGN_BLOCKS = {("threshold_select", "sm_90"): 4}  # CL_THRESHOLD_BLOCKS
+ARCH_DESIGN_BLOCKS = {}  # (kernel, arch) -> blocks, where an arch differs
 
 
 def _design_blocks(kernel, arch):
@@ -193,6 +193,189 @@ def test_no_kernel_uses_local_memory(rows):
     assert not bad, bad
 
 
+# ------------------------------------------------------- NVRTC's machine code
+# cupy builds the kernels with the NVRTC of its CUDA wheel, whose ptxas may
+# allocate registers differently from nvcc's: the cubins that NVRTC itself
+# produces are checked too, for every NVRTC a cupy build ships with here.
+# CUDA 13.0's is pinned (it kept 8 bytes of threshold_select on the stack on
+# sm_90 where 12.9 and 13.5 did not); pip cannot install two versions of one
+# package, so its wheel is downloaded into a cache folder (PyPI) and the
+# library taken from it. A test that cannot get it fails.
+
+PINNED_NVRTC = {"13.0": "nvidia-cuda-nvrtc==13.0.88"}
+NVRTC_ARCHS = ("sm_80", "sm_90")
+
+
+def nvrtc_cache_dir():
+    base = os.environ.get("COMMLIB_NVRTC_CACHE") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "commlib", "nvrtc")
+    return Path(base)
+
+
+def pinned_nvrtc(version):
+    """Path of libnvrtc of the pinned CUDA ``version`` ("13.0"): from
+    COMMLIB_NVRTC_<major>_<minor>, the cache folder, or its wheel downloaded
+    into the cache folder with pip. Raises RuntimeError when none can be had."""
+    env = os.environ.get("COMMLIB_NVRTC_" + version.replace(".", "_"))
+    if env:
+        return env
+    requirement = PINNED_NVRTC[version]
+    dest = nvrtc_cache_dir() / requirement.split("==")[1]
+    found = sorted(p for p in dest.glob("nvidia/*/lib/libnvrtc.so.*") if ".alt." not in p.name)
+    if found:
+        return str(found[0])
+    import tempfile
+    import zipfile
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=dest.parent) as tmp:
+        res = subprocess.run([sys.executable, "-m", "pip", "download", "--quiet", "--no-deps",
+                              "--only-binary=:all:", "--platform", "manylinux_2_17_x86_64",
+                              "--platform", "manylinux_2_12_x86_64", "--dest", tmp, requirement],
+                             capture_output=True, text=True, timeout=900)
+        wheels = glob.glob(os.path.join(tmp, "*.whl"))
+        if res.returncode != 0 or not wheels:
+            raise RuntimeError("cannot download %s: %s" % (requirement, res.stderr[-2000:]))
+        unpacked = Path(tmp) / "unpacked"
+        with zipfile.ZipFile(wheels[0]) as zf:
+            for name in zf.namelist():
+                if re.search(r"nvidia/\w+/lib/libnvrtc[-.]", name):
+                    zf.extract(name, unpacked)
+        os.replace(unpacked, dest)  # complete or absent, also with two test runs at once
+    found = sorted(p for p in dest.glob("nvidia/*/lib/libnvrtc.so.*") if ".alt." not in p.name)
+    if not found:
+        raise RuntimeError("%s holds no libnvrtc.so" % requirement)
+    return str(found[0])
+
+
+def nvrtc_versions():
+    """{label: libnvrtc path}: the pip wheels of the test extras (CUDA 12 and
+    the newest 13) and the pinned ones; a pinned one that cannot be had maps
+    to the RuntimeError's text."""
+    import test_kernel_sources
+    libs = {"%d (pip)" % major: path for major, path in test_kernel_sources.NVRTC_LIBS.items()}
+    for version in PINNED_NVRTC:
+        try:
+            libs[version] = pinned_nvrtc(version)
+        except RuntimeError as exc:
+            libs[version] = exc
+    return libs
+
+
+# argv: library, output folder, options (JSON), [[source path, arch], ...] (JSON).
+# Writes <stem>.<arch>.cubin; prints JSON {"<stem>.<arch>": [status, log]}.
+_NVRTC_CUBIN_PROGRAM = r"""
+import concurrent.futures, ctypes, glob, json, os, sys
+lib_path, out_dir, options, jobs = sys.argv[1], sys.argv[2], json.loads(sys.argv[3]), json.loads(sys.argv[4])
+for b in glob.glob(os.path.join(os.path.dirname(lib_path), "libnvrtc-builtins.so*")):
+    if ".alt." not in b:
+        ctypes.CDLL(b, mode=ctypes.RTLD_GLOBAL)
+lib = ctypes.CDLL(lib_path)
+major, minor = ctypes.c_int(), ctypes.c_int()
+lib.nvrtcVersion(ctypes.byref(major), ctypes.byref(minor))
+
+def build(job):
+    source, arch = job
+    stem = os.path.basename(source).rsplit(".", 1)[0]
+    opts = options + ["-arch=" + arch]
+    prog = ctypes.c_void_p()
+    assert lib.nvrtcCreateProgram(ctypes.byref(prog), open(source, "rb").read(),
+                                  os.path.basename(source).encode(), 0, None, None) == 0
+    try:
+        argv = (ctypes.c_char_p * len(opts))(*[o.encode() for o in opts])
+        rc = lib.nvrtcCompileProgram(prog, len(opts), argv)
+        size = ctypes.c_size_t()
+        lib.nvrtcGetProgramLogSize(prog, ctypes.byref(size))
+        log = ctypes.create_string_buffer(size.value)
+        lib.nvrtcGetProgramLog(prog, log)
+        if rc != 0:
+            return stem + "." + arch, ["error %d" % rc, log.value.decode(errors="replace")]
+        n = ctypes.c_size_t()
+        assert lib.nvrtcGetCUBINSize(prog, ctypes.byref(n)) == 0
+        buf = ctypes.create_string_buffer(n.value)
+        assert lib.nvrtcGetCUBIN(prog, buf) == 0
+        with open(os.path.join(out_dir, "%s.%s.cubin" % (stem, arch)), "wb") as f:
+            f.write(buf.raw)
+    finally:
+        lib.nvrtcDestroyProgram(ctypes.byref(prog))
+    return stem + "." + arch, ["ok", log.value.decode(errors="replace")]
+
+with concurrent.futures.ThreadPoolExecutor(2) as pool:
+    result = dict(pool.map(build, jobs))
+print(json.dumps({"version": "%d.%d" % (major.value, minor.value), "builds": result}))
+"""
+
+
+def nvrtc_analyse(lib, out_dir, archs=NVRTC_ARCHS, sources=SOURCES):
+    """(NVRTC version, rows as analyse()'s) of the cubins NVRTC ``lib``
+    builds with the options cupy.RawModule hands it."""
+    import json
+    options = [*_loader.module_options(), *_loader.CUPY_ADDED_OPTIONS]
+    jobs = [[str(KERNELS / s), a] for s in sources for a in archs]
+    res = subprocess.run([sys.executable, "-c", _NVRTC_CUBIN_PROGRAM, lib, str(out_dir),
+                          json.dumps(options), json.dumps(jobs)],
+                         capture_output=True, text=True, timeout=900)
+    assert res.returncode == 0, res.stdout + res.stderr
+    report = json.loads(res.stdout)
+    bad = {k: v for k, v in report["builds"].items() if v[0] != "ok" or "warning" in v[1]}
+    assert not bad, bad
+    rows = []
+    for source in sources:
+        for arch in archs:
+            cubin = Path(out_dir) / ("%s.%s.cubin" % (Path(source).stem, arch))
+            res_, ops = resources(cubin), memory_ops(cubin)
+            for name in sorted(res_):
+                r = res_[name]
+                rows.append(dict(
+                    source=source, kernel=name, arch=arch, regs=r["REG"], shared=r["SHARED"],
+                    local=r["LOCAL"], stack=r["STACK"], spill=None,
+                    local_ops=local_ops(ops.get(name, ())),
+                    ld128=wide(ops.get(name, ()), "LDG"), st128=wide(ops.get(name, ()), "STG"),
+                    resident=_loader.occupancy(r["REG"], THREADS, r["SHARED"], sm_limits(arch)),
+                    design=_design_blocks(name, arch)))
+    return report["version"], rows
+
+
+@pytest.fixture(scope="module")
+def nvrtc_rows(tmp_path_factory):
+    return {}  # label -> (version, rows), filled on first use
+
+
+def _nvrtc_rows(cache, label, tmp_path_factory):
+    if label not in cache:
+        lib = nvrtc_versions()[label]
+        if isinstance(lib, Exception):
+            pytest.fail("NVRTC %s not available: %s" % (label, lib))
+        cache[label] = nvrtc_analyse(lib, tmp_path_factory.mktemp("nvrtc"))
+    return cache[label]
+
+
+NVRTC_LABELS = ("12 (pip)", "13.0", "13 (pip)")
+
+
+@pytest.mark.parametrize("label", NVRTC_LABELS)
+def test_nvrtc_cubins_use_no_local_memory(nvrtc_rows, label, tmp_path_factory):
+    version, rows = _nvrtc_rows(nvrtc_rows, label, tmp_path_factory)
+    if label == "13.0":
+        assert version == "13.0", version
+    names = {r["kernel"] for r in rows}
+    assert set(WIDE) | {"topk_sample", "scatter_add"} <= names
+    bad = [(r["kernel"], r["arch"], r["regs"], r["local"], r["stack"], r["local_ops"])
+           for r in rows if r["local"] or r["stack"] or r["local_ops"]]
+    assert not bad, (version, bad)
+
+
+@pytest.mark.parametrize("label", NVRTC_LABELS)
+def test_nvrtc_cubins_reach_the_design_occupancy(nvrtc_rows, label, tmp_path_factory):
+    version, rows = _nvrtc_rows(nvrtc_rows, label, tmp_path_factory)
+    bad = [(r["kernel"], r["arch"], r["regs"], r["resident"], r["design"]) for r in rows
+           if r["resident"] < r["design"]]
+    assert not bad, (version, bad)
+    bad = [(r["kernel"], r["arch"]) for r in rows if r["kernel"] in WIDE and
+           ("ld" in WIDE[r["kernel"]] and not r["ld128"] or
+            "st" in WIDE[r["kernel"]] and not r["st128"])]
+    assert not bad, (version, bad)
+
+
 def test_resident_blocks_reach_the_design_occupancy(rows):
     bad = [(r["kernel"], r["arch"], r["regs"], r["resident"], r["design"]) for r in rows
            if r["resident"] < r["design"]]
@@ -259,5 +442,14 @@ def format_table(rows):
 
 if __name__ == "__main__":
     import tempfile
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
     with tempfile.TemporaryDirectory() as d:
-        print(format_table(analyse(d)))
+        print("nvcc\n" + format_table(analyse(d)))
+        for label, lib in nvrtc_versions().items():
+            if isinstance(lib, Exception):
+                print("\nNVRTC %s: %s" % (label, lib))
+                continue
+            out = Path(d) / label.replace(" ", "_").replace("(", "").replace(")", "")
+            out.mkdir()
+            version, rows_ = nvrtc_analyse(lib, out)
+            print("\nNVRTC %s\n%s" % (version, format_table(rows_)))

@@ -131,25 +131,34 @@ with concurrent.futures.ThreadPoolExecutor(2) as pool:
 NVRTC_LIBS = nvrtc_libraries()
 
 
-@pytest.mark.parametrize("major", NVRTC_MAJORS)
+@pytest.mark.parametrize("major", NVRTC_MAJORS + ("13.0",))
 @pytest.mark.parametrize("source", SOURCES, ids=[p.name for p in SOURCES])
 def test_nvrtc_compiles_like_the_loader(source, major):
     # exactly what cupy.RawModule hands NVRTC for commlib's kernels: the
-    # loader's options, cupy's -ftz=true, and -arch=sm_XX for the device
+    # loader's options, cupy's -ftz=true, and -arch=sm_XX for the device;
+    # "13.0": CUDA 13.0's NVRTC, pinned (test_kernel_machine_code.pinned_nvrtc)
     from commlib.ops import _loader
-    if major not in NVRTC_LIBS:
+    if major == "13.0":
+        import test_kernel_machine_code
+        try:
+            lib = test_kernel_machine_code.pinned_nvrtc(major)
+        except RuntimeError as exc:
+            pytest.fail("NVRTC 13.0 not available: %s" % exc)
+    elif major not in NVRTC_LIBS:
         pytest.skip("libnvrtc.so.%d not found (pip install %s)" % (
             major, "nvidia-cuda-nvrtc-cu12" if major == 12 else "nvidia-cuda-nvrtc"))
+    else:
+        lib = NVRTC_LIBS[major]
     options = list(_loader.module_options()) + list(_loader.CUPY_ADDED_OPTIONS)
-    res = subprocess.run([sys.executable, "-c", _NVRTC_PROGRAM, NVRTC_LIBS[major], str(source),
+    res = subprocess.run([sys.executable, "-c", _NVRTC_PROGRAM, lib, str(source),
                           json.dumps(options), json.dumps(NVRTC_ARCHS)],
                          capture_output=True, text=True, timeout=600)
     assert res.returncode == 0, res.stdout + res.stderr
     results = json.loads(res.stdout)
     assert set(results) == set(NVRTC_ARCHS)
     for arch, (status, log) in sorted(results.items()):
-        assert status == "ok", "NVRTC %d, sm_%s: %s\n%s" % (major, arch, status, log)
-        assert "warning" not in log, "NVRTC %d, sm_%s:\n%s" % (major, arch, log)
+        assert status == "ok", "NVRTC %s, sm_%s: %s\n%s" % (major, arch, status, log)
+        assert "warning" not in log, "NVRTC %s, sm_%s:\n%s" % (major, arch, log)
 
 
 @pytest.mark.parametrize("path", sorted(KERNELS.glob("*.cu*")), ids=lambda p: p.name)

@@ -25,6 +25,9 @@ pytestmark = pytest.mark.skipif(chb.GXX is None or chb.OBJCOPY is None,
 
 # lengths around tile (4096) and 16-byte vector boundaries
 LENGTHS = (1, 2, 5, TILE - 1, TILE, TILE + 1, 3 * TILE + 7)
+# kernels/select_common.cuh: elements per super-tile (one look-back each) and
+# selected elements one super-tile holds in shared memory
+SUPER, STASH = 8 * TILE, 4096
 # topk.cu's workspace words (kernels/topk.cu, enum at the top)
 K_DONE, K_USE_BUF, K_FILL = 4, 5, 6
 
@@ -240,6 +243,52 @@ def test_threshold_capacity_overflow_and_small_values(gpu):
             check_threshold(gpu, x, t, capacity, off=(i + capacity) % 4)
 
 
+def _super_counts(x, t=None, low=None, per=8):
+    """Selected elements per super-tile of ``per`` tiles: |x| > t, or magnitude
+    keys >= low (NaN never)."""
+    keys = x.view(np.uint32) & np.uint32(0x7FFFFFFF)
+    hit = np.abs(x) > t if t is not None else (keys >= low) & (keys <= 0x7F800000)
+    return np.add.reduceat(hit, np.arange(0, x.size, per * TILE))
+
+
+def test_super_tiles_stash_and_second_read(gpu, monkeypatch):
+    # several super-tiles (a look-back between each), the last one partial;
+    # few selected elements per super-tile (written from the stash) and more
+    # than the stash holds (the super-tile read a second time)
+    n = 2 * SUPER + TILE + 5
+    x = selection_values(n, 31)
+    held, reread = False, False
+    for i, t in enumerate((0.0, 2.5, 3.3)):
+        counts = _super_counts(x, t=t)
+        held |= counts.max() <= STASH
+        reread |= counts.max() > STASH
+        for capacity in (None, int(counts.sum()) // 2):
+            gpu.schedule = SCHEDULES[(i + (capacity is None)) % len(SCHEDULES)]
+            vary_device(gpu, i + 2 * (capacity is None))
+            check_threshold(gpu, x, t, capacity, off=(i + 1) % 4)
+    assert held and reread
+    # top-K's first pass: candidates of a super-tile in the stash, and (the
+    # largest magnitudes all at the start) more than it holds
+    r = selection_values(n, 32, "small")
+    clustered = x[np.argsort(-np.abs(np.nan_to_num(x, nan=0.0)), kind="stable")]
+    lows = []
+    seen = []
+    gpu.after_launch = None
+    for i, (data, k) in enumerate(((x, n // 100), (clustered, n // 100), (x, n // 4),
+                                   (clustered, n // 4))):
+        for off, roff in ((i % 4, i % 4), (1, 3)):
+            gpu.schedule = SCHEDULES[(2 * i + off) % len(SCHEDULES)]
+            vary_device(gpu, 2 * i + off)
+            seen = check_topk(gpu, data, k, off)
+            if data is x:
+                assert _paths(seen)[0] == "gathered", (i, k)
+            ws = next(w for name, w in seen if name == "topk_sample")
+            per = topk_mod._super_tiles(topk_mod._sample_rank(n, k))
+            lows.append(_super_counts(data, low=ws[8], per=per).max())  # kLow
+            check_topk(gpu, data, k, off, r, roff)
+    assert min(lows) <= STASH < max(lows), lows
+
+
 # ---------------------------------------------------------------- scatter-add
 
 def check_scatter(gpu, dense, idx, val, alpha, segments, offs=(0, 0, 0)):
@@ -283,6 +332,17 @@ def test_scatter_add_segments_padding_and_bad_indices(gpu):
                 vary_device(gpu, i)
                 check_scatter(gpu, dense, idx, val, alpha, sizes, offs=(i % 4, (i + 1) % 4, i % 3))
                 i += 1
+
+
+def test_scatter_add_waits_for_earlier_segments(gpu):
+    # all blocks resident: an item of a later segment waits (spins) until
+    # every item of the earlier segments is done
+    for sched in SCHEDULES:
+        gpu.schedule = sched
+        before = gpu.kernels.spins
+        _scatter_ordered(gpu)
+        spun = gpu.kernels.spins - before
+        assert (spun > 0) == (sched.resident > 1), (sched.name, spun)
 
 
 def test_scatter_add_empty_and_all_padding(gpu):
@@ -410,23 +470,25 @@ def test_collective_and_barrier_misuse_is_reported(kernels):
     dense = np.zeros(4, np.float32)
     idx, val = np.zeros(4, np.int32), np.ones(4, np.float32)
     bad = np.zeros((), np.uint64)
+    table = np.array([0, 1, 0, 4], np.int64)   # one segment of 4 entries, one item
+    ws = np.zeros(3, np.uint32)
     with pytest.raises(KernelFault, match="names lanes outside the block"):
-        kernels.launch("scatter_add", 1, 48, [dense, np.int64(4), idx, val, np.int64(0),
-                                              np.int64(4), np.float32(1), bad])
+        kernels.launch("scatter_add", 1, 48, [dense, np.int64(4), idx, val, table,
+                                              np.int64(1), np.float32(1), bad, ws])
 
 
 def test_endless_spin_is_reported(kernels):
-    # a look-back whose predecessor tile never publishes: status of tile 0
-    # stays zero while block 0 starts at tile 1 (tile counter preset)
-    x = np.ones(2 * TILE, np.float32)
-    ws = np.zeros(4, np.uint64)
+    # a look-back whose predecessor super-tile never publishes: status of
+    # super-tile 0 stays zero while block 0 starts at super-tile 1 (counter preset)
+    x = np.ones(2 * SUPER, np.float32)
+    ws = np.zeros(2 * SUPER // TILE + 1, np.uint64)
     ws[0] = 1
-    idx, val = np.zeros(2 * TILE, np.int32), np.zeros(2 * TILE, np.float32)
+    idx, val = np.zeros(2 * SUPER, np.int32), np.zeros(2 * SUPER, np.float32)
     count = np.zeros(1, np.int64)
     with pytest.raises(KernelFault, match="spun more than"):
-        kernels.launch("threshold_select", 1, 256, [x, np.int64(2 * TILE), np.int32(0),
+        kernels.launch("threshold_select", 1, 256, [x, np.int64(2 * SUPER), np.int32(0),
                                                     np.float32(0), ws, idx, val,
-                                                    np.int64(2 * TILE), count],
+                                                    np.int64(2 * SUPER), count],
                        spin_limit=10000)
 
 
@@ -447,12 +509,27 @@ def _topk_no_buffer(gpu):
 
 
 def _threshold(gpu):
-    check_threshold(gpu, selection_values(3 * TILE + 7, 3), 0.5, off=1)
+    # three super-tiles, the last one partial; one block per SM on the
+    # smallest device, so a block takes more than one super-tile
+    x = selection_values(2 * SUPER + 7, 3)
+    gpu.set_device(2, 2048)
+    check_threshold(gpu, x, 2.5, off=1)
+    gpu.set_device(1, 256)
+    check_threshold(gpu, x, 2.5, off=1)
 
 
 def _scatter(gpu):
     idx, val = sparse_sets(300, [200, 50], 4)
     check_scatter(gpu, selection_values(300, 5), idx, val, 1.0, [200, 50])
+
+
+def _scatter_ordered(gpu):
+    # three segments of several items each over few elements: most indices
+    # repeat across segments, so segment order matters
+    sizes = [2500, 3000, 2000]
+    idx, val = sparse_sets(3100, sizes, 6)
+    gpu.set_device(2, 2048)
+    check_scatter(gpu, selection_values(3100, 7, "small"), idx, val, 0.375, sizes)
 
 
 def _cast(gpu):
@@ -477,14 +554,21 @@ MUTATIONS = [
      "bins[b] = 0;\n  __syncthreads();", "bins[b] = 0;\n", _topk_no_buffer, SCHEDULES, (),
      "shared memory race"),
     ("threshold-no-barrier-after-look-back", "select_common.cuh",
-     "pol.total(before + agg);\n    }\n  }\n  __syncthreads();",
-     "pol.total(before + agg);\n    }\n  }\n", _threshold, SCHEDULES, (), "shared memory race"),
+     "if (st == supers - 1) pol.total(before + agg);\n    }\n  }\n  __syncthreads();",
+     "if (st == supers - 1) pol.total(before + agg);\n    }\n  }\n", _threshold, SCHEDULES,
+     (), "shared memory race"),
+    ("threshold-stash-ignores-earlier-tiles", "select_common.cuh",
+     "u32 s = run + table[r * kWarps + warp] + excl[r];",
+     "u32 s = table[r * kWarps + warp] + excl[r];", _threshold, SCHEDULES, (), "mismatch"),
     ("threshold-look-back-no-wait", "select_common.cuh",
      "while ((s & ~kValueMask) == 0) {\n        __nanosleep(64);\n        s = st[t];\n      }",
      "if ((s & ~kValueMask) == 0) s = kFlagAgg;", _threshold, CONCURRENT, SEQUENTIAL,
      "mismatch"),
     ("scatter-add-wrong-mask", "sparse.cu", "__shfl_xor_sync(0xffffffffu, nbad, d)",
      "__shfl_xor_sync(0x0000ffffu, nbad, d)", _scatter, SCHEDULES, (), "not in mask 0x0000ffff"),
+    ("scatter-add-no-wait-for-earlier-segments", "sparse.cu",
+     "while ((long long)*done < first[s]) __nanosleep(100);", "", _scatter_ordered,
+     CONCURRENT, SEQUENTIAL, "mismatch"),
     ("cast-vector-tail-off-by-one", "common.cuh", "nvec = (n - head) / V;",
      "nvec = (n - head + V - 1) / V;", _cast, SCHEDULES, (), "out-of-bounds 16-byte load"),
     ("pack-segment-edge-off-by-one", "pack.cu", "if (first[mid] <= c) lo = mid;",

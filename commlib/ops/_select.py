@@ -13,6 +13,7 @@ INF_KEY = 0x7F800000   # magnitude keys above this belong to NaN
 MAX_LEN = 2 ** 31 - 1  # indices are int32
 TILE = 4096            # elements per tile of the selection kernels
 BLOCK = 256            # threads per block of the selection kernels
+SUPER_TILES = 8        # tiles per super-tile of the one-look-back-per-super-tile compactions
 
 
 def check_vector(a, name, dtype):
@@ -73,6 +74,10 @@ def misalignment(a):
 
 def tiles_of(n, off):
     return (n + off + TILE - 1) // TILE
+
+
+def supers_of(n, off):
+    return (tiles_of(n, off) + SUPER_TILES - 1) // SUPER_TILES
 
 
 def grid_for(tiles, kernel):

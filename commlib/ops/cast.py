@@ -114,7 +114,12 @@ def cast(x, dtype, *, scale=1.0, out=None, accumulate=False, nonfinite=None):
             raise ArrayTypeError("nonfinite: expected an array on device %d (where x is), got "
                                  "device %d" % (x.device.id, nonfinite.device.id))
         with x.device:
-            counter = nonfinite if nonfinite is not None else _xp(gpu).zeros((), np.int64)
+            if nonfinite is not None:
+                counter = nonfinite
+            else:
+                from . import _launch
+                counter = _xp(gpu).empty((), np.int64)
+                _launch.memset0(counter)  # no fill kernel
             if x.size:
                 _cast_cuda(x, out, src_fmt, dst_fmt, scale32, accumulate, counter)
         return out, counter
@@ -271,11 +276,19 @@ def cast_items_per_thread(src_fmt, dst_fmt):
 
 
 def _cast_cuda(x, out, src_fmt, dst_fmt, scale32, accumulate, counter):
+    from . import _launch, _loader
+    kernel, grid, block, n64 = _launch.plan(
+        ("cast", x.device.id, src_fmt, dst_fmt, accumulate, x.size, _loader.get_function),
+        lambda: _cast_plan(x.size, src_fmt, dst_fmt, accumulate))
+    kernel(grid, block, (x, out, n64, scale32, counter))
+
+
+def _cast_plan(n, src_fmt, dst_fmt, accumulate):
+    """(kernel, grid, block, n) of one cast shape (current device)."""
     from ._loader import get_function, launch_config
     kernel = get_function("cast.cu", cast_kernel_name(src_fmt, dst_fmt, accumulate))
-    grid, block = launch_config(x.size, kernel, CAST_THREADS,
-                                cast_items_per_thread(src_fmt, dst_fmt))
-    kernel(grid, block, (x, out, np.int64(x.size), scale32, counter))
+    grid, block = launch_config(n, kernel, CAST_THREADS, cast_items_per_thread(src_fmt, dst_fmt))
+    return kernel, grid, block, np.int64(n)
 
 
 def copy_mode(dtypes, bucket_dtype, scale=None, accumulate=False, counting=False):

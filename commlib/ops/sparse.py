@@ -9,8 +9,9 @@ bit-identical from run to run. The error-feedback residual update is the
 same call with ``alpha=-1``. Out-of-range indices are never written and are
 counted in the returned ``bad``, which callers must check.
 
-With cupy input every non-empty segment is one launch of
-``kernels/sparse.cu``; numpy input runs the numpy twin.
+With cupy input all segments are one launch of ``kernels/sparse.cu``
+(which keeps the segments' order where indices repeat); numpy input runs the
+numpy twin.
 """
 import numpy as np
 
@@ -23,7 +24,12 @@ _BLOCK = 256
 
 def _segment_counts(segments, total):
     if segments is None:
-        return [total]
+        return (total,)
+    if type(segments) in (list, tuple) and all(type(c) is int and c >= 0 for c in segments):
+        if sum(segments) != total:  # the common case: a short list of ints, checked as is
+            raise ArgumentError("segments: counts sum to %d, but indices holds %d entries"
+                                % (sum(segments), total))
+        return tuple(segments)
     if is_cupy(segments):
         segments = segments.get()
     seg = np.asarray(segments)
@@ -35,7 +41,7 @@ def _segment_counts(segments, total):
     if int(seg.sum()) != total:
         raise ArgumentError("segments: counts sum to %d, but indices holds %d entries"
                             % (int(seg.sum()), total))
-    return [int(c) for c in seg]
+    return tuple(int(c) for c in seg)
 
 
 def scatter_add(dense, indices, values, *, alpha=1.0, segments=None):
@@ -81,18 +87,38 @@ def _scatter_add_numpy(dense, indices, values, alpha):
     return np.array(bad, dtype=np.int64)
 
 
+ITEM = 4 * _BLOCK  # entries per work item of kernels/sparse.cu (kItem)
+
+
 def _scatter_add_cuda(dense, indices, values, alpha, counts):
     import cupy
-    from ._loader import get_function, launch_config
+    from . import _launch, _loader
     with dense.device:
-        bad = cupy.zeros((), dtype=cupy.int64)
-        kernel = get_function("sparse.cu", "scatter_add")
-        n_dense = np.int64(dense.size)
-        start = 0
-        for c in counts:
-            if c:
-                grid, block = launch_config(c, kernel, _BLOCK, waves=2)
-                kernel(grid, block,
-                       (dense, n_dense, indices, values, np.int64(start), np.int64(c), alpha, bad))
-            start += c
+        bad = cupy.empty((), dtype=cupy.int64)
+        _launch.memset0(bad)
+        device = dense.device.id
+        p = _launch.plan(("scatter_add", device, counts, _loader.get_function),
+                         lambda: _scatter_plan(counts))
+        if p is not None:
+            kernel, grid, table, nseg = p
+            ws = _launch.workspace(device, "scatter_add", 3, cupy.uint32, zeroed=True)
+            kernel(grid, (_BLOCK,), (dense, np.int64(dense.size), indices, values, table, nseg,
+                                     alpha, bad, ws))
     return bad
+
+
+def _scatter_plan(counts):
+    """(kernel, grid, device segment table, nseg) of kernels/sparse.cu for
+    these segment counts (empty segments dropped), or None with no entries."""
+    import cupy
+    from ._loader import get_function, persistent_grid
+    starts = np.concatenate(([0], np.cumsum(counts, dtype=np.int64)))[:-1]
+    keep = [i for i, c in enumerate(counts) if c]
+    if not keep:
+        return None
+    count = np.array([counts[i] for i in keep], np.int64)
+    start = starts[keep].astype(np.int64)
+    first = np.concatenate(([0], np.cumsum(-(-count // ITEM)))).astype(np.int64)
+    table = cupy.asarray(np.concatenate((first, start, count)))
+    kernel = get_function("sparse.cu", "scatter_add")
+    return kernel, persistent_grid(int(first[-1]), kernel, _BLOCK), table, np.int64(len(keep))

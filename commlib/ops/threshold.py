@@ -7,14 +7,12 @@ launch and nothing else (its workspace, kept per stream, is left zeroed by
 the kernel itself), and never synchronizes with the host; numpy input runs
 the numpy twin.
 """
-import collections
-
 import numpy as np
 
 from ..errors import ArgumentError
 from ._arrays import is_cupy
 from ._select import (BLOCK, INF_KEY, check_count, check_length, check_vector, grid_for,
-                      magnitude_keys, misalignment, tiles_of)
+                      magnitude_keys, supers_of, tiles_of)
 
 def _threshold_key(t):
     """Magnitude key of the largest float32 <= t, so |x| > t is exact."""
@@ -29,6 +27,9 @@ def _threshold_key(t):
     if float(t32) > t:
         t32 = np.nextafter(t32, np.float32(0))
     return int(np.abs(t32).view(np.uint32))
+
+
+_TKEYS = {}  # (type, t) -> key, for recent plain-number thresholds
 
 
 def threshold(x, t, *, capacity=None):
@@ -47,7 +48,16 @@ def threshold(x, t, *, capacity=None):
     check_vector(x, "x", np.float32)
     n = x.size
     check_length(n, "x")
-    tkey = _threshold_key(t)
+    try:
+        tkey = _TKEYS.get((type(t), t))
+    except TypeError:  # an unhashable t
+        tkey = None
+    if tkey is None:
+        tkey = _threshold_key(t)
+        if type(t) in (float, int):
+            if len(_TKEYS) > 64:
+                _TKEYS.clear()
+            _TKEYS[(type(t), t)] = tkey
     capacity = n if capacity is None else check_count(capacity, "capacity")
     if is_cupy(x):
         return _threshold_cuda(x, tkey, capacity)
@@ -67,7 +77,7 @@ def _threshold_numpy(x, tkey, capacity):
 
 def _threshold_cuda(x, tkey, capacity):
     import cupy
-    from ._loader import get_function
+    from . import _launch, _loader
     n = x.size
     with x.device:
         indices = cupy.empty(capacity, dtype=cupy.int32)
@@ -75,36 +85,32 @@ def _threshold_cuda(x, tkey, capacity):
         if n == 0:
             return indices, values, cupy.zeros((), dtype=cupy.int64)
         count = cupy.empty((), dtype=cupy.int64)
-        off = misalignment(x)
-        tiles = tiles_of(n, off)
-        ws = _workspace(x.device.id, tiles + 1)
-        kernel = get_function("threshold.cu", "threshold_select")
-        t32 = np.uint32(tkey).view(np.float32)
-        kernel(grid_for(tiles, kernel), (BLOCK,),
-               (x, np.int64(n), np.int32(off), t32, ws, indices, values,
-                np.int64(capacity), count))
+        off = (x.data.ptr % 16) // 4
+        device = x.device.id
+        kernel, grid, words, n64, off32 = _launch.plan(
+            ("threshold", device, n, off, _loader.get_function), lambda: _plan(n, off))
+        # threshold_select leaves its workspace zeroed: zero-filled once, then shared
+        # by the launches of this stream (which run in order)
+        ws = _launch.workspace(device, "threshold", words, cupy.uint64, zeroed=True)
+        kernel(grid, _BLOCK_DIM, (x, n64, off32, _T32[tkey] if tkey in _T32 else _t32(tkey),
+                                  ws, indices, values, np.int64(capacity), count))
     return indices, values, count
 
 
-WORKSPACES = 16  # (device, stream) pairs whose workspace is kept
-_workspaces = collections.OrderedDict()  # (device, stream ptr) -> (stream, uint64 array)
+_BLOCK_DIM = (BLOCK,)
+_T32 = {}  # threshold key -> float32 argument (a few recent ones)
 
 
-def _workspace(device_id, words):
-    """A zero-filled uint64 workspace of at least ``words`` words for the
-    current stream: threshold_select leaves it zeroed, so launches on one
-    stream (which run in order) share it; other streams get their own. The
-    stream object is held so its handle is not reused while it is cached."""
-    import cupy
-    stream = cupy.cuda.get_current_stream()
-    key = (device_id, getattr(stream, "ptr", 0))
-    hit = _workspaces.get(key)
-    if hit is not None and hit[1].size >= words:
-        _workspaces.move_to_end(key)
-        return hit[1]
-    ws = cupy.zeros(max(words, 2 * hit[1].size if hit else 0), dtype=cupy.uint64)
-    _workspaces[key] = (stream, ws)
-    _workspaces.move_to_end(key)
-    while len(_workspaces) > WORKSPACES:
-        _workspaces.popitem(last=False)
-    return ws
+def _t32(tkey):
+    if len(_T32) > 64:
+        _T32.clear()
+    v = _T32[tkey] = np.uint32(tkey).view(np.float32)
+    return v
+
+
+def _plan(n, off):
+    """(kernel, grid, workspace words, n, off) of one call shape (current device)."""
+    from ._loader import get_function
+    kernel = get_function("threshold.cu", "threshold_select")
+    return (kernel, grid_for(supers_of(n, off), kernel), tiles_of(n, off) + 1, np.int64(n),
+            np.int32(off))

@@ -11,6 +11,7 @@ synchronization, and usually a single full read of the input (a sampled low
 bound lets the first pass gather the candidates). numpy input runs the numpy
 twin, an exact partition on the same keys.
 """
+import collections
 import math
 
 import numpy as np
@@ -18,7 +19,7 @@ import numpy as np
 from ..errors import ArgumentError
 from ._arrays import is_cupy
 from ._select import (BLOCK, INF_KEY, TILE, check_count, check_length, check_same_kind,
-                      check_vector, grid_for, magnitude_keys, misalignment, tiles_of)
+                      check_vector, grid_for, magnitude_keys, tiles_of)
 
 # u32 words of the workspace before the look-back status words (kernels/topk.cu)
 _WS_STATUS = 16 + 2048 + 2048 + 512
@@ -100,9 +101,23 @@ def _sample_rank(n, k):
     return int(min(SAMPLES, math.ceil(1.25 * expected + 4.0 * math.sqrt(expected) + 16)))
 
 
+STASH = 4096       # candidates one super-tile of the first pass holds (kernels/select_common.cuh)
+SUPER_TILES = 8    # tiles per super-tile at most
+
+
+def _super_tiles(rank):
+    """Tiles per super-tile of the first pass: as many as keep the expected
+    candidates of a super-tile (a fraction rank / SAMPLES of its elements)
+    within three quarters of its stash (more are read twice)."""
+    per = SUPER_TILES
+    while per > 1 and rank * per * TILE > 0.75 * STASH * SAMPLES:
+        per //= 2
+    return per
+
+
 def _topk_cuda(x, kk, residual):
     import cupy
-    from ._loader import get_function
+    from . import _launch
     n = x.size
     with x.device:
         indices = cupy.empty(kk, dtype=cupy.int32)
@@ -110,37 +125,79 @@ def _topk_cuda(x, kk, residual):
         if n == 0 or (kk == 0 and residual is None):
             return indices, values
         src = x if residual is None else residual
-        off = misalignment(src)
-        tiles = tiles_of(n, off)
-        ws = cupy.zeros(_WS_STATUS + 6 * (n // TILE + 2), dtype=cupy.uint32)
-        cap = _candidate_capacity(n, kk)
-        if cap:
-            cand = cupy.empty(2 * cap, dtype=cupy.int32)
-            cand_idx, cand_val = cand[:cap], cand[cap:].view(cupy.float32)
+        off = (src.data.ptr % 16) // 4
+        xoff = off if residual is None else (x.data.ptr % 16) // 4
+        device = x.device.id
+        # the plan depends on these module globals too (tests and the
+        # benchmark replace them)
+        from . import _loader
+        key = ("topk", device, n, kk, off, residual is None, xoff == off,
+               _candidate_capacity, _sample_rank, _loader.get_function)
+        p = _launch.plan(key, lambda: _topk_plan(n, kk, off, residual is not None, xoff == off))
+        stream = cupy.cuda.get_current_stream()
+        ws = _launch.workspace(device, "topk", p.ws_words, cupy.uint32, stream=stream)
+        _launch.memset0(ws, 4 * p.ws_words, stream)
+        if p.cap:
+            cand = _launch.workspace(device, "topk-candidates", 2 * p.cap, cupy.int32,
+                                     stream=stream)
+            views = _candidate_views.get(id(cand))
+            if views is None or views[0] is not cand or views[1].size != p.cap:
+                views = (cand, cand[:p.cap], cand[p.cap:2 * p.cap].view(cupy.float32))
+                _candidate_views.clear()  # the latest only: holds no dropped buffer alive
+                _candidate_views[id(cand)] = views
+            cand_idx, cand_val = views[1], views[2]
         else:
-            cand_idx, cand_val = ws, ws  # never touched
-        n64, off32, k32, cap32 = np.int64(n), np.int32(off), np.uint32(kk), np.uint32(cap)
-        has_resid = np.int32(residual is not None)
-
-        def launch(name, tiles, *args):
-            # tiles: what the pass may have to read; one wave of resident blocks at most
-            kernel = get_function("topk.cu", name)
-            grid = (1,) if tiles is None else grid_for(tiles, kernel)
-            kernel(grid, (BLOCK,), args)
-
-        if cap:
-            launch("topk_sample", None, x, src, has_resid, n64, ws,
-                   np.uint32(_sample_rank(n, kk)))
-        if residual is None:
-            launch("topk_hist1", tiles, x, x, n64, off32, ws, k32, cap32, cand_idx, cand_val)
-        elif misalignment(x) == off:
-            launch("topk_hist1_resid", tiles, x, residual, n64, off32, ws, k32, cap32,
-                   cand_idx, cand_val)
-        else:
-            launch("topk_hist1_resid_scalar", tiles_of(n, 0), x, residual, n64, np.int32(0),
-                   ws, k32, cap32, cand_idx, cand_val)
-        launch("topk_filter", tiles, src, n64, off32, ws, cand_idx, cand_val, cap32)
-        launch("topk_refine", tiles, src, n64, off32, ws, cand_idx, cand_val)
-        launch("topk_compact", tiles, src, n64, off32, ws, cand_idx, cand_val, src,
-               has_resid, indices, values, k32)
+            cand_idx = cand_val = ws  # never touched
+        n64, k32, cap32 = p.n64, p.k32, p.cap32
+        if p.sample is not None:
+            kernel, grid, rank = p.sample
+            kernel(grid, _BLOCK_DIM, (x, src, p.has_resid, n64, ws, rank))
+        kernel, grid, off1, per = p.hist1
+        kernel(grid, _BLOCK_DIM, (x, src, n64, off1, ws, k32, cap32, cand_idx, cand_val, per))
+        off32 = p.off32
+        kernel, grid = p.filter
+        kernel(grid, _BLOCK_DIM, (src, n64, off32, ws, cand_idx, cand_val, cap32))
+        kernel, grid = p.refine
+        kernel(grid, _BLOCK_DIM, (src, n64, off32, ws, cand_idx, cand_val))
+        kernel, grid = p.compact
+        kernel(grid, _BLOCK_DIM, (src, n64, off32, ws, cand_idx, cand_val, src, p.has_resid,
+                                  indices, values, k32))
     return indices, values
+
+
+_BLOCK_DIM = (BLOCK,)
+_candidate_views = {}  # id(buffer) -> (buffer, index view, value view), the latest call's
+_Plan = collections.namedtuple(
+    "_Plan", "ws_words cap n64 k32 cap32 off32 has_resid sample hist1 filter refine compact")
+
+
+def _topk_plan(n, kk, off, has_resid, same_off):
+    """Kernels, grids and constant arguments of one call shape (current device)."""
+    from ._loader import get_function
+
+    def kernel_grid(name, tiles):
+        # tiles: what the pass may have to read; one wave of resident blocks at most
+        kernel = get_function("topk.cu", name)
+        return kernel, ((1,) if tiles is None else grid_for(tiles, kernel))
+
+    tiles = tiles_of(n, off)
+    cap = _candidate_capacity(n, kk)
+    sample = None
+    per = 1
+    if cap:
+        rank = _sample_rank(n, kk)
+        sample = kernel_grid("topk_sample", None) + (np.uint32(rank),)
+        per = _super_tiles(rank)
+    off1 = off if not has_resid or same_off else 0
+    tiles1 = tiles_of(n, off1)
+    name = "topk_hist1" if not has_resid else ("topk_hist1_resid" if same_off
+                                               else "topk_hist1_resid_scalar")
+    # with a sample, pass 1 pulls super-tiles of `per` tiles, else it strides over tiles
+    hist1 = kernel_grid(name, -(-tiles1 // per) if cap else tiles1) + (np.int32(off1),
+                                                                       np.int32(per))
+    return _Plan(ws_words=_WS_STATUS + 6 * (n // TILE + 2), cap=cap, n64=np.int64(n),
+                 k32=np.uint32(kk), cap32=np.uint32(cap), off32=np.int32(off),
+                 has_resid=np.int32(has_resid), sample=sample, hist1=hist1,
+                 filter=kernel_grid("topk_filter", tiles),
+                 refine=kernel_grid("topk_refine", tiles),
+                 compact=kernel_grid("topk_compact", tiles))
