@@ -61,6 +61,8 @@ import numpy as np
 ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "benchmarks"))
+import gpu_spin  # noqa: E402
 
 WORKLOADS = ROOT / "benchmarks" / "workloads"
 VARIANTS = ("dense", "fp16", "topk-1%")
@@ -70,15 +72,6 @@ COLUMNS = ("variant", "commlib device ms", "torch device ms", "device commlib/to
            "commlib host ms", "torch host ms", "host commlib/torch", "limit ms",
            "commlib waits for GPU", "commlib check", "torch check", "notes")
 
-_SPIN = r"""
-extern "C" __global__ void commlib_bench_spin(long long ns) {
-  unsigned long long t0, t;
-  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t0));
-  do {
-    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
-  } while (t - t0 < (unsigned long long)ns);
-}
-"""
 
 
 def log(*parts):
@@ -277,7 +270,7 @@ class GpuClock:
         self.spin = None
         self.spin_error = None
         try:
-            spin = cupy.RawKernel(_SPIN, "commlib_bench_spin")
+            spin = gpu_spin.spin_kernel(cupy)
             spin((1,), (1,), (np.int64(1000),))
             cupy.cuda.runtime.deviceSynchronize()
             self.spin = spin
@@ -753,8 +746,8 @@ def environment(res, gpu, cupy, torch):
         except Exception as exc:
             env["torch_error"] = short(exc)
     try:
-        from commlib import _cuda
-        env["commlib_nccl_unavailable"] = _cuda.nccl_unavailable_reason() if gpu else "cpu run"
+        from commlib import gpu
+        env["commlib_nccl_unavailable"] = gpu.nccl_unavailable_reason() if gpu else "cpu run"
     except Exception as exc:
         env["commlib_nccl_unavailable"] = short(exc)
 
@@ -825,10 +818,10 @@ def main(argv=None):
     gpu = args.device == "gpu"
     if args.device == "auto":
         try:
-            from commlib import _cuda
-            gpu = _cuda.available()
+            from commlib import gpu
+            gpu = gpu.available()
             if not gpu:
-                torch_skip = "no GPU (%s)" % _cuda.unavailable_reason()
+                torch_skip = "no GPU (%s)" % gpu.unavailable_reason()
         except Exception as exc:
             torch_skip = "no GPU (%s)" % short(exc)
     if not gpu:

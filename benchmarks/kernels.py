@@ -29,6 +29,8 @@ import numpy as np
 ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "benchmarks"))
+import gpu_spin  # noqa: E402
 
 from commlib.ops.cast import cast  # noqa: E402
 from commlib.ops.pack import pack, unpack  # noqa: E402
@@ -40,15 +42,6 @@ TOPK_SPEEDUP = {"torch.topk": 12.0, "cupy.argpartition": 40.0}
 SPARSE_MAX_US = 25.0                       # at TARGET_N; faster than the baseline at every N
 TARGET_N = 25_000_000                      # size the top-K and sparse targets refer to
 
-_SPIN = r"""
-extern "C" __global__ void commlib_bench_spin(long long ns) {
-  unsigned long long t0, t;
-  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t0));
-  do {
-    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
-  } while (t - t0 < (unsigned long long)ns);
-}
-"""
 
 
 # ---------------------------------------------------------------- timing
@@ -66,7 +59,7 @@ class GpuBench:
         self.device = name.decode() if isinstance(name, bytes) else str(name)
         self.l2_bytes = int(props.get("l2CacheSize", 0)) or (64 << 20)
         self._flush = cupy.empty(2 * self.l2_bytes, dtype=cupy.uint8)
-        self._spin = cupy.RawKernel(_SPIN, "commlib_bench_spin")
+        self._spin = gpu_spin.spin_kernel(cupy)
         self._copy_ms = {}
 
     def rng(self, seed):
@@ -521,11 +514,11 @@ def parse_size(text):
 
 def pick_bench(device):
     if device in ("auto", "gpu"):
-        from commlib import _cuda
-        if _cuda.available():
+        from commlib import gpu
+        if gpu.available():
             return GpuBench()
         if device == "gpu":
-            raise SystemExit("--device gpu: " + _cuda.unavailable_reason())
+            raise SystemExit("--device gpu: " + gpu.unavailable_reason())
     return CpuBench()
 
 

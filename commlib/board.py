@@ -40,7 +40,7 @@ has left (``0 < GONE <= s``) or its process no longer exists, and with
 :class:`~commlib.errors.CollectiveTimeoutError` at the deadline, naming the
 ranks that had not arrived and what each last entered. Either way it marks
 itself gone at ``s`` so that its peers learn of it too. The waits spin in C
-without the GIL (:mod:`commlib.ops._native`) and come back to Python every
+without the GIL (:mod:`commlib.ops.native`) and come back to Python every
 :data:`SLICE_S` seconds, so signal handlers (Ctrl-C) run.
 """
 import collections
@@ -52,7 +52,7 @@ import numpy as np
 
 from . import consistency, waiting
 from .errors import CollectiveTimeoutError, PeerError
-from .ops import _native
+from .ops import native
 
 LINE_BYTES = 1024
 STRIDE = LINE_BYTES // 8
@@ -103,7 +103,7 @@ class StatusBoard:
         self._lines = self.words.reshape(size, STRIDE)
         self._gone = self.words[GONE:]        # for waits that watch for ranks leaving
         self._mine = self._lines[rank]
-        self._ext = _native.module()
+        self._ext = native.module()
         if sleeping and self._ext is not None:
             self._ext = waiting.SleepingWaits(self._ext)
         self.warn_after = None                # seconds, see enter()

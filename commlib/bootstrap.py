@@ -14,7 +14,7 @@ import os
 import numpy as np
 
 from . import consistency, lifetime, settings, shared_segment
-from ._cuda import nccl_module, nccl_unavailable_reason
+from .gpu import nccl_module, nccl_unavailable_reason
 from .errors import ArgumentError, BackendUnavailableError, CommlibError, ConsistencyError
 
 NCCL_ID_BYTES = 128
@@ -255,7 +255,7 @@ def _check_launch(MPI):
 
 def _choices(rank, local_rank, local_size, device, backend, options):
     """(this rank's settings to agree on, its set-up error or None, its device)."""
-    from ._cuda import available as gpu_available
+    from .gpu import available as gpu_available
     error, mine, reason = None, {}, None
     try:
         if backend not in (None, "mpi", "nccl"):
@@ -357,7 +357,7 @@ def parts_from_nccl_id(nccl_id, rank, size, device, local_rank, local_size, opti
 
 def parts_single(device):
     """The parts of :meth:`Communicator.single`: one process, local collectives."""
-    from ._cuda import available as gpu_available
+    from .gpu import available as gpu_available
     from .transport.local import LocalTransport
     if device is None and gpu_available():
         device = 0

@@ -27,9 +27,9 @@ import numpy as np
 
 from . import dtypes
 from .identity_cache import IdentityCache
-from .ops import _native, hostcopy
+from .ops import native, hostcopy
 from .ops import pack as _pack
-from .ops._arrays import address, array_module
+from .ops.arrays import address, array_module
 
 #: default bucket size per transport, in bytes (see benchmarks/allreduce.py)
 DEFAULT_BUCKET_BYTES = {"mpi": 1 << 20, "shm": 1 << 20, "nccl": 25 << 20, "local": 25 << 20,
@@ -86,7 +86,7 @@ def _plan(layout, bucket_bytes):
     return BucketPlan((layout, bucket_bytes), tuple(sorted(direct)), tuple(buckets))
 
 
-def _span(arrays, xp):
+def span(arrays, xp):
     """A 1-D view of the memory that ``arrays`` (same dtype, C-contiguous)
     fill back to back inside one common base array, or None."""
     base = arrays[0].base
@@ -148,7 +148,7 @@ class PreparedList:
         self._pick_direct = _getter(plan.direct) if plan.direct else (lambda items: ())
         # a bucket whose arrays already lie back to back in one buffer is
         # reduced where it lies (zero copy); the others get a buffer of their own
-        spans = [_span(pick(arrays), xp) for pick in self._pick]
+        spans = [span(pick(arrays), xp) for pick in self._pick]
         self._zero_copy = [span is not None for span in spans]
         self._buffers = [span if span is not None else xp.empty(b.size, dtype=b.dtype)
                          for span, b in zip(spans, plan.buckets)]
@@ -225,7 +225,7 @@ class PreparedList:
 def _same_items(a, b):
     """Whether lists/tuples ``a`` and ``b`` hold the very same objects in order
     (one C loop when the compiled host loops are available)."""
-    ext = _native.module()
+    ext = native.module()
     if ext is not None:
         return ext.same_items(a, b)
     return len(a) == len(b) and all(map(operator.is_, a, b))

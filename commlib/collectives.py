@@ -10,7 +10,7 @@ from . import compression as _compression
 from . import fusion, issuing, settings, validation
 from .errors import ArgumentError
 from .inflight import now
-from .ops._arrays import array_module
+from .ops.arrays import array_module
 from .reduce_state import ReduceState
 
 

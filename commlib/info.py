@@ -28,8 +28,8 @@ def _version(module):
 
 
 def _gpus():
-    from . import _cuda
-    reason = _cuda.unavailable_reason()
+    from . import gpu
+    reason = gpu.unavailable_reason()
     if reason is not None:
         return ["GPUs: none (%s)" % reason]
     import cupy
@@ -40,7 +40,7 @@ def _gpus():
         lines.append("GPU %d: %s, %.0f GiB, compute capability %d.%d"
                      % (d, name, props["totalGlobalMem"] / 2 ** 30, props["major"],
                         props["minor"]))
-    nccl = _cuda.nccl_unavailable_reason()
+    nccl = gpu.nccl_unavailable_reason()
     if nccl is None:
         from cupy.cuda import nccl as nccl_module
         lines.append("NCCL: usable (version %s)" % nccl_module.get_version())
@@ -60,7 +60,7 @@ def _settings():
 
 def report(run=0, out=sys.stdout):
     """Print what commlib would use; returns the exit status (see module doc)."""
-    from .ops import _native
+    from .ops import native
     say = lambda text: print(text, file=out, flush=True)   # noqa: E731
     status = 0
     say("python %s on %s" % (sys.version.split()[0], platform.platform()))
@@ -100,8 +100,8 @@ def report(run=0, out=sys.stdout):
         status = 1 if run else 0
     for line in _gpus():
         say(line)
-    say("compiled host loops: %s" % ("built" if _native.available()
-                                      else "not available (%s)" % _native.unavailable_reason()))
+    say("compiled host loops: %s" % ("built" if native.available()
+                                      else "not available (%s)" % native.unavailable_reason()))
     say(_settings())
     return status
 

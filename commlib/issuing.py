@@ -7,7 +7,7 @@ import weakref
 
 from .errors import ArgumentError, ClosedError
 from .inflight import InFlight, overlap
-from .ops._arrays import is_cupy
+from .ops.arrays import is_cupy
 from .work import GpuOrder, Progress
 
 

@@ -17,7 +17,7 @@ import os
 import weakref
 
 from .errors import ArgumentError
-from .ops._arrays import is_cupy
+from .ops.arrays import is_cupy
 from .reduce_state import ReduceState
 
 #: communicator -> the count of BackwardReducers made with it (the same on

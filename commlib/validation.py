@@ -11,7 +11,7 @@ import numpy as np
 
 from . import dtypes
 from .errors import ArgumentError, ArrayTypeError, DeviceMismatchError
-from .ops._arrays import is_cupy
+from .ops.arrays import is_cupy
 
 _KINDS = {"numpy": "numpy.ndarray", "cupy": "cupy.ndarray"}
 

@@ -12,7 +12,7 @@ from mpi4py import MPI
 import commlib
 from commlib import errors
 from commlib.compression import BF16, FP16, Threshold, TopK
-from commlib.ops._arrays import array_module
+from commlib.ops.arrays import array_module
 from compression_checks import select_threshold, select_topk
 
 WORLD = MPI.COMM_WORLD

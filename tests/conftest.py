@@ -5,7 +5,7 @@ them they are skipped with the reason, never counted as passed.
 """
 import pytest
 
-from commlib import _cuda
+from commlib import gpu
 
 
 def pytest_configure(config):
@@ -13,7 +13,7 @@ def pytest_configure(config):
 
 
 def pytest_collection_modifyitems(config, items):
-    reason = _cuda.unavailable_reason()
+    reason = gpu.unavailable_reason()
     if reason is None:
         return
     skip = pytest.mark.skip(reason="no GPU: " + reason)

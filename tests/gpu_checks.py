@@ -211,7 +211,7 @@ def small_workload(quick=False):
                     with _forced_topk_path(mode):
                         xd = _check_topk(topk, x, k, off, rng)
                 idx, val, cnt = threshold.threshold(xd, 1.5)
-                widx, wval, wcnt = threshold._threshold_numpy(x, threshold._threshold_key(1.5), n)
+                widx, wval, wcnt = threshold._threshold_numpy(x, threshold.threshold_key(1.5), n)
                 m = int(wcnt)
                 assert int(cnt) == m and np.array_equal(cupy.asnumpy(idx)[:m], widx[:m])
     dense = rng.standard_normal(100003).astype(np.float32)
@@ -262,7 +262,7 @@ def large_n(n=None, k=1000):
     must be exactly what top-K and threshold return."""
     import cupy
     from commlib.ops import threshold, topk
-    from commlib.ops._select import MAX_LEN
+    from commlib.ops.selection import MAX_LEN
     n = MAX_LEN if n is None else n
     x = cupy.random.default_rng(3).random(n, dtype=cupy.float32)   # [0, 1)
     pos = np.unique(np.concatenate([np.linspace(0, n - 1, k - 3).astype(np.int64),

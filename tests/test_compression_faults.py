@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 from commlib.compression import BF16, FP16, HalfPrecision, Partial, Threshold, TopK
-from commlib.compression import _nonfinite, _payload
+from commlib.compression import nonfinite, _payload
 from commlib.errors import ArgumentError, NonFiniteError, PayloadError
 from commlib.ops.sparse import scatter_add
 from mpirun import assert_each_rank, run_mpi
@@ -43,16 +43,16 @@ def test_names():
 def test_drop_zeroes_and_counts():
     acc = np.array([1.5, np.nan, -np.inf, -0.0, np.inf, 3e38], F32)
     keep = acc.copy()
-    assert _nonfinite.drop(acc) == 3
+    assert nonfinite.drop(acc) == 3
     assert acc.tobytes() == np.array([1.5, 0, 0, -0.0, 0, 3e38], F32).tobytes()
-    assert _nonfinite.drop(acc) == 0 and acc[0] == keep[0]
+    assert nonfinite.drop(acc) == 0 and acc[0] == keep[0]
 
 
 def test_error_counts_and_culprits():
-    exc = _nonfinite.error("x", [0, 2, 0, 1])
+    exc = nonfinite.error("x", [0, 2, 0, 1])
     assert isinstance(exc, NonFiniteError) and isinstance(exc, FloatingPointError)
     assert exc.counts == (0, 2, 0, 1) and exc.culprits == (1, 3)
-    assert _nonfinite.ranks([0, 2, 0, 1]) == "rank 1 (2 values), rank 3 (1 value)"
+    assert nonfinite.ranks([0, 2, 0, 1]) == "rank 1 (2 values), rank 3 (1 value)"
 
 
 # --- records and headers --------------------------------------------------------------

@@ -400,8 +400,8 @@ def test_committed_comparison_table_is_what_its_runs_say(tmp_path):
 # -- the forked-worker example --------------------------------------------------------------
 
 def test_forked_workers_without_gpu_exits_with_a_reason():
-    from commlib import _cuda
-    if _cuda.nccl_unavailable_reason() is None:
+    from commlib import gpu
+    if gpu.nccl_unavailable_reason() is None:
         pytest.skip("NCCL is usable here")
     proc = run([sys.executable, EXAMPLES / "forked_workers.py"], timeout=60)
     assert proc.returncode == 1

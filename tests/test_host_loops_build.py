@@ -20,8 +20,8 @@ def test_the_installed_package_has_its_host_loops():
     import sysconfig
     if not (shutil.which(sysconfig.get_config_var("CC").split()[0]) or shutil.which("cc")):
         pytest.skip("no C compiler here")
-    from commlib.ops import _native
-    assert _native.available(), _native.unavailable_reason()
+    from commlib.ops import native
+    assert native.available(), native.unavailable_reason()
 
 
 def test_turned_off_or_missing_says_why_and_warns_once_when_missing():
@@ -79,12 +79,12 @@ def test_a_checkout_shadowing_an_installed_build_says_so_once_per_job(tmp_path):
 
 
 def test_shadowed_build_looks_only_at_other_folders(tmp_path):
-    from commlib.ops import _native
+    from commlib.ops import native
     mine, other = tmp_path / "a", tmp_path / "b"
     for d in (mine, other):
         (d / "commlib").mkdir(parents=True)
     (mine / "commlib" / "_hostloops.so").write_bytes(b"")
-    assert _native.shadowed_build(str(mine / "commlib"), [str(mine), str(other)]) is None
+    assert native.shadowed_build(str(mine / "commlib"), [str(mine), str(other)]) is None
     (other / "commlib" / "_hostloops.so").write_bytes(b"")
-    assert _native.shadowed_build(str(mine / "commlib"), [str(mine), str(other)]) == \
+    assert native.shadowed_build(str(mine / "commlib"), [str(mine), str(other)]) == \
         str(other / "commlib")

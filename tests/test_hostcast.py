@@ -7,12 +7,12 @@ accumulation, odd lengths, misaligned views and empty arrays."""
 import numpy as np
 import pytest
 
-from commlib.ops import _native, hostcast
+from commlib.ops import native, hostcast
 from commlib.ops.cast import numpy_cast_into
 
-pytestmark = pytest.mark.skipif(not _native.available(), reason="compiled host loops not built: %s"
-                                % _native.unavailable_reason())
-BEST = hostcast.level() if _native.available() else None
+pytestmark = pytest.mark.skipif(not native.available(), reason="compiled host loops not built: %s"
+                                % native.unavailable_reason())
+BEST = hostcast.level() if native.available() else None
 LEVELS = [hostcast.PORTABLE, hostcast.AVX2]
 
 
@@ -136,7 +136,7 @@ def test_byte_misaligned_arrays_take_the_twin():
     x = raw[1:].view(np.float32)                  # not 4-byte aligned
     x[...] = np.linspace(-70000, 70000, 1001, dtype=np.float32)
     assert not x.flags.aligned
-    ext = _native.module()
+    ext = native.module()
     out = np.empty(1001, np.float16)
     assert ext.cast(x, out, None, 0) == -1        # refused, nothing written
     assert_same(x, "float16")
@@ -145,7 +145,7 @@ def test_byte_misaligned_arrays_take_the_twin():
 def test_the_compiled_loop_runs():
     """The wrapper must not silently be the twin: the C entry point takes
     qualifying arrays and refuses the others."""
-    ext = _native.module()
+    ext = native.module()
     x = np.array([1.0, np.inf, np.nan, 70000.0], np.float32)
     out = np.empty(4, np.float16)
     assert ext.cast(x, out, None, 0) == 3

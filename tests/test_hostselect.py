@@ -7,14 +7,14 @@ views, empty and large inputs."""
 import numpy as np
 import pytest
 
-from commlib.compression import _nonfinite
-from commlib.ops import _native, hostcast, hostselect
+from commlib.compression import nonfinite
+from commlib.ops import native, hostcast, hostselect
 from commlib.ops import sparse as sparse_ops
 from commlib.ops import threshold as threshold_ops
 from commlib.ops import topk as topk_ops
 
-pytestmark = pytest.mark.skipif(not _native.available(), reason="compiled host loops not built: %s"
-                                % _native.unavailable_reason())
+pytestmark = pytest.mark.skipif(not native.available(), reason="compiled host loops not built: %s"
+                                % native.unavailable_reason())
 
 
 @pytest.fixture(params=[hostcast.PORTABLE, hostcast.AVX2], ids=["portable", "avx2"])
@@ -142,7 +142,7 @@ def test_topk_misaligned_and_unqualified_views(level):
     raw = np.zeros(4 * 5001 + 1, np.uint8)
     x = raw[1:].view(np.float32)
     x[...] = gaussian(5001, 7)
-    ext = _native.module()
+    ext = native.module()
     assert ext.topk(x, None, 10, np.empty(10, np.int32), np.empty(10, np.float32)) == -1
     assert_topk_same(x, 10)            # the twin answers
     with pytest.raises(Exception):
@@ -157,7 +157,7 @@ def test_threshold(level):
     x[rng.integers(0, x.size, 10)] = -np.inf
     for t in (0.0, 0.1, 1e-30, 2.5, 4.0, 3.4e38, float(np.float32(2.5)) + 1e-9):
         i_c, v_c = hostselect.threshold(x, t)
-        i_t, v_t, count = threshold_ops._threshold_numpy(x, threshold_ops._threshold_key(t),
+        i_t, v_t, count = threshold_ops._threshold_numpy(x, threshold_ops.threshold_key(t),
                                                          x.size)
         m = int(count)
         np.testing.assert_array_equal(i_c, i_t[:m])
@@ -201,7 +201,7 @@ def test_accumulate_finite(level):
         count = hostselect.accumulate_finite(r, x, acc)
         with np.errstate(over="ignore", invalid="ignore"):
             ref = x.copy() if r is None else np.add(r, x)
-        ref_count = _nonfinite.drop(ref)
+        ref_count = nonfinite.drop(ref)
         assert count == ref_count > 0
         np.testing.assert_array_equal(bits(acc), bits(ref))
 
@@ -245,7 +245,7 @@ def test_the_build_has_every_loop_the_wrappers_use():
 def reference_accumulate(residual, x):
     with np.errstate(over="ignore", invalid="ignore"):
         acc = x.copy() if residual is None else np.add(residual, x)
-    return _nonfinite.drop(acc), acc
+    return nonfinite.drop(acc), acc
 
 
 @pytest.mark.parametrize("n", [0, 1, 17, 70001, 262147, 1 << 21])

@@ -17,7 +17,7 @@ import cuda_host_build as chb
 from cuda_host_build import SCHEDULES, KernelFault
 from commlib.ops import cast as cast_mod, pack as pack_mod, sparse as sparse_mod
 from commlib.ops import threshold as threshold_mod, topk as topk_mod
-from commlib.ops._select import TILE
+from commlib.ops.selection import TILE
 from test_ops_cast import adversarial
 
 pytestmark = pytest.mark.skipif(chb.GXX is None or chb.OBJCOPY is None,

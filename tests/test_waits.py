@@ -6,13 +6,13 @@ import numpy as np
 import pytest
 
 from commlib import waiting
-from commlib.ops import _native
+from commlib.ops import native
 
 NRANKS = 4
 
 
 def _compiled(words, target, gone, seq, rank):
-    ext = _native.module()
+    ext = native.module()
     return ext.wait_flags(words, rank, NRANKS, 1, target, False, None, 0.01, gone, 1, seq)
 
 
@@ -22,7 +22,7 @@ def _python(words, target, gone, seq, rank):
 
 WAITS = [pytest.param(_python, id="python"),
          pytest.param(_compiled, id="compiled",
-                      marks=pytest.mark.skipif(not _native.available(),
+                      marks=pytest.mark.skipif(not native.available(),
                                                reason="compiled host loops not built"))]
 
 

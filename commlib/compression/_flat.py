@@ -3,7 +3,7 @@ and the buffers they keep between calls."""
 import numpy as np
 
 from ..ops import hostcast, hostcopy
-from ..ops._arrays import array_module
+from ..ops.arrays import array_module
 
 
 def buffer(workspace, name, xp, size, dtype, zero=False):

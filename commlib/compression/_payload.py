@@ -18,8 +18,8 @@ rank's set; a non-finite value.
 import numpy as np
 
 from ..errors import PayloadError
-from ..ops._arrays import array_module, is_cupy
-from ..ops._select import MAX_LEN
+from ..ops.arrays import array_module, is_cupy
+from ..ops.selection import MAX_LEN
 
 HEADER = 4
 

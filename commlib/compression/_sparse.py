@@ -4,9 +4,10 @@ import numpy as np
 
 from ..errors import ArgumentError
 from ..ops import hostselect
-from ..ops._arrays import array_module
+from ..ops.arrays import array_module
 from ..ops.sparse import scatter_add
-from . import _nonfinite, _payload
+from . import _payload
+from . import nonfinite as _nonfinite
 from ._flat import buffer, describe, gather, scatter
 from .base import Compression
 

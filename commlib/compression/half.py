@@ -32,9 +32,10 @@ import numpy as np
 from ..errors import ArgumentError
 from ..ops import pack as _pack
 from ..ops import hostcast
-from ..ops._arrays import array_module
+from ..ops.arrays import array_module
 from ..ops.cast import storage_dtype
-from . import _flat, _nonfinite
+from . import _flat
+from . import nonfinite as _nonfinite
 from .base import Compression
 
 

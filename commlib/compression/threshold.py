@@ -21,7 +21,7 @@ import numpy as np
 from ..errors import ArgumentError
 from ..ops import hostselect
 from ..ops.threshold import threshold
-from ._nonfinite import check_mode
+from .nonfinite import check_mode
 from ._sparse import Sparsifier
 
 

@@ -23,7 +23,7 @@ import numpy as np
 from ..errors import ArgumentError
 from ..ops import hostselect
 from ..ops.topk import topk
-from ._nonfinite import check_mode
+from .nonfinite import check_mode
 from ._sparse import Sparsifier
 
 

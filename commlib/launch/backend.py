@@ -1,12 +1,12 @@
 """Forked workers over NCCL or an MPI job: which one ``--backend`` gives."""
-from .. import _cuda
+from .. import gpu
 from ..errors import ArgumentError, BackendUnavailableError
 from .common import say
 
 
 def gpu_status():
     """(reason NCCL is unusable or None, number of visible GPUs)."""
-    reason = _cuda.nccl_unavailable_reason()
+    reason = gpu.nccl_unavailable_reason()
     if reason is not None:
         return reason, 0
     import cupy

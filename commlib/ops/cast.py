@@ -22,7 +22,7 @@ import numbers
 import numpy as np
 
 from ..errors import ArgumentError, ArrayTypeError
-from ._arrays import is_cupy
+from .arrays import is_cupy
 
 FORMATS = ("float32", "float16", "bfloat16")
 

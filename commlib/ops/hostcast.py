@@ -15,7 +15,7 @@ back to nearest even with the canonical NaN.
 import numpy as np
 
 from ..dtypes import UFUNCS
-from . import _native
+from . import native
 from .cast import format_of, numpy_cast_into
 
 _OPS = {"sum": 1, "prod": 2, "max": 3, "min": 4}
@@ -26,7 +26,7 @@ PORTABLE, AVX2 = 0, 1
 def compiled(name):
     """The compiled loop ``name`` of ``commlib._hostloops``, or None (not
     built, turned off, or a build older than this module)."""
-    return getattr(_native.module(), name, None)
+    return getattr(native.module(), name, None)
 
 
 def cast_into(x, out, scale=np.float32(1), accumulate=False):

@@ -7,24 +7,24 @@ time of the call and checks them all (exact ``numpy.ndarray``, the expected
 dtype, C-contiguous, writeable when written, total size within the flat
 buffer) before copying anything; any mismatch copies nothing and returns
 False, and the caller takes its numpy path. Without the compiled library
-(see :mod:`commlib.ops._native`) :func:`available` is False.
+(see :mod:`commlib.ops.native`) :func:`available` is False.
 :func:`gather_any` and :func:`scatter_any` take that path themselves (numpy
 or cupy arrays).
 """
 import numpy as np
 
 from ..errors import BackendUnavailableError
-from . import _native
-from ._arrays import array_module
+from . import native
+from .arrays import array_module
 
-available = _native.available
-unavailable_reason = _native.unavailable_reason
+available = native.available
+unavailable_reason = native.unavailable_reason
 
 
 def _copy(arrays, buf, to_arrays, skip, streaming=False):
-    ext = _native.module()
+    ext = native.module()
     if ext is None:
-        raise BackendUnavailableError(_native.unavailable_reason())
+        raise BackendUnavailableError(native.unavailable_reason())
     itemsize = arrays[0].dtype.itemsize if arrays and type(arrays[0]) is np.ndarray else 1
     begin, end = (0, 0) if skip is None else skip
     return ext.copy(arrays, buf, itemsize, to_arrays, begin * itemsize, end * itemsize,

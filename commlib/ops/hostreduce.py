@@ -10,7 +10,7 @@ Results are bit-identical to the numpy ufunc reduction in rank order.
 """
 
 from ..errors import CommlibError
-from . import _native
+from . import native
 
 _TYPES = {"float32": 0, "float64": 1, "int32": 2, "int64": 3, "uint8": 4}
 _OPS = {"sum": 0, "prod": 1, "max": 2, "min": 3}
@@ -28,7 +28,7 @@ def supports(dtype, op):
     """Whether :func:`reduce_share` takes ``dtype`` (numpy dtype) and ``op``
     and the compiled module is available. float16 and bfloat16 are not
     taken (numpy reduces them)."""
-    return _type_code(dtype) >= 0 and op in _OPS and _native.available()
+    return _type_code(dtype) >= 0 and op in _OPS and native.available()
 
 
 def reduce_share(parts, slots, rank, result, begin, end, op, scale=None, streaming=False):
@@ -47,7 +47,7 @@ def reduce_share(parts, slots, rank, result, begin, end, op, scale=None, streami
     (nothing is written then).
     """
     dtype = result.dtype
-    ext = _native.module()
+    ext = native.module()
     done = -1
     if ext is not None:
         size = dtype.itemsize

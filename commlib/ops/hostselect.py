@@ -2,7 +2,7 @@
 top-K, threshold compaction, scatter-add and the residual accumulation,
 bit for bit the numpy twins in :mod:`commlib.ops.topk`,
 :mod:`commlib.ops.threshold`, :mod:`commlib.ops.sparse` (and
-:func:`commlib.compression._nonfinite.drop`), which run instead when the
+:func:`commlib.compression.nonfinite.drop`), which run instead when the
 compiled loops are unavailable or an array does not qualify (not an exact,
 1-D, C-contiguous, aligned, native-order numpy array); they also raise the
 argument errors.
@@ -12,7 +12,7 @@ import numpy as np
 from . import sparse as _sparse
 from . import threshold as _threshold
 from . import topk as _topk
-from ._select import check_count
+from .selection import check_count
 from .hostcast import compiled
 
 
@@ -53,7 +53,7 @@ def threshold(x, t):
     count (int32 and float32 arrays of that length)."""
     loop = compiled("threshold")
     if loop is not None and _plain(x):
-        tkey = _threshold._threshold_key(t)
+        tkey = _threshold.threshold_key(t)
         indices, values = np.empty(x.size, np.int32), np.empty(x.size, np.float32)
         found = loop(None, x, None, tkey, indices, values)
         if found != -1:
@@ -67,7 +67,7 @@ def threshold_accumulate(residual, x, acc, t):
     compiled pass: returns ``(nonfinite, indices, values)``."""
     loop = compiled("threshold")
     if loop is not None and _plain(residual, x, acc):
-        tkey = _threshold._threshold_key(t)
+        tkey = _threshold.threshold_key(t)
         indices, values = np.empty(x.size, np.int32), np.empty(x.size, np.float32)
         found = loop(residual, x, acc, tkey, indices, values)
         if found != -1:

@@ -20,7 +20,7 @@ Three modes, chosen by :func:`commlib.ops.cast.copy_mode` the same way on both p
 import numpy as np
 
 from ..errors import ArgumentError, ArrayTypeError
-from ._arrays import is_cupy
+from .arrays import is_cupy
 from .cast import check_counter, check_scale, copy_mode, numpy_cast_into
 
 

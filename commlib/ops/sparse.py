@@ -16,8 +16,8 @@ numpy twin.
 import numpy as np
 
 from ..errors import ArgumentError
-from ._arrays import is_cupy
-from ._select import check_length, check_same_kind, check_vector
+from .arrays import is_cupy
+from .selection import check_length, check_same_kind, check_vector
 
 _BLOCK = 256
 

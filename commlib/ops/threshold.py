@@ -10,11 +10,11 @@ the numpy twin.
 import numpy as np
 
 from ..errors import ArgumentError
-from ._arrays import is_cupy
-from ._select import (BLOCK, INF_KEY, check_count, check_length, check_vector, grid_for,
+from .arrays import is_cupy
+from .selection import (BLOCK, INF_KEY, check_count, check_length, check_vector, grid_for,
                       magnitude_keys, supers_of, tiles_of)
 
-def _threshold_key(t):
+def threshold_key(t):
     """Magnitude key of the largest float32 <= t, so |x| > t is exact."""
     try:
         t = float(t)
@@ -53,7 +53,7 @@ def threshold(x, t, *, capacity=None):
     except TypeError:  # an unhashable t
         tkey = None
     if tkey is None:
-        tkey = _threshold_key(t)
+        tkey = threshold_key(t)
         if type(t) in (float, int):
             if len(_TKEYS) > 64:
                 _TKEYS.clear()

@@ -17,8 +17,8 @@ import math
 import numpy as np
 
 from ..errors import ArgumentError
-from ._arrays import is_cupy
-from ._select import (BLOCK, INF_KEY, TILE, check_count, check_length, check_same_kind,
+from .arrays import is_cupy
+from .selection import (BLOCK, INF_KEY, TILE, check_count, check_length, check_same_kind,
                       check_vector, grid_for, magnitude_keys, tiles_of)
 
 # u32 words of the workspace before the look-back status words (kernels/topk.cu)

@@ -13,10 +13,11 @@ import numpy as np
 
 from .. import compression as _compression
 from .. import validation
-from ..bucketing import _span, flat_arrays
-from ..compression import Partial, Threshold, TopK, _nonfinite
+from ..bucketing import flat_arrays, span
+from ..compression import Partial, Threshold, TopK
+from ..compression import nonfinite as _nonfinite
 from ..errors import ArgumentError, NonFiniteError
-from ..ops._arrays import address, array_module, is_cupy
+from ..ops.arrays import address, array_module, is_cupy
 from ..overlap import BackwardReducer
 from . import parameters, state
 from .rules import Rule, check_number
@@ -80,7 +81,7 @@ def _fused(arrays, run):
     itself for a run of one, else the run's 1-D span (None if it has none)."""
     if len(run) == 1:
         return arrays[run[0]]
-    return _span([arrays[i] for i in run], array_module(arrays[run[0]]))
+    return span([arrays[i] for i in run], array_module(arrays[run[0]]))
 
 
 _GROUP_EXTRA = ("params", "name", "initial_lr")
@@ -241,7 +242,7 @@ class DistributedOptimizer:
         self._clip_now = None          # join(): the clip_norm of the update voted on
         self._bad = {}                 # i -> non-finite count of grads[i] before the average
         self._hooks = []
-        self._schedulers = []          # schedulers whose state checkpoints keep
+        self.schedulers = []          # schedulers whose state checkpoints keep
         self._steps = np.zeros((), np.int64)
         self._skipped = np.zeros((), np.int64)
         self.last_grad_norm = None
@@ -570,7 +571,7 @@ class DistributedOptimizer:
             if self.nonfinite == "skip":
                 self._skipped += 1
                 if self.loss_scaler is not None:
-                    self.loss_scaler._update(True)
+                    self.loss_scaler.update(True)
                 return False
             self._nonfinite_text(found, "; applied anyway", warn=True)
         if self.loss_scaler is not None:
@@ -583,7 +584,7 @@ class DistributedOptimizer:
             self._clip(clip)
         self._apply()
         if self.loss_scaler is not None:
-            self.loss_scaler._update(False)
+            self.loss_scaler.update(False)
         self._steps += 1
         return True
 
@@ -788,7 +789,7 @@ class DistributedOptimizer:
         self.comm.broadcast(copies, root=root)
         for name, value in zip(names, copies):
             live[name][...] = value
-        self._loaded(live)
+        self.loaded(live)
     # -- SINGA's DistOpt ------------------------------------------------------------
     def update(self, grads=None):
         """SINGA's ``backward_and_update``: :meth:`step` (the constructor's
@@ -900,13 +901,13 @@ class DistributedOptimizer:
                     out["groups.%d.%s" % (k, name)] = np.array(g[name], np.float64)
         elif hasattr(self.rule, "state"):
             out.update(("rule." + k, v) for k, v in self.rule.state(self.params).items())
-        for j, sched in enumerate(self._schedulers):
-            out.update(("scheduler.%d.%s" % (j, k), v) for k, v in sched._arrays().items())
+        for j, sched in enumerate(self.schedulers):
+            out.update(("scheduler.%d.%s" % (j, k), v) for k, v in sched.state_arrays().items())
         if self.loss_scaler is not None:
-            out.update(("scaler." + k, v) for k, v in self.loss_scaler._arrays().items())
+            out.update(("scaler." + k, v) for k, v in self.loss_scaler.state_arrays().items())
         return out
 
-    def _loaded(self, live):
+    def loaded(self, live):
         """After ``live`` (from :meth:`live_state`) was overwritten: set the
         groups' hyperparameters from it and the rule's step count."""
         if not isinstance(self.rule, Rule):
@@ -924,7 +925,7 @@ class DistributedOptimizer:
                 else:
                     g[name] = float(value)
         if "t" not in self.rule.counters():
-            self.rule._t[...] = self._steps
+            self.rule.step_count[...] = self._steps
 
     def state_dict(self):
         """numpy copies of :meth:`live_state` (not compression residuals);

@@ -51,7 +51,7 @@ class LRScheduler:
         self.base_lrs = np.array([g.setdefault("initial_lr", g["lr"]) for g in groups],
                                  np.float64)
         self._last = np.array(-1, np.int64)
-        optimizer._schedulers.append(self)
+        optimizer.schedulers.append(self)
         self.step()
 
     @property
@@ -77,13 +77,13 @@ class LRScheduler:
         """Every group's current learning rate, as a list."""
         return [g["lr"] for g in self.optimizer.param_groups]
 
-    def _arrays(self):
+    def state_arrays(self):
         return {"last_epoch": self._last, "base_lrs": self.base_lrs}
 
     def state_dict(self):
         """``{"last_epoch", "base_lrs"}`` as numpy copies (also part of the
         optimizer's state dict)."""
-        return {k: np.array(v, copy=True) for k, v in self._arrays().items()}
+        return {k: np.array(v, copy=True) for k, v in self.state_arrays().items()}
 
     def load_state_dict(self, state_dict):
         """Take :meth:`state_dict`'s values and set the groups' lr from
@@ -92,7 +92,7 @@ class LRScheduler:
         Raises:
             ArgumentError: a key is missing or of another shape.
         """
-        for k, v in self._arrays().items():
+        for k, v in self.state_arrays().items():
             given = np.asarray(state_dict.get(k)) if k in state_dict else None
             if given is None or given.shape != v.shape:
                 raise ArgumentError("%s.load_state_dict: %r missing or not of shape %s"
@@ -101,8 +101,8 @@ class LRScheduler:
         self._set(int(self._last))
 
     def _detach(self):
-        if self in self.optimizer._schedulers:
-            self.optimizer._schedulers.remove(self)
+        if self in self.optimizer.schedulers:
+            self.optimizer.schedulers.remove(self)
 
 
 class LambdaLR(LRScheduler):

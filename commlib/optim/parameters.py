@@ -6,7 +6,7 @@ import numpy as np
 
 from .. import validation
 from ..errors import ConsistencyError
-from ..ops._arrays import is_cupy
+from ..ops.arrays import is_cupy
 
 #: bytes of each parameter's digest
 DIGEST_BYTES = 8

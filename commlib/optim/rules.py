@@ -24,7 +24,7 @@ import math
 import numpy as np
 
 from ..errors import ArgumentError
-from ..ops._arrays import array_module
+from ..ops.arrays import array_module
 
 
 def check_number(value, what, low=0.0, high=math.inf, high_open=False, rank=None):
@@ -94,7 +94,7 @@ class Rule:
         self.lr = lr
         self.weight_decay = check_number(weight_decay, "%s: weight_decay" % type(self).__name__)
         self._state = None
-        self._t = np.zeros((), np.int64)
+        self.step_count = np.zeros((), np.int64)
 
     @property
     def lr(self):
@@ -108,7 +108,7 @@ class Rule:
     @property
     def t(self):
         """Number of updates applied so far."""
-        return int(self._t)
+        return int(self.step_count)
 
     def defaults(self):
         """``{name: value}`` of :attr:`hyper`: this rule's own settings, the
@@ -170,8 +170,8 @@ class Rule:
     def begin_step(self):
         """Count one more update (called once per update, before the
         :meth:`update` calls of its groups). Returns the new count t."""
-        self._t += 1
-        return int(self._t)
+        self.step_count += 1
+        return int(self.step_count)
 
     def update(self, params, grads, buffers, group, t):
         """Update ``params`` in place with ``grads``.
@@ -301,7 +301,7 @@ class Adam(Rule):
         super().__init__(lr, weight_decay)
 
     def counters(self):
-        return {"t": self._t}
+        return {"t": self.step_count}
 
     def check_group(self, group, where="", rank=None):
         out = super().check_group(group, where, rank)

@@ -76,7 +76,7 @@ class DynamicLossScaler:
         gradient), in ``value``'s own type."""
         return value * self.scale
 
-    def _update(self, found_inf):
+    def update(self, found_inf):
         """After an update (found_inf: it was skipped)."""
         if found_inf:
             self._scale[...] = max(float(self._scale) * self.backoff_factor, self.min_scale)
@@ -87,13 +87,13 @@ class DynamicLossScaler:
                 self._scale *= self.growth_factor
                 self._tracker[...] = 0
 
-    def _arrays(self):
+    def state_arrays(self):
         return {"scale": self._scale, "growth_tracker": self._tracker}
 
     def state_dict(self):
         """``{"scale", "growth_tracker"}`` as numpy copies (also part of
         the optimizer's state dict)."""
-        return {k: np.array(v, copy=True) for k, v in self._arrays().items()}
+        return {k: np.array(v, copy=True) for k, v in self.state_arrays().items()}
 
     def load_state_dict(self, state_dict):
         """Take :meth:`state_dict`'s values (not collective).
@@ -101,7 +101,7 @@ class DynamicLossScaler:
         Raises:
             ArgumentError: a key is missing.
         """
-        for k, v in self._arrays().items():
+        for k, v in self.state_arrays().items():
             if k not in state_dict:
                 raise ArgumentError("DynamicLossScaler.load_state_dict: no %r in %r"
                                     % (k, sorted(state_dict)))

@@ -8,7 +8,7 @@ from collections.abc import Mapping
 import numpy as np
 
 from ..errors import ArgumentError
-from ..ops._arrays import is_cupy
+from ..ops.arrays import is_cupy
 
 
 def host_copies(arrays):
@@ -76,8 +76,8 @@ def _restore(opt, read, root):
             target.set(value)
         else:
             target[...] = value
-    if hasattr(opt, "_loaded"):
-        opt._loaded(live)
+    if hasattr(opt, "loaded"):
+        opt.loaded(live)
 
 
 def load_state_dict(opt, state_dict, root=0):

@@ -99,6 +99,11 @@ class Transport:
         self._broken = self._broken or "closed"
 
     # -- helpers -------------------------------------------------------------
+    @property
+    def broken(self):
+        """Why the transport is unusable (a text), or None while it is usable."""
+        return self._broken
+
     def check_usable(self):
         if self._broken is not None:
             raise ClosedError("rank %d: the %s transport is unusable: %s"

@@ -32,7 +32,7 @@ from .. import waiting
 from ..errors import BackendUnavailableError, TransportError
 from ..inflight import now
 from ..ops import hostcast
-from ..ops._arrays import array_module, is_cupy
+from ..ops.arrays import array_module, is_cupy
 from .base import Transport, scale_in_place
 
 _MPI = None

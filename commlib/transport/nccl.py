@@ -16,10 +16,10 @@ import threading
 import time
 
 from .. import waiting
-from .._cuda import nccl_module
+from ..gpu import nccl_module
 from ..consistency import label
 from ..errors import BackendUnavailableError, CollectiveTimeoutError, CommlibError
-from ..ops._arrays import is_cupy
+from ..ops.arrays import is_cupy
 from .base import Transport, scale_in_place
 
 
@@ -49,7 +49,7 @@ class NcclWatch:
             raise self.failure
 
     def _run(self):
-        while self.failure is None and not self.transport._broken:
+        while self.failure is None and not self.transport.broken:
             time.sleep(self.every)
             with self._lock:
                 pending = list(self._pending)

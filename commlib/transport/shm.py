@@ -58,7 +58,7 @@ import numpy as np
 from .. import waiting
 from ..dtypes import UFUNCS, supported_fast
 from ..errors import ArgumentError, ArrayTypeError
-from ..ops import _native, hostcopy, hostreduce
+from ..ops import hostcopy, hostreduce, native
 from .base import Transport
 
 
@@ -101,10 +101,10 @@ class SharedMemoryReducer:
             raise ArgumentError("commlib: sync must be 'auto', 'flags' or 'barrier', got %r"
                                 % (sync,))
         x86 = platform.machine().lower() in ("x86_64", "amd64")
-        native = _native.available()  # compile the host loops now, not inside a timed collective
+        compiled = native.available()  # compile the host loops now, not inside a timed collective
         if sync == "auto":
-            sync = "flags" if x86 or native else "barrier"
-        if sync == "flags" and not (x86 or native):
+            sync = "flags" if x86 or compiled else "barrier"
+        if sync == "flags" and not (x86 or compiled):
             raise ArgumentError("commlib: sync='flags' needs x86-64 memory ordering or the "
                                 "compiled host loops")
         if stores not in _STORES:
@@ -129,7 +129,7 @@ class SharedMemoryReducer:
         self._control = self._mem[:control].view(np.int64)
         # the probe is collective: only when every rank has the compiled loops
         if (stores == "auto" and x86 and sync == "flags"
-                and comm.allreduce(native, op=_mpi().LAND)):
+                and comm.allreduce(compiled, op=_mpi().LAND)):
             self.streaming = self.probe_stores()
 
     @staticmethod
@@ -183,7 +183,7 @@ class SharedMemoryReducer:
         stride = _LINE // 8
         board = wait.board
         gone, gone_stride = board.gone_words if board is not None else (None, 1)
-        ext = _native.module()
+        ext = native.module()
         flags = self._control
         if ext is None:
             flags[self.rank * stride] = seq
@@ -273,11 +273,11 @@ class SharedMemoryReducer:
         n, rank = self.size, self.rank
         lo, hi = count * rank // n, count * (rank + 1) // n
         slot, result = slots[rank][:count], result[:count]
-        native = hostcopy.available()
+        compiled = hostcopy.available()
         streaming = self.streaming
         # this rank's own share: straight from and to the parts, or via its slot
         own = (lo, hi) if hostreduce.supports(dtype, op) else None
-        if not (native and hostcopy.gather(parts, slot, own, streaming)):
+        if not (compiled and hostcopy.gather(parts, slot, own, streaming)):
             own = None
             hostcopy.gather_any(parts, slot)
         self._seq += 2
@@ -293,7 +293,7 @@ class SharedMemoryReducer:
                 if scale is not None:
                     out *= scale
         self._wait_all(self._seq, wait)
-        if not (native and hostcopy.scatter(result, parts, own)):
+        if not (compiled and hostcopy.scatter(result, parts, own)):
             hostcopy.scatter_any(result, parts)
         return True
 

@@ -7,7 +7,7 @@ import operator
 import numpy as np
 
 from ..errors import ArgumentError, ArrayTypeError, DeviceMismatchError
-from ._arrays import is_cupy
+from .arrays import is_cupy
 
 INF_KEY = 0x7F800000   # magnitude keys above this belong to NaN
 MAX_LEN = 2 ** 31 - 1  # indices are int32

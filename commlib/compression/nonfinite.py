@@ -19,7 +19,7 @@ import warnings
 import numpy as np
 
 from ..errors import ArgumentError, NonFiniteError
-from ..ops._arrays import array_module
+from ..ops.arrays import array_module
 
 MODES = ("raise", "warn")
 
