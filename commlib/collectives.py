@@ -106,7 +106,7 @@ def reduce(session, name, arrays, root, op, division, compression=None, state=No
             buf *= scale
 
     session.run(fusion.fused, session, items, kind, key, prepared, receives, step,
-                (strategy, reduce_op, scale, wait) if strategy else None, state,
+                strategy=strategy, op=reduce_op, scale=scale, wait=wait, state=state,
                 deferred=flight is not None)
     return arrays
 

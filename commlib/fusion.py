@@ -15,11 +15,13 @@ def fused_checks(session, items, prepared, writeable, floating):
     return session.array_checks(items, writeable=writeable, floating=floating)
 
 
-def fused(session, items, kind, key, prepared, writeable, step, compressed=None, state=None):
+def fused(session, items, kind, key, prepared, writeable, step, strategy=None, op=None,
+          scale=None, wait=None, state=None):
     """Run ``step(transport, flat_buffer, bucket_index_or_None, prepared)``
-    for every bucket and every in-place array of the list. With
-    ``compressed = (strategy, op, scale, wait)``, a bucket or array
-    the compression strategy applies to goes to the strategy instead;
+    for every bucket and every in-place array of the list. With a
+    compression ``strategy``, a bucket or array it applies to goes to it
+    instead, as a :class:`~commlib.compression.base.Bucket` of ``op``,
+    ``scale`` and the collective's ``wait``;
     ``state`` (a :class:`~commlib.reduce_state.ReduceState` or None)
     holds the list's plan and compression state instead of the
     communicator's own tables."""
@@ -31,19 +33,18 @@ def fused(session, items, kind, key, prepared, writeable, step, compressed=None,
         prepared.digest = consistency.layout_digest(items)
     tables = session.workspaces if state is None else state.workspaces
     for i, buf in prepared.buckets():
-        unit(transport, items, prepared, i, i, buf, step, compressed, tables)
+        unit(transport, items, prepared, i, i, buf, step, strategy, op, scale, wait, tables)
     for position, flat in zip(prepared.plan.direct, prepared.direct(items)):
-        unit(transport, items, prepared, ("direct", position), None, flat, step, compressed,
-             tables)
+        unit(transport, items, prepared, ("direct", position), None, flat, step, strategy, op,
+             scale, wait, tables)
 
 
-def unit(transport, items, prepared, where, i, buf, step, compressed, tables):
+def unit(transport, items, prepared, where, i, buf, step, strategy, op, scale, wait, tables):
     """One bucket (``i``) or in-place array (``i`` None) of a fused
     collective; ``where`` names it within the plan for the compression
     state, kept in ``tables``."""
-    strategy = compressed[0] if compressed else None
     if strategy is not None and strategy.applies_to(buf.dtype):
-        strategy.reduce(Bucket(transport, prepared.arrays(items, i, buf), *compressed[1:],
+        strategy.reduce(Bucket(transport, prepared.arrays(items, i, buf), op, scale, wait,
                                state=workspace(prepared, strategy, where, tables)))
     else:
         step(transport, buf, i, prepared)

@@ -149,17 +149,18 @@ class Session:
             for transport in self.transports:
                 transport.fail("%s: %s" % (type(exc).__name__, exc))
 
-    def run(self, step, *args, deferred=False):
-        """The data phase of a collective: any failure but an agreed one
-        leaves the communicator unusable. Unless it is ``deferred`` (its
-        requests left in flight, see :func:`commlib.issuing.in_flight`), the collectives
-        in flight complete first."""
+    def run(self, step, *args, deferred=False, **named):
+        """The data phase of a collective, ``step(*args, **named)``: any
+        failure but an agreed one leaves the communicator unusable. Unless
+        it is ``deferred`` (its requests left in flight, see
+        :func:`commlib.issuing.in_flight`), the collectives in flight
+        complete first."""
         progress = self.progress
         if not deferred and progress is not None and progress.may_defer() \
                 and progress.in_flight():
             progress.complete_flight()
         try:
-            return step(*args)
+            return step(*args, **named)
         except AGREED:
             raise
         except BaseException as exc:
