@@ -289,39 +289,13 @@ class StatusBoard:
         culprits = (blamed if blamed >= 0 else r,)
         hint = ""
         if uneven:
-            counts = self.settled_counts(seq, leaving=False)
+            counts = settled_counts(self, seq, leaving=False)
             culprits = uneven_culprits(counts)
             hint = "; uneven number of steps: %s (every rank must call the same collectives)" \
                 % steps_text(counts, culprits, self.rank)
         text = "%s while this rank is in %s%s" % (self.where(r), consistency.label(what, seq),
                                                   hint)
         return self.give_up(seq, what, PeerError, text, culprits)
-
-    def settled_counts(self, mine, leaving, wait_s=SETTLE_S):
-        """{rank: collectives it entered} once each rank's count is known
-        (it left, died, entered a collective after ``mine``, or, while this
-        rank waits inside collective ``mine`` (``leaving`` False), entered
-        ``mine`` too), or after ``wait_s`` seconds: ranks still on their way
-        are left out. This rank counts ``mine``."""
-        end = time.monotonic() + wait_s
-        pause = 1e-5
-        while True:
-            counts, pending = {self.rank: mine}, False
-            for r in range(self.size):
-                if r == self.rank:
-                    continue
-                line = self._lines[r]
-                gone, entered = int(line[GONE]), int(line[ENTERED])   # one read each
-                pid = int(line[PID])
-                if (gone or entered > mine or (entered == mine and not leaving)
-                        or (pid and not _alive(pid))):
-                    counts[r] = entered
-                else:
-                    pending = True
-            if not pending or time.monotonic() >= end:
-                return counts
-            time.sleep(pause)
-            pause = min(2e-3, pause * 2)
 
     def give_up(self, seq, what, kind, text, culprits):
         """Mark this rank gone at ``seq`` and return ``kind`` (an error class)
@@ -357,7 +331,7 @@ class StatusBoard:
                 if r == self.rank or gone == completed + 1 and entered <= completed:
                     continue
                 if entered > completed:
-                    counts = self.settled_counts(completed, leaving=True)
+                    counts = settled_counts(self, completed, leaving=True)
                     culprits = uneven_culprits(counts)
                     raise PeerError(
                         "rank %d: this rank left after collective #%d but %s: uneven number "
@@ -423,3 +397,31 @@ def steps_text(counts, culprits, me):
 def _ranks(ranks):
     ranks = list(ranks)
     return ("rank %s" if len(ranks) == 1 else "ranks %s") % ", ".join(map(str, ranks))
+
+
+def settled_counts(board, mine, leaving, wait_s=SETTLE_S):
+    """On ``board`` (a :class:`StatusBoard`): {rank: collectives it
+    entered} once each rank's count is known
+    (it left, died, entered a collective after ``mine``, or, while this
+    rank waits inside collective ``mine`` (``leaving`` False), entered
+    ``mine`` too), or after ``wait_s`` seconds: ranks still on their way
+    are left out. This rank counts ``mine``."""
+    end = time.monotonic() + wait_s
+    pause = 1e-5
+    while True:
+        counts, pending = {board.rank: mine}, False
+        for r in range(board.size):
+            if r == board.rank:
+                continue
+            line = board._lines[r]
+            gone, entered = int(line[GONE]), int(line[ENTERED])   # one read each
+            pid = int(line[PID])
+            if (gone or entered > mine or (entered == mine and not leaving)
+                    or (pid and not _alive(pid))):
+                counts[r] = entered
+            else:
+                pending = True
+        if not pending or time.monotonic() >= end:
+            return counts
+        time.sleep(pause)
+        pause = min(2e-3, pause * 2)
