@@ -77,34 +77,7 @@ def reduce(session, name, arrays, root, op, division, compression=None, state=No
     flight = None
     if root is None and strategy is None:
         flight = issuing.in_flight(session, kind, items, wait)
-    after = now if flight is None else flight.then
-
-    def step(transport, buf, i, prepared):
-        if i is not None and root is None and transport.reduces_parts(buf):
-            transport.all_reduce_parts(prepared.arrays(items, i, buf), buf, reduce_op,
-                                       scale, wait)
-            return
-        if i is not None:
-            prepared.pack(items, i)
-        owned = i is not None and not prepared.zero_copy(i)
-        # the user's own memory is scaled by the transport as it writes the
-        # result; a packed bucket, as it is copied out
-        scaled = root is None and not owned
-        if root is None and flight is not None:
-            transport.all_reduce(buf, reduce_op, wait, owned=owned,
-                                 scale=scale if scaled else None, defer=flight)
-        elif root is None:
-            transport.all_reduce(buf, reduce_op, wait, owned=owned,
-                                 scale=scale if scaled else None)
-        else:
-            transport.reduce(buf, root, reduce_op, wait, owned=owned)
-        if flight is not None:
-            flight.nbytes += buf.nbytes
-        if receives and i is not None and not (scaled and prepared.zero_copy(i)):
-            after(partial(prepared.unpack, items, i, None if scaled else scale))
-        elif receives and scale is not None and not scaled:
-            buf *= scale
-
+    step = reduce_step(items, root, reduce_op, scale, receives, wait, flight)
     session.run(fusion.fused, session, items, kind, key, prepared, receives, step,
                 strategy=strategy, op=reduce_op, scale=scale, wait=wait, state=state,
                 deferred=flight is not None)
@@ -196,3 +169,36 @@ def barrier(session, timeout):
                             timeout=own if isinstance(own, float) else None)
     if session.size > 1:
         session.run(session.transport("numpy").barrier, wait)
+
+
+def reduce_step(items, root, op, scale, receives, wait, flight):
+    """The step of :func:`reduce` for one bucket (``i``) or in-place array
+    (``i`` None) of ``items``: reduce over the transport (``root`` None:
+    all-reduce; ``flight``: left in flight), scaled by ``scale``, and
+    unpacked where this rank ``receives``."""
+    after = now if flight is None else flight.then
+
+    def step(transport, buf, i, prepared):
+        if i is not None and root is None and transport.reduces_parts(buf):
+            transport.all_reduce_parts(prepared.arrays(items, i, buf), buf, op, scale, wait)
+            return
+        if i is not None:
+            prepared.pack(items, i)
+        owned = i is not None and not prepared.zero_copy(i)
+        # the user's own memory is scaled by the transport as it writes the
+        # result; a packed bucket, as it is copied out
+        scaled = root is None and not owned
+        if root is None and flight is not None:
+            transport.all_reduce(buf, op, wait, owned=owned, scale=scale if scaled else None,
+                                 defer=flight)
+        elif root is None:
+            transport.all_reduce(buf, op, wait, owned=owned, scale=scale if scaled else None)
+        else:
+            transport.reduce(buf, root, op, wait, owned=owned)
+        if flight is not None:
+            flight.nbytes += buf.nbytes
+        if receives and i is not None and not (scaled and prepared.zero_copy(i)):
+            after(partial(prepared.unpack, items, i, None if scaled else scale))
+        elif receives and scale is not None and not scaled:
+            buf *= scale
+    return step

@@ -51,26 +51,46 @@ def check_arrays(arrays, *, rank, device=None, writeable=True, floating=False,
     """
     if not arrays:
         return None
+    kind = _check_kind(arrays, rank, what)
+    _check_dtypes(arrays, rank, what, floating)
+    if writeable:
+        _check_writeable(arrays, rank, what, kind)
+    if kind == "cupy" and device is not None:
+        devs = set(a.device.id for a in arrays)
+        if devs != {device}:
+            i = _first(arrays, lambda a: a.device.id != device)
+            raise DeviceMismatchError(
+                "rank %d: %s[%d] is on GPU %d but this communicator uses GPU %d"
+                % (rank, what, i, arrays[i].device.id, device))
+    return kind
+
+
+def _check_kind(arrays, rank, what):
+    """The kind of every array (``"numpy"`` or ``"cupy"``), the same for all."""
     types = set(map(type, arrays))
     if len(types) == 1:
         kind = _kind(arrays[0])
         if kind is None:
             raise ArrayTypeError("rank %d: %s[0]: expected numpy.ndarray or cupy.ndarray, got %s"
                                  % (rank, what, type(arrays[0]).__name__))
-    else:
-        kinds = [_kind(a) for a in arrays]
-        if None in kinds:
-            i = kinds.index(None)
-            raise ArrayTypeError("rank %d: %s[%d]: expected numpy.ndarray or cupy.ndarray, got %s"
-                                 % (rank, what, i, type(arrays[i]).__name__))
-        kind = kinds[0]
-        if len(set(kinds)) > 1:
-            i = next(i for i, k in enumerate(kinds) if k != kind)
-            raise ArrayTypeError(
-                "rank %d: %s[%d] is a %s but %s[0] is a %s; one call takes arrays of one kind"
-                % (rank, what, i, _KINDS[kinds[i]], what, _KINDS[kind]))
-    dts = set(map(operator.attrgetter("dtype"), arrays))
-    for dt in dts:
+        return kind
+    kinds = [_kind(a) for a in arrays]
+    if None in kinds:
+        i = kinds.index(None)
+        raise ArrayTypeError("rank %d: %s[%d]: expected numpy.ndarray or cupy.ndarray, got %s"
+                             % (rank, what, i, type(arrays[i]).__name__))
+    kind = kinds[0]
+    if len(set(kinds)) > 1:
+        i = next(i for i, k in enumerate(kinds) if k != kind)
+        raise ArrayTypeError(
+            "rank %d: %s[%d] is a %s but %s[0] is a %s; one call takes arrays of one kind"
+            % (rank, what, i, _KINDS[kinds[i]], what, _KINDS[kind]))
+    return kind
+
+
+def _check_dtypes(arrays, rank, what, floating):
+    """Supported dtypes in native byte order; floating ones where ``floating``."""
+    for dt in set(map(operator.attrgetter("dtype"), arrays)):
         if not dtypes.is_supported(dt):
             i = _first(arrays, lambda a: a.dtype == dt)
             order = "" if dt.isnative else " in non-native byte order (%s)" % dt.str
@@ -83,32 +103,27 @@ def check_arrays(arrays, *, rank, device=None, writeable=True, floating=False,
                 "rank %d: %s[%d] has integer dtype %s; op='avg' and division=True need a "
                 "floating dtype (use op='sum' and divide yourself)"
                 % (rank, what, i, dtypes.name_of(dt)))
-    if writeable:
-        if not all(map(operator.attrgetter("flags.c_contiguous"), arrays)):
-            i = _first(arrays, lambda a: not a.flags.c_contiguous)
-            raise ArrayTypeError(
-                "rank %d: %s[%d] (shape %s, strides %s) is not C-contiguous; in-place "
-                "collectives need contiguous memory" % (rank, what, i, arrays[i].shape,
-                                                        arrays[i].strides))
-        if kind == "numpy" and not all(map(operator.attrgetter("flags.writeable"), arrays)):
-            i = _first(arrays, lambda a: not a.flags.writeable)
-            raise ArrayTypeError("rank %d: %s[%d] is read-only; in-place collectives write "
-                                 "their result into it" % (rank, what, i))
-        if len(set(map(id, arrays))) != len(arrays):
-            seen = {}
-            for i, a in enumerate(arrays):
-                if id(a) in seen:
-                    raise ArgumentError("rank %d: %s[%d] is the same array as %s[%d]; each "
-                                        "array may appear once" % (rank, what, i, what, seen[id(a)]))
-                seen[id(a)] = i
-    if kind == "cupy" and device is not None:
-        devs = set(a.device.id for a in arrays)
-        if devs != {device}:
-            i = _first(arrays, lambda a: a.device.id != device)
-            raise DeviceMismatchError(
-                "rank %d: %s[%d] is on GPU %d but this communicator uses GPU %d"
-                % (rank, what, i, arrays[i].device.id, device))
-    return kind
+
+
+def _check_writeable(arrays, rank, what, kind):
+    """C-contiguous, writeable (numpy) arrays, each given once."""
+    if not all(map(operator.attrgetter("flags.c_contiguous"), arrays)):
+        i = _first(arrays, lambda a: not a.flags.c_contiguous)
+        raise ArrayTypeError(
+            "rank %d: %s[%d] (shape %s, strides %s) is not C-contiguous; in-place "
+            "collectives need contiguous memory" % (rank, what, i, arrays[i].shape,
+                                                    arrays[i].strides))
+    if kind == "numpy" and not all(map(operator.attrgetter("flags.writeable"), arrays)):
+        i = _first(arrays, lambda a: not a.flags.writeable)
+        raise ArrayTypeError("rank %d: %s[%d] is read-only; in-place collectives write "
+                             "their result into it" % (rank, what, i))
+    if len(set(map(id, arrays))) != len(arrays):
+        seen = {}
+        for i, a in enumerate(arrays):
+            if id(a) in seen:
+                raise ArgumentError("rank %d: %s[%d] is the same array as %s[%d]; each "
+                                    "array may appear once" % (rank, what, i, what, seen[id(a)]))
+            seen[id(a)] = i
 
 
 def check_op(op, division, rank):
