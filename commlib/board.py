@@ -51,7 +51,7 @@ import time
 import numpy as np
 
 from . import consistency, waiting
-from .errors import CollectiveTimeoutError, PeerError
+from .errors import CollectiveTimeoutError, PeerError, ranks_text
 from .ops import native
 
 LINE_BYTES = 1024
@@ -387,16 +387,13 @@ def steps_text(counts, culprits, me):
     groups = collections.defaultdict(list)
     for r, c in sorted(counts.items()):
         groups[c].append(r)
-    parts = ["%s %d collective%s" % (_ranks(g) + " entered", c, "s" if c != 1 else "")
+    parts = ["%s %d collective%s" % (ranks_text(g) + " entered", c, "s" if c != 1 else "")
              for c, g in sorted(groups.items(), key=lambda item: (item[1][0] not in culprits,
                                                                    item[1][0]))]
-    blamed = "this rank" if tuple(culprits) == (me,) else _ranks(culprits)
+    blamed = "this rank" if tuple(culprits) == (me,) else ranks_text(culprits)
     return "%s; blaming %s" % (", ".join(parts), blamed)
 
 
-def _ranks(ranks):
-    ranks = list(ranks)
-    return ("rank %s" if len(ranks) == 1 else "ranks %s") % ", ".join(map(str, ranks))
 
 
 def settled_counts(board, mine, leaving, wait_s=SETTLE_S):

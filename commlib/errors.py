@@ -11,6 +11,12 @@ launcher reports them.
 """
 
 
+def ranks_text(ranks):
+    """How messages name ranks: ``rank 3``, ``ranks 0, 2``."""
+    ranks = list(ranks)
+    return ("rank %s" if len(ranks) == 1 else "ranks %s") % ", ".join(map(str, ranks))
+
+
 class CommlibError(Exception):
     """Base class of every commlib error.
 

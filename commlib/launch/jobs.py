@@ -102,9 +102,8 @@ class ForkedWorkers:
         return sorted(found, key=lambda r: r.time)
 
     def poll(self):
-        """(all ended, whether a worker failed or died)."""
-        return (all(t is not None for t in self.ended_at),
-                any(r.bad for r in self.records()))
+        """(all ended, the records so far)."""
+        return all(t is not None for t in self.ended_at), self.records()
 
     def end(self, grace):
         def signal_live(sig):
@@ -176,8 +175,8 @@ class MpiJob:
         return read_records(self.status_dir)
 
     def poll(self):
-        """(mpiexec ended, whether a rank failed or died)."""
-        return self.proc.poll() is not None, any(r.bad for r in self.records())
+        """(mpiexec ended, the records so far)."""
+        return self.proc.poll() is not None, self.records()
 
     def end(self, grace):
         end_processes([self.proc], grace)

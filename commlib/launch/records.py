@@ -14,16 +14,13 @@ import re
 import signal
 import time
 
+from ..errors import ranks_text  # noqa: F401  (also the launcher's, through this module)
+
 #: directory where ranks and their supervisors record how they started and ended
 ENV_STATUS_DIR = "COMMLIB_LAUNCH_STATUS_DIR"
 #: (rank variable) of the launchers commlib knows, most specific first
 RANK_VARIABLES = ("COMMLIB_RANK", "PMI_RANK", "OMPI_COMM_WORLD_RANK", "MV2_COMM_WORLD_RANK",
                   "PMIX_RANK", "SLURM_PROCID")
-
-def ranks_text(ranks):
-    ranks = list(ranks)
-    return ("rank %s" if len(ranks) == 1 else "ranks %s") % ", ".join(map(str, ranks))
-
 
 def _shorten(text, limit=300):
     return text if len(text) <= limit else text[:limit - 3] + "..."

@@ -55,8 +55,8 @@ def _watch(job, signals, timeout, grace):
     deadline = None if timeout is None else time.monotonic() + timeout
     try:
         while True:
-            ended, failed = job.poll()
-            if wrong_size(job.records(), job.size):
+            ended, records = job.poll()
+            if wrong_size(records, job.size):
                 _settle(job, grace)
                 job.drain()
                 records = job.records()
@@ -67,7 +67,7 @@ def _watch(job, signals, timeout, grace):
                 say("received %s; ending all workers" % signal_name(signals.received))
                 job.end(grace)
                 return 128 + signals.received
-            if failed:
+            if any(r.bad for r in records):
                 _settle(job, grace)
                 return report(job)
             if ended:
