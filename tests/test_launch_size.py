@@ -272,3 +272,16 @@ def test_launcher_picks_the_mpiexec_beside_python_over_a_foreign_one_on_path(tmp
     assert res.returncode == 0, (res.stdout, res.stderr)
     lines = sorted(line.split("] ", 1)[-1] for line in res.stdout.splitlines() if "ran" in line)
     assert lines == ["rank 0 of 2 ran", "rank 1 of 2 ran"], res.stdout
+
+
+def test_run_mpi_fails_a_job_that_ran_as_singletons(tmp_path, monkeypatch):
+    """The harness's proof of size: a foreign mpiexec's singletons each
+    report (0, 1), and run_mpi fails the test instead of passing it."""
+    import mpirun
+    fake = fake_mpiexec(tmp_path / "mpiexec", HYDRA_VERSION)
+    monkeypatch.setattr(mpirun, "mpiexec", lambda required=True: [str(fake)])
+    with pytest.raises(pytest.fail.Exception, match=r"\(rank, size\) = \[\(0, 1\), \(0, 1\)\]"):
+        mpirun.run_mpi(2, "print('hello')\n", timeout=60)
+    with pytest.raises(pytest.fail.Exception, match="one MPI world of 3 ranks"):
+        mpirun.check_world([{"rank": 0, "size": 3}, {"rank": 1, "size": 3}], 3)
+    mpirun.check_world([{"rank": r, "size": 3} for r in (2, 0, 1)], 3)
