@@ -53,3 +53,17 @@ def run_ranks(size, fn, timeout=60, **options):
         if error is not None:
             raise error
     return results
+
+
+def errors_of(n, body):
+    """``body(comm)`` on n thread ranks: the text of the ArgumentError each
+    rank raised (AssertionError when one did not raise)."""
+    from commlib.errors import ArgumentError
+
+    def run(comm):
+        try:
+            body(comm)
+        except ArgumentError as exc:
+            return str(exc)
+        raise AssertionError("rank %d: no ArgumentError" % comm.rank)
+    return run_ranks(n, run)

@@ -11,7 +11,7 @@ import commlib
 from commlib.compression import Partial
 from commlib.errors import ArgumentError
 from commlib.optim import SGD, Adam
-from inprocess import run_ranks
+from inprocess import errors_of, run_ranks
 from mpirun import run_mpi
 
 SIZES = [1, 2, 3, 4]
@@ -62,18 +62,6 @@ def test_partition_rejects_bad_arguments(args, fragment):
 
 
 # -- argument checks --------------------------------------------------------------------------
-
-def errors_of(n, body):
-    """``body(comm)`` on n thread ranks: the text of the ArgumentError each
-    rank raised (AssertionError when one did not raise)."""
-    def run(comm):
-        try:
-            body(comm)
-        except ArgumentError as exc:
-            return str(exc)
-        raise AssertionError("rank %d: no ArgumentError" % comm.rank)
-    return run_ranks(n, run)
-
 
 def params_of(xp=np):
     return commlib.flat_arrays([(3, 4), (5,)], xp=xp)

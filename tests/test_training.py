@@ -15,8 +15,9 @@ from commlib.errors import ArgumentError
 from commlib.optim import (LAMB, SGD, Adam, AdamW, CosineAnnealingLR, DistributedSampler,
                            DynamicLossScaler, ExponentialLR, LambdaLR, LinearLR, LinearWarmup,
                            SequentialLR, StepLR)
-from inprocess import run_ranks
+from inprocess import errors_of, run_ranks
 from mpirun import run_mpi
+
 
 CODE = "import training_programs\ntraining_programs.main()\n"
 PROGRAMS = ["groups,schedules,clip", "scaler,scaler_residuals,scaler_half,nonfinite",
@@ -134,15 +135,6 @@ def test_sampler_in_one_process():
 
 
 # -- bad input: a clear, specific error --------------------------------------------------------
-
-def errors_of(n, body):
-    def run(comm):
-        try:
-            body(comm)
-        except ArgumentError as exc:
-            return str(exc)
-        raise AssertionError("rank %d: no ArgumentError" % comm.rank)
-    return run_ranks(n, run)
 
 
 def opt_of(comm, rule=None, **kw):
