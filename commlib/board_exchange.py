@@ -12,7 +12,7 @@ a rank that left without closing before the deadline.
 import numpy as np
 
 from . import consistency
-from .board import ERROR_DIGEST, TEXT_BYTES
+from .board import ERROR_DIGEST, TEXT_BYTES, steps_text, uneven_culprits
 from .errors import PeerError
 from .waiting import Wait
 
@@ -43,11 +43,15 @@ class ExchangeBoard:
         closed = [r for r in range(self.size) if rows[r, 1] == CLOSE]
         if closed:
             r = closed[0]
+            counts = {q: int(rows[q, 0]) - (1 if rows[q, 1] == CLOSE else 0)
+                      for q in range(self.size)}
+            culprits = uneven_culprits(counts)
             raise PeerError("rank %d: rank %d closed the communicator after collective #%d while "
-                            "this rank is in %s; uneven number of steps? every rank must call "
-                            "the same collectives" % (self.rank, r, rows[r, 0] - 1,
-                                                      consistency.label(what, seq)),
-                            culprits=closed)
+                            "this rank is in %s; uneven number of steps: %s (every rank must "
+                            "call the same collectives)"
+                            % (self.rank, r, rows[r, 0] - 1, consistency.label(what, seq),
+                               steps_text(counts, culprits, self.rank)),
+                            culprits=culprits)
         if error is None and (rows[:, 2:] == rows[self.rank, 2:]).all():
             return
         text = ("ERROR " + str(error)) if error is not None else describe()
@@ -89,9 +93,15 @@ class ExchangeBoard:
         busy = [r for r in range(self.size) if rows[r, 1] != CLOSE]
         if busy:
             r = busy[0]
+            # every rank's count is known: closers after ``completed``, the
+            # others in the collective they entered
+            counts = {q: completed if rows[q, 1] == CLOSE else int(rows[q, 0])
+                      for q in range(self.size)}
+            culprits = uneven_culprits(counts)
             raise PeerError("rank %d: this rank closed the communicator after collective #%d "
-                            "but rank %d entered %s: uneven number of steps (every rank must "
-                            "call the same collectives)"
+                            "but rank %d entered %s: uneven number of steps: %s (every rank "
+                            "must call the same collectives)"
                             % (self.rank, completed, r, consistency.label(int(rows[r, 1]),
-                                                                          int(rows[r, 0]))),
-                            culprits=(self.rank,))
+                                                                          int(rows[r, 0])),
+                               steps_text(counts, culprits, self.rank)),
+                            culprits=culprits)

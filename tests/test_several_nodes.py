@@ -46,3 +46,34 @@ def test_all_reduce_across_nodes_with_the_check_on_and_off(n, check):
     assert_each_rank(proc.stdout, r"nodes ok rank (?P<rank>\d+)", n)
     assert_each_rank(proc.stdout, r"mismatch named by rank (?P<rank>\d+)",
                      n if check == "on" else 0)
+
+
+UNEVEN = r"""
+import json, sys
+import numpy as np
+import commlib
+from commlib.board_exchange import ExchangeBoard
+comm = commlib.init()
+assert isinstance(comm._session.board, ExchangeBoard), type(comm._session.board)
+steps = 3 if comm.rank == 1 else 2          # rank 1 takes one step more
+try:
+    for _ in range(steps):
+        comm.all_reduce(np.ones(4))
+    comm.close()
+except commlib.PeerError as exc:
+    print("BLAME " + json.dumps({"rank": comm.rank, "culprits": list(exc.culprits)}),
+          flush=True)
+"""
+
+
+@pytest.mark.parametrize("n", [2, 3, 4])
+def test_uneven_steps_across_nodes_blame_the_minority(n):
+    """Across nodes, as on one: the rank whose number of collectives differs
+    from the majority's is blamed on every rank; both ranks of two."""
+    import json
+    import re
+    proc = run_mpi(n, UNEVEN, timeout=90, env=NOLOCAL)
+    said = {r["rank"]: r["culprits"] for r in
+            (json.loads(m) for m in re.findall(r"BLAME (\{[^}]*\})", proc.stdout))}
+    assert sorted(said) == list(range(n)), proc.stdout
+    assert all(c == ([1] if n > 2 else [0, 1]) for c in said.values()), said
