@@ -138,7 +138,7 @@ class Context:
         query = getattr(MPI, "Query_cuda_support", lambda: False)
         self.baselines = args.device == "cpu" or bool(query())
         self.bucket_bytes = (args.bucket_bytes or
-                             commlib.bucketing.DEFAULT_BUCKET_BYTES[self.comm.backend])
+                             commlib.collective.bucketing.DEFAULT_BUCKET_BYTES[self.comm.backend])
 
     def sync(self):
         if self.xp is not np:

@@ -451,7 +451,7 @@ def bucket_units(comm, arrays, args):
     """commlib's fusion units for ``arrays``: the buckets' index tuples and
     the arrays reduced in place, from commlib's bucket plan, and the bucket
     size used."""
-    from commlib import bucketing
+    from commlib.collective import bucketing
     bucket_bytes = args.bucket_bytes or bucketing.DEFAULT_BUCKET_BYTES.get(comm.backend,
                                                                            25 << 20)
     plan = bucketing.plan_for(arrays, bucket_bytes)
@@ -746,7 +746,7 @@ def environment(res, gpu, cupy, torch):
         except Exception as exc:
             env["torch_error"] = short(exc)
     try:
-        from commlib import gpu
+        from commlib.startup import gpu
         env["commlib_nccl_unavailable"] = gpu.nccl_unavailable_reason() if gpu else "cpu run"
     except Exception as exc:
         env["commlib_nccl_unavailable"] = short(exc)
@@ -818,7 +818,7 @@ def main(argv=None):
     gpu = args.device == "gpu"
     if args.device == "auto":
         try:
-            from commlib import gpu
+            from commlib.startup import gpu
             gpu = gpu.available()
             if not gpu:
                 torch_skip = "no GPU (%s)" % gpu.unavailable_reason()

@@ -514,7 +514,7 @@ def parse_size(text):
 
 def pick_bench(device):
     if device in ("auto", "gpu"):
-        from commlib import gpu
+        from commlib.startup import gpu
         if gpu.available():
             return GpuBench()
         if device == "gpu":

@@ -7,17 +7,16 @@
 ``import commlib`` works without cupy, NCCL or a GPU.
 """
 from . import compression, errors
-from .bootstrap import NcclId
-from .bucketing import flat_arrays
+from .startup.bootstrap import NcclId
+from .collective.bucketing import flat_arrays
 from .communicator import Communicator
-from .overlap import BackwardReducer
-from .reduce_state import ReduceState
-from .stats import CommStats
-from .work import Work
+from .progress.overlap import BackwardReducer
+from .collective.reduce_state import ReduceState
+from .collective.stats import CommStats
+from .progress.work import Work
 from .errors import (ArgumentError, ArrayTypeError, BackendUnavailableError, ClosedError,
-                     CollectiveTimeoutError, CommlibError, ConsistencyError,
-                     DeviceMismatchError, LaunchError, NonFiniteError, PayloadError,
-                     PeerError, TransportError)
+                     CollectiveTimeoutError, CommlibError, ConsistencyError, DeviceMismatchError,
+                     LaunchError, NonFiniteError, PayloadError, PeerError, TransportError)
 from . import optim
 from .optim import DistributedOptimizer, broadcast_parameters, check_parameters, partition
 
@@ -43,8 +42,8 @@ def init(**options):
         BackendUnavailableError: a launcher says several ranks but mpi4py is
             not installed.
     """
-    from .bootstrap import launcher_env
-    from .mpi_library import launched_size
+    from .startup.bootstrap import launcher_env
+    from .startup.mpi_library import launched_size
     found = launcher_env()
     if found is not None:
         nid, rank, size, local_rank, local_size = found

@@ -1,15 +1,15 @@
 """The :class:`Communicator`: the one object a training loop talks to.
 
-A thin facade: its factories make the parts (:mod:`commlib.bootstrap`), its
+A thin facade: its factories make the parts (:mod:`commlib.startup.bootstrap`), its
 methods check how they are called and hand the collective to
-:mod:`commlib.issuing` (inline, or queued for ``async_op=True``), which runs
-the steps of :mod:`commlib.collectives` on the communicator's
-:class:`~commlib.session.Session` (transports, status board, caches). Every
+:mod:`commlib.progress.issuing` (inline, or queued for ``async_op=True``), which runs
+the steps of :mod:`commlib.collective.collectives` on the communicator's
+:class:`~commlib.collective.session.Session` (transports, status board, caches). Every
 collective is safe:
 
 * **Consistency check** (on by default): before each collective the ranks
   compare fingerprints of their calls on the status board
-  (:mod:`commlib.board`); a mismatch, or arguments one rank rejected, raise
+  (:mod:`commlib.faults.board`); a mismatch, or arguments one rank rejected, raise
   on every rank before any data moves, and the communicator stays usable.
 * **Watch dog** (on by default, :data:`commlib.settings.DEFAULT_TIMEOUT`):
   every collective has a deadline; a rank that waits past it raises
@@ -24,9 +24,11 @@ Integer rule: ``op="avg"`` and ``division=True`` need floating dtypes and
 raise :class:`~commlib.errors.ArrayTypeError` on integer arrays (no silent
 truncation); use ``op="sum"`` and divide yourself.
 """
-from . import board as _board
-from . import bootstrap, collectives, issuing
-from .session import Session
+from .faults import board as _board
+from .startup import bootstrap
+from .collective import collectives
+from .progress import issuing
+from .collective.session import Session
 
 
 class Communicator:
@@ -36,18 +38,18 @@ class Communicator:
     :meth:`from_nccl_id`, :meth:`single` or :meth:`from_transport`. Options
     (every rank must pass the same; checked when the communicator is made):
     ``bucket_bytes`` caps a fused bucket (default per transport, see
-    :mod:`commlib.bucketing`); ``check`` (default True, or
+    :mod:`commlib.collective.bucketing`); ``check`` (default True, or
     ``COMMLIB_CHECK``) compares every call across ranks before it runs;
     ``timeout`` (seconds; default 600, or ``COMMLIB_WATCHDOG_TIMEOUT``;
     ``math.inf`` or ``COMMLIB_WATCHDOG_ENABLE=0`` for none) is the watch
     dog's deadline per collective. The constructor takes a factory's parts
-    (see :class:`~commlib.session.Session`).
+    (see :class:`~commlib.collective.session.Session`).
     """
 
     def __init__(self, **parts_and_options):
         self._session = Session(**parts_and_options)
 
-    # -- construction (see commlib.bootstrap) ----------------------------------
+    # -- construction (see commlib.startup.bootstrap) ----------------------------------
     @classmethod
     def from_mpi(cls, mpi_comm=None, device=None, *, backend=None, **options):
         """Bootstrap over MPI: every rank of ``mpi_comm`` (default
@@ -63,7 +65,7 @@ class Communicator:
         Raises:
             LaunchError: the launcher said N ranks (``PMI_SIZE``,
                 ``OMPI_COMM_WORLD_SIZE``, ...; see
-                :func:`commlib.mpi_library.check_world_size`) but
+                :func:`commlib.startup.mpi_library.check_world_size`) but
                 ``MPI.COMM_WORLD`` has another size; raised before any
                 communication, on every process.
         """
@@ -129,7 +131,7 @@ class Communicator:
     @property
     def async_threaded(self):
         """Whether asynchronous collectives run on a progress thread (None:
-        decided by the transports, see :func:`commlib.issuing.threaded`);
+        decided by the transports, see :func:`commlib.progress.issuing.threaded`);
         settable before the first asynchronous collective."""
         return self._session.async_threaded
 
@@ -161,7 +163,7 @@ class Communicator:
         travel as float16 / bfloat16, see :mod:`commlib.compression.half`) or
         a :class:`~commlib.compression.Compression`. Returns ``arrays``; with
         ``async_op=True`` a :class:`commlib.Work` at once, whose ``wait()``
-        returns them (see :mod:`commlib.work`): the arrays belong to it until
+        returns them (see :mod:`commlib.progress.work`): the arrays belong to it until
         then, and every error, argument errors included, raises from
         ``wait()``. ``state``: a :class:`commlib.ReduceState` the caller
         owns, holding this list's fusion plan and compression state instead

@@ -16,7 +16,8 @@ import os
 import platform
 import sys
 
-from . import mpi_library, settings
+from .startup import mpi_library
+from . import settings
 from .errors import BackendUnavailableError, LaunchError
 
 
@@ -28,7 +29,7 @@ def _version(module):
 
 
 def _gpus():
-    from . import gpu
+    from .startup import gpu
     reason = gpu.unavailable_reason()
     if reason is not None:
         return ["GPUs: none (%s)" % reason]

@@ -33,7 +33,7 @@ DEFAULT_TIMEOUT = 600.0
 #: seconds a rank waits in one collective before it prints which ranks it
 #: waits for (once per collective; it keeps waiting until the deadline)
 DEFAULT_STALL_WARNING = 60.0
-#: asynchronous all-reduces over MPI in flight at once (commlib.inflight)
+#: asynchronous all-reduces over MPI in flight at once (commlib.progress.inflight)
 DEFAULT_ASYNC_DEPTH = 4
 
 _TRUE = ("1", "true", "yes", "on")

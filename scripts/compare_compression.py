@@ -46,8 +46,9 @@ RUNS = [("plain", ["--compression", "none"]),
 
 def mpiexec():
     """The mpiexec of the MPI library this Python's mpi4py loads, with the
-    arguments it needs (commlib.mpi_library.choose_mpiexec)."""
-    from commlib import errors, mpi_library
+    arguments it needs (commlib.startup.mpi_library.choose_mpiexec)."""
+    from commlib import errors
+    from commlib.startup import mpi_library
     try:
         chosen = mpi_library.choose_mpiexec()
     except errors.CommlibError as exc:

@@ -16,7 +16,7 @@
 # summary but does not change the exit status).
 #
 # Multi-rank stages start ranks with the mpiexec of the MPI library mpi4py
-# loads (commlib.mpi_library.choose_mpiexec: Open MPI's mpirun gets
+# loads (commlib.startup.mpi_library.choose_mpiexec: Open MPI's mpirun gets
 # --oversubscribe and, as root, --allow-run-as-root); the mpi-world stage
 # fails unless 2 ranks form one world of 2, and so does every multi-rank test.
 set -u
@@ -50,7 +50,7 @@ stage_sanitizer() {
     local rc=0 t
     for t in memcheck racecheck synccheck; do
         echo "-- $t"
-        timeout -k 2 23 "$tool" --tool "$t" --error-exitcode 3 "$PY" tests/gpu_checks.py \
+        timeout -k 2 23 "$tool" --tool "$t" --error-exitcode 3 "$PY" tests/gpu/gpu_checks.py \
             small-quick || { echo "$t: FAIL (exit $?)"; rc=1; }
     done
     return $rc
@@ -86,7 +86,9 @@ fi
 mkdir -p "$DEST"
 DEST=$(cd "$DEST" && pwd)
 cd "$(dirname "$0")/.."
-export PYTHONPATH=".:tests${PYTHONPATH:+:$PYTHONPATH}"
+paths=".:tests"
+for d in tests/*/; do paths="$paths:${d%/}"; done   # each test folder's rank programs
+export PYTHONPATH="$paths${PYTHONPATH:+:$PYTHONPATH}"
 PY=${PYTHON:-$(command -v python3 || command -v python)}
 export PY DEST
 
@@ -148,12 +150,12 @@ from commlib import gpu; print('gpu:', gpu.unavailable_reason() or 'available')
 [ -z "$NO_GPU" ] && { timeout -k 2 10 nvidia-smi >> "$DEST/env.log" 2>&1 || true; }
 stage mpi-world 30 0 "$PY" -m commlib.info --run 2
 stage build 60 1 "$PY" setup.py -q build_ext --inplace
-stage nvrtc 60 1 "$PY" tests/gpu_checks.py compile
+stage nvrtc 60 1 "$PY" tests/gpu/gpu_checks.py compile
 stage pytest-gpu 150 1 -
 stage benchmark 90 1 "$PY" benchmarks/kernels.py --sizes 1M,25M --repeats 10 --out "$DEST"
 stage sanitizer 75 1 -
-stage streams 25 1 "$PY" tests/gpu_checks.py streams
-stage large-n 40 1 "$PY" tests/gpu_checks.py large
+stage streams 25 1 "$PY" tests/gpu/gpu_checks.py streams
+stage large-n 40 1 "$PY" tests/gpu/gpu_checks.py large
 stage example 90 1 -
 
 "$PY" - "$DEST" "$FAILED" <<'EOF' | tee "$DEST/summary.txt"

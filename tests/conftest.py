@@ -3,9 +3,16 @@
 ``@pytest.mark.gpu`` tests need cupy and a CUDA device; on a machine without
 them they are skipped with the reason, never counted as passed.
 """
+import sys
+
 import pytest
 
-from commlib import gpu
+from mpirun import IMPORT_DIRS
+from commlib.startup import gpu
+
+
+# every test folder's helpers importable from any test, as in rank programs
+sys.path[1:1] = [str(d) for d in IMPORT_DIRS if str(d) not in sys.path]
 
 
 def pytest_configure(config):

@@ -5,7 +5,7 @@ communicator's own logic without mpiexec.
 """
 import threading
 
-from commlib import board
+from commlib.faults import board
 from commlib.communicator import Communicator
 from commlib.transport.threads import ThreadGroup, ThreadTransport
 

@@ -9,7 +9,7 @@ An mpiexec of another MPI than mpi4py's starts N singletons of size 1 that
 each pass on their own, so :func:`run_mpi` runs every snippet behind a
 prologue that records, per process, the rank and size of its MPI world, and
 fails unless ranks 0..N-1 of a world of size N each reported exactly once.
-The mpiexec is the one :func:`commlib.mpi_library.choose_mpiexec` picks for
+The mpiexec is the one :func:`commlib.startup.mpi_library.choose_mpiexec` picks for
 this interpreter's mpi4py (with Open MPI's ``--oversubscribe`` and, as root,
 ``--allow-run-as-root``).
 """
@@ -27,6 +27,19 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
+#: where rank programs import from: the checkout, the shared helpers of
+#: tests/ and every test folder (each rank program lies beside its tests)
+IMPORT_DIRS = [ROOT, ROOT / "tests"] + sorted(
+    p for p in (ROOT / "tests").iterdir() if p.is_dir() and any(p.glob("*.py")))
+
+
+def python_path(env=None):
+    """``PYTHONPATH`` for a child process: :data:`IMPORT_DIRS` ahead of the
+    one in ``env`` (default ``os.environ``)."""
+    env = os.environ if env is None else env
+    return os.pathsep.join([str(d) for d in IMPORT_DIRS] + [env.get("PYTHONPATH", "")])
+
+
 #: the folder where each rank of a run_mpi job writes its record
 ENV_REPORTS = "COMMLIB_TEST_RANK_REPORTS"
 
@@ -50,7 +63,7 @@ del _commlib_test_report
 
 @functools.lru_cache(maxsize=None)
 def _chosen():
-    from commlib import mpi_library
+    from commlib.startup import mpi_library
     return mpi_library.choose_mpiexec()
 
 
@@ -58,7 +71,8 @@ def mpiexec(required=True):
     """The command that starts ranks of this interpreter's mpi4py: a list,
     the mpiexec of its MPI library and the arguments it needs; None if
     there is none and not ``required`` (the test fails if ``required``)."""
-    from commlib import errors, mpi_library
+    from commlib import errors
+    from commlib.startup import mpi_library
     try:
         chosen = _chosen()
     except errors.CommlibError as exc:
@@ -117,8 +131,7 @@ def run_mpi(n, code, timeout=60, env=None, args=(), expect_fail=False):
     script.write_text(PROLOGUE + textwrap.dedent(code))
     reports = tempfile.mkdtemp(prefix="commlib-ranks-", dir=str(tmp))
     full_env = dict(os.environ)
-    full_env["PYTHONPATH"] = os.pathsep.join(
-        [str(ROOT), str(ROOT / "tests"), full_env.get("PYTHONPATH", "")])
+    full_env["PYTHONPATH"] = python_path(full_env)
     full_env.update(env or {})
     full_env[ENV_REPORTS] = reports
     launcher = mpiexec(required=n > 1)

@@ -157,10 +157,10 @@ def test_no_private_member_of_another_module():
 
 def test_the_private_checks_find_planted_reaches():
     planted = ast.parse("from ..ops._arrays import is_cupy\n"
-                        "from commlib.bucketing import _span\n"
+                        "from commlib.collective.bucketing import _span\n"
                         "def f(comm):\n    return comm._transport('numpy')\n")
     modules = [("commlib.optim.planted", "commlib.optim", planted)]
     assert sorted(t for _, t in private_imports_across_packages(modules)) == \
-        ["commlib.bucketing._span", "commlib.ops._arrays", "commlib.ops._arrays.is_cupy"]
+        ["commlib.collective.bucketing._span", "commlib.ops._arrays", "commlib.ops._arrays.is_cupy"]
     assert [t for _, _, t in private_members_of_other_modules(modules)] == \
         ["comm._transport"]

@@ -13,7 +13,7 @@ before writing anything if it fails (a :class:`~commlib.errors.CommlibError`
 raised alike on every rank keeps the communicator usable). This is the
 counterpart of PyTorch DDP's communication hook, ``hook(state, bucket)``,
 with the state in ``bucket.state``; a strategy written by a user is one
-small file (``tests/user_compression.py`` is one).
+small file (``tests/compression/user_compression.py`` is one).
 """
 
 
@@ -67,7 +67,7 @@ class Compression:
     A strategy holds only its settings; what it keeps between calls (wire
     buffers, error-feedback residuals) lives in ``bucket.state``: one dict
     per strategy settings (``name``), list layout (the shapes and dtypes of
-    the list, see :class:`~commlib.bucketing.BucketPlan`) and bucket. Two
+    the list, see :class:`~commlib.collective.bucketing.BucketPlan`) and bucket. Two
     lists of identical shapes reduced with the same settings therefore
     share it, unless the calls pass their own :class:`~commlib.ReduceState`.
     """

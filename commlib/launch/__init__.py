@@ -17,7 +17,7 @@ args``) and calls :func:`commlib.init`.
   --_worker train.py args``, with an mpiexec of the MPI library mpi4py loads
   (``--mpiexec`` or ``COMMLIB_MPIEXEC``, else the one next to
   ``sys.executable`` (MPICH from the ``mpi`` extra), the library's own, or
-  one on ``PATH``; see :func:`commlib.mpi_library.choose_mpiexec`): an
+  one on ``PATH``; see :func:`commlib.startup.mpi_library.choose_mpiexec`): an
   mpiexec of another MPI would start N separate jobs of size 1, so the
   launcher refuses it, naming the fix. Open MPI's mpirun gets
   ``--oversubscribe`` (and ``--allow-run-as-root`` as root). Each rank's

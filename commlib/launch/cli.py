@@ -88,7 +88,7 @@ def main(argv=None):
         try:
             backend = choose_backend(ns.backend, ns.nprocs)
             if backend == "nccl":
-                from ..bootstrap import NcclId
+                from ..startup.bootstrap import NcclId
                 return ForkedWorkers.start_script(ns.script, ns.args, ns.nprocs, str(NcclId()))
             return MpiJob.start(ns.script, ns.args, ns.nprocs, mpiexec=ns.mpiexec)
         except CommlibError as exc:

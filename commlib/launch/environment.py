@@ -2,7 +2,7 @@
 import os
 import site
 
-from ..bootstrap import ENV_LOCAL_RANK, ENV_LOCAL_SIZE, ENV_NCCL_ID, ENV_RANK, ENV_SIZE
+from ..startup.bootstrap import ENV_LOCAL_RANK, ENV_LOCAL_SIZE, ENV_NCCL_ID, ENV_RANK, ENV_SIZE
 from ..errors import ArgumentError
 from .common import ENV_PREFIX
 from .records import ENV_STATUS_DIR

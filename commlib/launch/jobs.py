@@ -11,7 +11,7 @@ import tempfile
 import threading
 import time
 
-from .. import mpi_library
+from ..startup import mpi_library
 from .common import ENV_MPIEXEC, ENV_PREFIX, PIPE_DRAIN_S, POLL_S, PROG, RANK_FLAG, WORKER_FLAG
 from .environment import common_env, worker_env
 from .processes import end_processes, join, popen, start_relays
@@ -148,7 +148,7 @@ class MpiJob:
 
         ``mpiexec``: a path or name (default ``COMMLIB_MPIEXEC``, else one of
         the MPI library mpi4py loads, see
-        :func:`commlib.mpi_library.choose_mpiexec`).
+        :func:`commlib.startup.mpi_library.choose_mpiexec`).
 
         Raises:
             LaunchError: no mpiexec of mpi4py's MPI library was found, or

@@ -14,7 +14,7 @@ import re
 import signal
 import time
 
-from ..errors import ranks_text  # noqa: F401  (also the launcher's, through this module)
+from ..errors import ranks_text
 
 #: directory where ranks and their supervisors record how they started and ended
 ENV_STATUS_DIR = "COMMLIB_LAUNCH_STATUS_DIR"

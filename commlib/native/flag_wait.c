@@ -1,6 +1,6 @@
 /* Waits on sequence numbers in shared memory, spun on without the GIL: the
  * shared-memory reducer's synchronisation (commlib/transport/shm.py) and
- * the status board's entry into a collective (commlib/board.py).
+ * the status board's entry into a collective (commlib/faults/board.py).
  *
  * Every wait gives up early when a rank it waits for has left (its "gone"
  * word on the status board is positive and at most the collective's

@@ -1,8 +1,8 @@
 /* The extension module `commlib._hostloops`: argument checks in front of the
  * host loops (hostcopy.c, hostreduce.c, flag_wait.c, hostcast.c, hostselect.c),
  * called from commlib/ops/hostcopy.py, commlib/ops/hostreduce.py,
- * commlib/ops/hostcast.py, commlib/ops/hostselect.py, commlib/bucketing.py,
- * commlib/transport/shm.py and commlib/board.py. Built by the package build
+ * commlib/ops/hostcast.py, commlib/ops/hostselect.py, commlib/collective/bucketing.py,
+ * commlib/transport/shm.py and commlib/faults/board.py. Built by the package build
  * (setup.py), loaded by commlib/ops/_native.py.
  *
  * Every check runs before any memory is touched; a check that fails
@@ -256,7 +256,7 @@ static PyObject *py_wait_flags(PyObject *self, PyObject *const *args, Py_ssize_t
  * fingerprint differs, -1 when `slice` seconds (or the deadline) passed
  * first, -2 - r when rank r left. `words`: the board, an int64 array of
  * nranks * stride elements; *_at: word offsets in a rank's line (see
- * commlib/board.py); the slot is (d0, d1, what, when). The GIL is released
+ * commlib/faults/board.py); the slot is (d0, d1, what, when). The GIL is released
  * while waiting. */
 static PyObject *py_board_enter(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
 {

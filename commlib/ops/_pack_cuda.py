@@ -15,7 +15,7 @@ import collections
 import numpy as np
 
 from ..errors import ArgumentError, ArrayTypeError
-from ..identity_cache import IdentityCache
+from ..collective.identity_cache import IdentityCache
 from .cast import FORMAT_CODES, check_counter, check_scale, copy_mode, format_of
 
 THREADS = 256

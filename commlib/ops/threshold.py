@@ -12,7 +12,7 @@ import numpy as np
 from ..errors import ArgumentError
 from .arrays import is_cupy
 from .selection import (BLOCK, INF_KEY, check_count, check_length, check_vector, grid_for,
-                      magnitude_keys, supers_of, tiles_of)
+                        magnitude_keys, supers_of, tiles_of)
 
 def threshold_key(t):
     """Magnitude key of the largest float32 <= t, so |x| > t is exact."""

@@ -19,7 +19,7 @@ import numpy as np
 from ..errors import ArgumentError
 from .arrays import is_cupy
 from .selection import (BLOCK, INF_KEY, TILE, check_count, check_length, check_same_kind,
-                      check_vector, grid_for, magnitude_keys, tiles_of)
+                        check_vector, grid_for, magnitude_keys, tiles_of)
 
 # u32 words of the workspace before the look-back status words (kernels/topk.cu)
 _WS_STATUS = 16 + 2048 + 2048 + 512

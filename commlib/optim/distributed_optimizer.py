@@ -12,13 +12,13 @@ from collections.abc import Mapping
 import numpy as np
 
 from .. import compression as _compression
-from .. import validation
-from ..bucketing import flat_arrays, span
+from ..collective import validation
+from ..collective.bucketing import flat_arrays, span
 from ..compression import Partial, Threshold, TopK
 from ..compression import nonfinite as _nonfinite
 from ..errors import ArgumentError, NonFiniteError
 from ..ops.arrays import address, array_module, is_cupy
-from ..overlap import BackwardReducer
+from ..progress.overlap import BackwardReducer
 from . import parameters, state
 from .rules import Rule, check_number
 from .scaler import DynamicLossScaler
@@ -133,7 +133,7 @@ class DistributedOptimizer:
         overlap: True: :meth:`grad_ready` starts a bucket's all-reduce as
             soon as its gradients are ready; ``"auto"`` (default): the same
             unless it cannot pay on this node (see
-            :func:`commlib.overlap.early_start_pays`); False: every bucket
+            :func:`commlib.progress.overlap.early_start_pays`); False: every bucket
             starts in :meth:`step`. The result is bit-identical either way.
         accumulate: micro-batches per update (see also :meth:`no_sync`).
         clip_norm: None, or the default ``clip_norm`` of :meth:`step`.

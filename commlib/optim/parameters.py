@@ -4,7 +4,7 @@ from collections import Counter
 
 import numpy as np
 
-from .. import validation
+from ..collective import validation
 from ..errors import ConsistencyError
 from ..ops.arrays import is_cupy
 

@@ -2,8 +2,8 @@
 
 All buffers are 1-D, C-contiguous arrays of one supported dtype. ``op`` is
 one of ``"sum"``, ``"max"``, ``"min"``, ``"prod"`` (averaging is done above,
-by scaling). ``wait`` is a :class:`commlib.waiting.Wait` (the collective's
-deadline and the peers to watch; :data:`commlib.waiting.FOREVER` by
+by scaling). ``wait`` is a :class:`commlib.faults.waiting.Wait` (the collective's
+deadline and the peers to watch; :data:`commlib.faults.waiting.FOREVER` by
 default). A collective that fails (deadline, a peer left, the library
 reported an error, an interrupt) raises and leaves the transport unusable;
 it never writes into a caller's buffer after raising.
@@ -17,7 +17,7 @@ success. Receive buffers of ``all_gather``, ``all_gatherv`` and
 ``reduce_scatter`` are always commlib's own.
 """
 from ..errors import ClosedError
-from ..waiting import FOREVER
+from ..faults.waiting import FOREVER
 
 
 def scale_in_place(buf, scale):
@@ -43,7 +43,7 @@ class Transport:
         ``scale`` (a float, or None: no scaling; floating ``buf`` without
         ``fmt`` only). ``fmt="bfloat16"``: ``buf`` is uint16 holding bfloat16
         bit patterns (cupy has no bfloat16 dtype). ``defer``: None, or the
-        collective's :class:`commlib.inflight.InFlight`, given only to a
+        collective's :class:`commlib.progress.inflight.InFlight`, given only to a
         transport whose :meth:`defers` says so: it starts its requests,
         hands them and the work left for after them to ``defer`` and returns
         without waiting."""

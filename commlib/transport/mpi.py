@@ -2,7 +2,7 @@
 memory unless the MPI library is CUDA-aware.
 
 Every collective is issued in its non-blocking form and polled
-(:func:`commlib.waiting.poll`) until done, so every rank uses the same form,
+(:func:`commlib.faults.waiting.poll`) until done, so every rank uses the same form,
 a deadline can end the wait, a peer that leaves is noticed, and Ctrl-C
 interrupts it. A request given up on (deadline, a peer left, an interrupt)
 stays alive inside MPI: its buffers are kept referenced for the life of the
@@ -15,9 +15,9 @@ bfloat16, which MPI lacks, use user-defined operators computed with numpy.
 Errors MPI reports become :class:`~commlib.errors.TransportError`.
 
 ``all_reduce`` can also start its requests and return at once, handing
-them to the collective's :class:`~commlib.inflight.InFlight` (``defer=``)
+them to the collective's :class:`~commlib.progress.inflight.InFlight` (``defer=``)
 together with the copies left for after them, each piece then staged in a
-buffer of its own (see :mod:`commlib.inflight`).
+buffer of its own (see :mod:`commlib.progress.inflight`).
 (On one node the communicator puts
 :class:`~commlib.transport.shm.SharedMemoryTransport` in front of this
 transport for numpy arrays.)
@@ -28,9 +28,9 @@ from functools import partial
 
 import numpy as np
 
-from .. import waiting
+from ..faults import waiting
 from ..errors import BackendUnavailableError, TransportError
-from ..inflight import now
+from ..progress.inflight import now
 from ..ops import hostcast
 from ..ops.arrays import array_module, is_cupy
 from .base import Transport, scale_in_place

@@ -15,9 +15,9 @@ import contextlib
 import threading
 import time
 
-from .. import waiting
-from ..gpu import nccl_module
-from ..consistency import label
+from ..faults import waiting
+from ..startup.gpu import nccl_module
+from ..collective.consistency import label
 from ..errors import BackendUnavailableError, CollectiveTimeoutError, CommlibError
 from ..ops.arrays import is_cupy
 from .base import Transport, scale_in_place
@@ -107,7 +107,7 @@ def _code(dtype):
 class NcclTransport(Transport):
     """Collectives over a ``cupy.cuda.nccl.NcclCommunicator``.
 
-    ``nccl_id`` is a :class:`~commlib.bootstrap.NcclId`; ``device`` the GPU
+    ``nccl_id`` is a :class:`~commlib.startup.bootstrap.NcclId`; ``device`` the GPU
     ordinal this rank uses. Construction is collective: every rank must
     create its transport with the same ID.
     """

@@ -36,7 +36,7 @@ sequence number per rank in the shared memory (in C without the GIL, with
 acquire/release order, when the host loops are compiled; in Python only on
 x86-64, where stores become visible in program order); ``"barrier"`` is
 ``MPI_Ibarrier`` on the communicator. The waits take the collective's
-:class:`~commlib.waiting.Wait`: they give up at its deadline or when a rank
+:class:`~commlib.faults.waiting.Wait`: they give up at its deadline or when a rank
 leaves the status board, naming the ranks that had not arrived, and return
 to Python every few milliseconds so signal handlers run. A failure leaves
 each element of the caller's arrays holding its input or its result (a
@@ -55,8 +55,8 @@ import time
 
 import numpy as np
 
-from .. import waiting
-from ..dtypes import UFUNCS, supported_fast
+from ..faults import waiting
+from ..collective.dtypes import UFUNCS, supported_fast
 from ..errors import ArgumentError, ArrayTypeError
 from ..ops import hostcopy, hostreduce, native
 from .base import Transport
@@ -86,7 +86,7 @@ class SharedMemoryReducer:
     """All-reduce of numpy buffers over ``comm`` (an mpi4py communicator
     whose ranks all share one node), ``capacity_bytes`` at a time, in
     ``memory``: a zero-filled uint8 numpy array of :meth:`bytes_needed`
-    bytes shared by the ranks (:mod:`commlib.shared_segment`).
+    bytes shared by the ranks (:mod:`commlib.startup.shared_segment`).
 
     The constructor is collective over ``comm`` (with ``stores="auto"`` it
     probes the stores). ``comm`` is used only there and, with
@@ -174,7 +174,7 @@ class SharedMemoryReducer:
     def _wait_all(self, seq, wait):
         """Publish this rank's sequence number ``seq`` and wait until every
         rank has published at least ``seq``. ``wait``: the collective's
-        :class:`~commlib.waiting.Wait` (deadline, and the status board whose
+        :class:`~commlib.faults.waiting.Wait` (deadline, and the status board whose
         ranks leaving end the wait)."""
         if self.sync == "barrier":
             request = self._comm.Ibarrier()
@@ -235,7 +235,7 @@ class SharedMemoryReducer:
         when this reducer cannot take the call: not a numpy array or an
         unsupported dtype. Every rank must pass the same dtype and length,
         so all ranks agree. ``wait``: the collective's
-        :class:`~commlib.waiting.Wait`. A failure raises with each element
+        :class:`~commlib.faults.waiting.Wait`. A failure raises with each element
         of ``buf`` holding either its input or its result.
         """
         if type(buf) is not np.ndarray:

@@ -13,8 +13,8 @@ import time
 
 import numpy as np
 
-from .. import board, waiting
-from ..dtypes import UFUNCS
+from ..faults import board, waiting
+from ..collective.dtypes import UFUNCS
 from ..ops import hostcast
 from .base import Transport, scale_in_place
 

@@ -1,0 +1,69 @@
+"""Fused collectives: a list of arrays planned into buckets and in-place
+arrays (:mod:`commlib.collective.bucketing`), each handed to a step of the collective
+or, for an all-reduce with compression, to the strategy as a
+:class:`~commlib.compression.base.Bucket` with its state."""
+from . import bucketing, consistency
+from ..compression.base import Bucket
+
+
+def fused_checks(session, items, prepared, writeable, floating):
+    """Array checks for a fused collective; a list already prepared with
+    checks at least this strict skips them."""
+    if (prepared is not None and (prepared.writeable or not writeable)
+            and (prepared.floating or not floating)):
+        return prepared.kind
+    return session.array_checks(items, writeable=writeable, floating=floating)
+
+
+def fused(session, items, kind, key, prepared, writeable, step, strategy=None, op=None,
+          scale=None, wait=None, state=None):
+    """Run ``step(transport, flat_buffer, bucket_index_or_None, prepared)``
+    for every bucket and every in-place array of the list. With a
+    compression ``strategy``, a bucket or array it applies to goes to it
+    instead, as a :class:`~commlib.compression.base.Bucket` of ``op``,
+    ``scale`` and the collective's ``wait``;
+    ``state`` (a :class:`~commlib.collective.reduce_state.ReduceState` or None)
+    holds the list's plan and compression state instead of the
+    communicator's own tables."""
+    transport = session.transport(kind)
+    if prepared is None:
+        plan = bucketing.plan_for(items, session.bucket_bytes_for(transport))
+        cache = session.fusion if state is None else state.fusion
+        prepared = cache.prepare(key, items, plan, kind, writeable)
+        prepared.digest = consistency.layout_digest(items)
+    tables = session.workspaces if state is None else state.workspaces
+    for i, buf in prepared.buckets():
+        unit(transport, items, prepared, i, i, buf, step, strategy, op, scale, wait, tables)
+    for position, flat in zip(prepared.plan.direct, prepared.direct(items)):
+        unit(transport, items, prepared, ("direct", position), None, flat, step, strategy, op,
+             scale, wait, tables)
+
+
+def unit(transport, items, prepared, where, i, buf, step, strategy, op, scale, wait, tables):
+    """One bucket (``i``) or in-place array (``i`` None) of a fused
+    collective; ``where`` names it within the plan for the compression
+    state, kept in ``tables``."""
+    if strategy is not None and strategy.applies_to(buf.dtype):
+        strategy.reduce(Bucket(transport, prepared.arrays(items, i, buf), op, scale, wait,
+                               state=workspace(prepared, strategy, where, tables)))
+    else:
+        step(transport, buf, i, prepared)
+
+
+def workspace(prepared, strategy, where, tables):
+    """The dict a compression strategy keeps for one bucket (``where``)
+    of one list layout (``prepared.plan.key``) in ``tables`` (the
+    communicator's, or a ReduceState's): it lasts as long as they do, so
+    error-feedback residuals carry over between calls with arrays of the
+    same shapes. It is keyed by the strategy's settings (its ``name``),
+    not the object: a new object with the same settings continues where
+    the last one stopped, on every rank alike. The layout's table is
+    looked up once per prepared list (hashing a layout of many arrays is
+    not free)."""
+    if prepared.workspaces is None:
+        prepared.workspaces = tables.setdefault(prepared.plan.key, {})
+    key = (strategy.name, where)
+    found = prepared.workspaces.get(key)
+    if found is None:
+        found = prepared.workspaces[key] = {}
+    return found

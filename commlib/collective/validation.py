@@ -1,0 +1,145 @@
+"""Argument checks shared by every collective.
+
+Checks run before any communication, so bad input raises a specific error on
+the rank that passed it (and, with the consistency check on, on every rank)
+instead of a hang or garbage. Per-array checks use C-level ``map`` passes and
+only fall back to a Python loop to name the offending array.
+"""
+import operator
+
+import numpy as np
+
+from . import dtypes
+from ..errors import ArgumentError, ArrayTypeError, DeviceMismatchError
+from ..ops.arrays import is_cupy
+
+_KINDS = {"numpy": "numpy.ndarray", "cupy": "cupy.ndarray"}
+
+
+def as_list(arrays, what="arrays", rank=None):
+    """(list_of_arrays, was_single): accept one array or a list/tuple."""
+    if isinstance(arrays, (list, tuple)):
+        return list(arrays), False
+    if _kind(arrays) is None:
+        raise ArrayTypeError("%s%s: expected a numpy/cupy array or a list of them, got %s"
+                             % ("" if rank is None else "rank %d: " % rank, what,
+                                type(arrays).__name__))
+    return [arrays], True
+
+
+def _kind(a):
+    if isinstance(a, np.ndarray):
+        return "numpy"
+    if is_cupy(a) and hasattr(a, "data"):
+        return "cupy"
+    return None
+
+
+def _first(arrays, bad):
+    """Index of the first array for which ``bad(a)`` is true."""
+    return next(i for i, a in enumerate(arrays) if bad(a))
+
+
+def check_arrays(arrays, *, rank, device=None, writeable=True, floating=False,
+                 what="arrays"):
+    """Validate a list of arrays for one collective call.
+
+    Returns the kind (``"numpy"`` or ``"cupy"``; ``None`` for an empty list).
+    ``device`` (int or None) is the communicator's GPU; ``writeable`` demands
+    writeable C-contiguous memory (in-place collectives); ``floating``
+    demands floating dtypes (``avg`` and ``division=True``).
+    """
+    if not arrays:
+        return None
+    kind = _check_kind(arrays, rank, what)
+    _check_dtypes(arrays, rank, what, floating)
+    if writeable:
+        _check_writeable(arrays, rank, what, kind)
+    if kind == "cupy" and device is not None:
+        devs = set(a.device.id for a in arrays)
+        if devs != {device}:
+            i = _first(arrays, lambda a: a.device.id != device)
+            raise DeviceMismatchError(
+                "rank %d: %s[%d] is on GPU %d but this communicator uses GPU %d"
+                % (rank, what, i, arrays[i].device.id, device))
+    return kind
+
+
+def _check_kind(arrays, rank, what):
+    """The kind of every array (``"numpy"`` or ``"cupy"``), the same for all."""
+    types = set(map(type, arrays))
+    if len(types) == 1:
+        kind = _kind(arrays[0])
+        if kind is None:
+            raise ArrayTypeError("rank %d: %s[0]: expected numpy.ndarray or cupy.ndarray, got %s"
+                                 % (rank, what, type(arrays[0]).__name__))
+        return kind
+    kinds = [_kind(a) for a in arrays]
+    if None in kinds:
+        i = kinds.index(None)
+        raise ArrayTypeError("rank %d: %s[%d]: expected numpy.ndarray or cupy.ndarray, got %s"
+                             % (rank, what, i, type(arrays[i]).__name__))
+    kind = kinds[0]
+    if len(set(kinds)) > 1:
+        i = next(i for i, k in enumerate(kinds) if k != kind)
+        raise ArrayTypeError(
+            "rank %d: %s[%d] is a %s but %s[0] is a %s; one call takes arrays of one kind"
+            % (rank, what, i, _KINDS[kinds[i]], what, _KINDS[kind]))
+    return kind
+
+
+def _check_dtypes(arrays, rank, what, floating):
+    """Supported dtypes in native byte order; floating ones where ``floating``."""
+    for dt in set(map(operator.attrgetter("dtype"), arrays)):
+        if not dtypes.is_supported(dt):
+            i = _first(arrays, lambda a: a.dtype == dt)
+            order = "" if dt.isnative else " in non-native byte order (%s)" % dt.str
+            raise ArrayTypeError("rank %d: %s[%d] has dtype %s%s; supported dtypes: %s, in "
+                                 "native byte order" % (rank, what, i, dtypes.name_of(dt), order,
+                                                        ", ".join(dtypes.SUPPORTED)))
+        if floating and not dtypes.is_floating(dt):
+            i = _first(arrays, lambda a: a.dtype == dt)
+            raise ArrayTypeError(
+                "rank %d: %s[%d] has integer dtype %s; op='avg' and division=True need a "
+                "floating dtype (use op='sum' and divide yourself)"
+                % (rank, what, i, dtypes.name_of(dt)))
+
+
+def _check_writeable(arrays, rank, what, kind):
+    """C-contiguous, writeable (numpy) arrays, each given once."""
+    if not all(map(operator.attrgetter("flags.c_contiguous"), arrays)):
+        i = _first(arrays, lambda a: not a.flags.c_contiguous)
+        raise ArrayTypeError(
+            "rank %d: %s[%d] (shape %s, strides %s) is not C-contiguous; in-place "
+            "collectives need contiguous memory" % (rank, what, i, arrays[i].shape,
+                                                    arrays[i].strides))
+    if kind == "numpy" and not all(map(operator.attrgetter("flags.writeable"), arrays)):
+        i = _first(arrays, lambda a: not a.flags.writeable)
+        raise ArrayTypeError("rank %d: %s[%d] is read-only; in-place collectives write "
+                             "their result into it" % (rank, what, i))
+    if len(set(map(id, arrays))) != len(arrays):
+        seen = {}
+        for i, a in enumerate(arrays):
+            if id(a) in seen:
+                raise ArgumentError("rank %d: %s[%d] is the same array as %s[%d]; each "
+                                    "array may appear once" % (rank, what, i, what, seen[id(a)]))
+            seen[id(a)] = i
+
+
+def check_op(op, division, rank):
+    if op not in dtypes.OPS:
+        raise ArgumentError("rank %d: op=%r is not supported; expected one of %s"
+                            % (rank, op, ", ".join(dtypes.OPS)))
+    if not isinstance(division, (bool, np.bool_)):
+        raise ArgumentError("rank %d: division must be True or False, got %r" % (rank, division))
+    if division and op not in ("sum", "avg"):
+        raise ArgumentError("rank %d: division=True goes with op='sum' (it averages); got op=%r"
+                            % (rank, op))
+
+
+def check_root(root, size, rank):
+    if isinstance(root, bool) or not isinstance(root, (int, np.integer)):
+        raise ArgumentError("rank %d: root must be an int, got %r" % (rank, root))
+    if not 0 <= root < size:
+        raise ArgumentError("rank %d: root=%d is out of range for a communicator of size %d "
+                            "(expected 0 <= root < %d)" % (rank, root, size, size))

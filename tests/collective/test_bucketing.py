@@ -1,0 +1,103 @@
+"""The bucket plan: which arrays are fused, which reduced in place."""
+import numpy as np
+
+from commlib.collective import bucketing
+
+
+def arrays_of(*specs):
+    return [np.zeros(n, dtype=dt) for dt, n in specs]
+
+
+def test_small_arrays_fill_buckets_in_order_and_large_go_direct():
+    arrays = arrays_of(("float32", 10), ("float32", 300), ("float32", 20), ("float32", 5))
+    plan = bucketing.plan_for(arrays, bucket_bytes=400)   # 100 floats per bucket
+    assert plan.direct == (1,)
+    assert [b.indices for b in plan.buckets] == [(0, 2, 3)]
+    assert [b.size for b in plan.buckets] == [35]
+
+
+def test_bucket_boundary_and_exact_fit():
+    arrays = arrays_of(*[("float64", 25)] * 5)               # 200 bytes each
+    plan = bucketing.plan_for(arrays, bucket_bytes=400)
+    assert plan.direct == (4,)                                 # alone in its bucket
+    assert [b.indices for b in plan.buckets] == [(0, 1), (2, 3)]
+    plan = bucketing.plan_for(arrays, bucket_bytes=200)       # each fills a bucket: direct
+    assert plan.direct == (0, 1, 2, 3, 4) and plan.buckets == ()
+
+
+def test_dtypes_get_separate_buckets_and_empty_arrays_are_skipped():
+    arrays = arrays_of(("float32", 3), ("int64", 2), ("float32", 0), ("float32", 4), ("int64", 1))
+    plan = bucketing.plan_for(arrays, bucket_bytes=1 << 20)
+    by_dtype = {str(b.dtype): b.indices for b in plan.buckets}
+    assert by_dtype == {"float32": (0, 3), "int64": (1, 4)}
+    assert all(2 not in b.indices for b in plan.buckets) and 2 not in plan.direct
+
+
+def test_plan_is_cached_and_hashable_by_layout():
+    a = arrays_of(("float32", 7), ("float32", 9))
+    b = arrays_of(("float32", 7), ("float32", 9))
+    p1, p2 = bucketing.plan_for(a, 4096), bucketing.plan_for(b, 4096)
+    assert p1 is p2 and hash(p1.key) == hash(p2.key)
+    assert bucketing.plan_for(a, 8192) is not p1
+
+
+def test_prepared_list_pack_unpack_round_trip_with_scale():
+    rng = np.random.default_rng(0)
+    arrays = [rng.standard_normal(s).astype(np.float32) for s in ((3, 4), (5,), (1, 1, 2), ())]
+    arrays.append(rng.standard_normal(1000))                     # float64: own bucket
+    before = [a.copy() for a in arrays]
+    plan = bucketing.plan_for(arrays, 1 << 20)
+    prepared = bucketing.PreparedList(arrays, plan, "numpy", writeable=True)
+    assert prepared.floating and [b.indices for b in plan.buckets] == [(0, 1, 2, 3)]
+    assert plan.direct == (4,)
+    buf = prepared.pack(arrays, 0)
+    assert np.array_equal(buf, np.concatenate([a.ravel() for a in before[:4]]))
+    buf[:] = buf * 3
+    prepared.unpack(arrays, 0, scale=0.5)
+    for a, b in zip(arrays[:4], before):
+        assert a.shape == b.shape and np.array_equal(a, (b * np.float32(3)) * np.float32(0.5))
+    assert np.array_equal(arrays[4], before[4])
+
+
+def test_fusion_cache_remembers_a_repeated_list_and_forgets_dead_arrays():
+    cache = bucketing.FusionCache()
+    arrays = [np.ones(4, np.float32), np.ones(3, np.int32)]
+    plan = bucketing.plan_for(arrays, 1 << 20)
+    key, hit = cache.lookup(arrays)
+    assert hit is None
+    cache.prepare(key, arrays, plan, "numpy", True)
+    assert cache.lookup(arrays)[1] is None            # seen once: not kept
+    prepared = cache.prepare(key, arrays, plan, "numpy", True)
+    assert cache.lookup(arrays)[1] is prepared and not prepared.floating
+    assert cache.lookup(arrays[:1])[1] is None
+    del arrays[1]                                       # one array dies: entry dropped
+    import gc
+    gc.collect()
+    assert cache.lookup([arrays[0], object()])[1] is None
+    assert len(cache._entries) == 0
+
+
+def test_flat_arrays_are_fused_without_a_copy():
+    arrays = bucketing.flat_arrays([(3, 4), (5,), (2, 2)], dtype="float32")
+    base = arrays[0].base
+    assert all(a.base is base for a in arrays) and [a.shape for a in arrays] == [(3, 4), (5,), (2, 2)]
+    for i, a in enumerate(arrays):
+        a[...] = i + 1
+    plan = bucketing.plan_for(arrays, 1 << 20)
+    prepared = bucketing.PreparedList(arrays, plan, "numpy", writeable=True)
+    buf = prepared.pack(arrays, 0)
+    assert np.shares_memory(buf, arrays[0]) and buf.size == 21
+    buf *= 10                                   # what a collective would do in place
+    prepared.unpack(arrays, 0, scale=0.5)
+    for i, a in enumerate(arrays):
+        assert (a == (i + 1) * 5).all()
+
+
+def test_views_with_gaps_or_out_of_order_are_copied():
+    flat = np.zeros(100, np.float32)
+    gaps = [flat[0:10], flat[20:30]]
+    swapped = [flat[10:20], flat[0:10]]
+    for arrays in (gaps, swapped):
+        prepared = bucketing.PreparedList(arrays, bucketing.plan_for(arrays, 1 << 20), "numpy", True)
+        buf = prepared.pack(arrays, 0)
+        assert not np.shares_memory(buf, flat)

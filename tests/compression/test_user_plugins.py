@@ -1,0 +1,132 @@
+"""A user-written compression strategy (tests/compression/user_compression.py) works
+through commlib's documented interface without touching commlib's code: in
+ranks of this process and in a real MPI job, against a reference computed
+apart; its state dict is kept per bucket; its argument check runs before
+any communication."""
+import numpy as np
+import pytest
+
+import commlib
+from inprocess import run_ranks
+from mpirun import assert_each_rank, run_mpi
+from user_compression import Int8, expected
+
+SHAPES = [(5,), (3, 7), (1,), (0,), (129,)]
+
+
+def inputs(rank, step):
+    rng = np.random.default_rng(100 * step + rank)
+    return [rng.standard_normal(s).astype(np.float32) for s in SHAPES]
+
+
+@pytest.mark.parametrize("n", [1, 2, 3])
+@pytest.mark.parametrize("op", ["avg", "sum"])
+def test_user_strategy_in_ranks_of_this_process(n, op):
+    def body(comm):
+        got = []
+        for step in range(2):
+            arrays = inputs(comm.rank, step)
+            if step == 0:
+                comm.all_reduce(arrays, op=op, compression=Int8())
+            else:                    # asynchronously too
+                comm.all_reduce(arrays, op=op, compression=Int8(), async_op=True).wait()
+            got.append(np.concatenate([a.reshape(-1) for a in arrays]))
+        return got
+    results = run_ranks(n, body)
+    for step in range(2):
+        flats = [np.concatenate([a.reshape(-1) for a in inputs(r, step)]) for r in range(n)]
+        want = expected(flats, 1.0 / n if op == "avg" else None)
+        for rank in range(n):
+            assert np.array_equal(results[rank][step], want), (n, op, step, rank)
+
+
+def test_user_strategy_argument_check_runs_before_communication():
+    def body(comm):
+        arrays = inputs(comm.rank, 0)
+        before = [a.copy() for a in arrays]
+        with pytest.raises(commlib.ArgumentError, match="Int8 serves sum and avg only"):
+            comm.all_reduce(arrays, op="max", compression=Int8())
+        return all(np.array_equal(a, b) for a, b in zip(arrays, before))
+    assert run_ranks(2, body) == [True, True]
+
+
+CODE = """
+import sys
+import numpy as np
+import commlib
+from user_compression import Int8, expected
+from test_user_plugins import inputs
+comm = commlib.init()
+arrays = inputs(comm.rank, 5)
+comm.all_reduce(arrays, op="avg", compression=Int8())
+flats = [np.concatenate([a.reshape(-1) for a in inputs(r, 5)]) for r in range(comm.size)]
+want = expected(flats, 1.0 / comm.size)
+assert np.array_equal(np.concatenate([a.reshape(-1) for a in arrays]), want)
+print("user strategy rank %d ok" % comm.rank, flush=True)
+comm.close()
+"""
+
+
+@pytest.mark.parametrize("n", [2, 3])
+def test_user_strategy_in_a_real_mpi_job(n):
+    proc = run_mpi(n, CODE, timeout=90)
+    assert_each_rank(proc.stdout, r"user strategy rank (?P<rank>\d+) ok", n)
+
+
+TRANSPORT_CODE = """
+import numpy as np
+from mpi4py import MPI
+import commlib
+from user_transport import BlockingMpi
+world = MPI.COMM_WORLD
+rank, n = world.Get_rank(), world.Get_size()
+transport = BlockingMpi(world.Dup())
+comm = commlib.Communicator.from_transport(transport)
+assert (comm.rank, comm.size, comm.backend) == (rank, n, "user-mpi"), comm
+rng = np.random.default_rng(rank)
+mine = [rng.standard_normal(s).astype(np.float32) for s in [(3,), (4, 5), (0,), (1001,)]]
+every = world.allgather(mine)
+got = [a.copy() for a in mine]
+comm.all_reduce(got, op="avg")
+for k, a in enumerate(got):
+    want = np.zeros_like(a)
+    for r in range(n):
+        want += every[r][k]
+    want *= np.float32(1.0 / n)
+    assert np.array_equal(a, want), k
+x = np.arange(6, dtype=np.float64) + rank
+comm.broadcast(x, root=n - 1)
+assert np.array_equal(x, np.arange(6, dtype=np.float64) + n - 1)
+g = comm.all_gather(np.full(2, rank, np.int32))
+assert np.array_equal(g, np.repeat(np.arange(n, dtype=np.int32)[:, None], 2, axis=1))
+s = comm.reduce_scatter(np.ones(2 * n, np.float32))
+assert np.array_equal(s, np.full(2, n, np.float32))
+try:                                  # the consistency check runs over the transport too
+    comm.all_reduce(np.ones(3 + rank, np.float32))
+except commlib.ConsistencyError as exc:
+    assert "disagree" in str(exc), exc
+else:
+    assert n == 1
+comm.barrier()
+assert transport.calls > 0
+comm.close()
+print("user transport rank %d ok" % rank, flush=True)
+"""
+
+
+@pytest.mark.parametrize("n", [1, 2, 3])
+def test_user_transport_in_a_real_mpi_job(n):
+    proc = run_mpi(n, TRANSPORT_CODE, timeout=90)
+    assert_each_rank(proc.stdout, r"user transport rank (?P<rank>\d+) ok", n)
+
+
+def test_both_boards_take_the_same_leave_arguments():
+    """The communicator tells either board that it gave up, naming whom it
+    blames; the fingerprint exchange (ranks sharing no memory, or a
+    transport of one's own) once lacked ``blame`` and turned every failed
+    collective into a TypeError."""
+    import inspect
+    from commlib.faults.board import StatusBoard
+    from commlib.faults.board_exchange import ExchangeBoard
+    assert list(inspect.signature(ExchangeBoard.leave).parameters) == \
+        list(inspect.signature(StatusBoard.leave).parameters)

@@ -1,0 +1,455 @@
+"""Machine code of the CUDA kernels, read from cubins that nvcc builds for
+sm_80 and sm_90 with the options the loader gives cupy.RawModule.
+
+* the bandwidth-bound kernels move data with 128-bit global loads and stores
+  (LDG.E.128 / STG.E.128 in the SASS);
+* no kernel touches local memory (no spill bytes, no LDL/STL, no stack);
+* the blocks per SM that the wrappers' grids are sized by
+  (``_loader.resident_blocks``, from the kernel's registers and static shared
+  memory) are what the occupancy rule gives for the cubin's numbers, and
+  reach each kernel's design occupancy.
+
+Run as a script to print the table: ``python tests/ops/test_kernel_machine_code.py``.
+"""
+import concurrent.futures
+import glob
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from commlib.ops import _loader, _pack_cuda, cast as cast_mod
+
+ROOT = Path(__file__).resolve().parents[2]
+KERNELS = _loader.kernel_dir()
+SOURCES = ("cast.cu", "pack.cu", "threshold.cu", "topk.cu", "sparse.cu")
+ARCHS = ("sm_80", "sm_90")
+THREADS = 256  # every wrapper launches 256-thread blocks
+
+
+def find_tool(name):
+    """Path of a CUDA tool: PATH, beside the real nvcc, or a pip ``nvidia-*``
+    wheel's bin/ folder; None when there is none."""
+    found = shutil.which(name)
+    if found:
+        return found
+    nvcc = shutil.which("nvcc")
+    dirs = [os.path.dirname(os.path.realpath(nvcc))] if nvcc else []
+    for entry in sys.path:
+        dirs += sorted(glob.glob(os.path.join(entry, "nvidia", "*", "bin")))
+    for d in dirs:
+        path = os.path.join(d, name)
+        if os.access(path, os.X_OK):
+            return path
+    return None
+
+
+NVCC = shutil.which("nvcc")
+CUOBJDUMP = find_tool("cuobjdump")
+NVDISASM = find_tool("nvdisasm")  # cuobjdump -sass runs it
+pytestmark = pytest.mark.skipif(
+    NVCC is None or CUOBJDUMP is None or NVDISASM is None,
+    reason="needs nvcc, cuobjdump and nvdisasm "
+           "(pip install nvidia-cuda-cuobjdump nvidia-cuda-nvdisasm)")
+
+# kernels whose loads and stores must be 128-bit ("ld", "st" or both)
+WIDE = dict({name: "ldst" for name in cast_mod.KERNEL_NAMES},
+            **{name: "ldst" for name in _pack_cuda.KERNEL_NAMES},
+            threshold_select="ld", topk_hist1="ld", topk_hist1_resid="ldst",
+            topk_filter="ld", topk_refine="ld", topk_compact="ld")
+# blocks of 256 threads per SM each kernel is designed to keep resident:
+# streaming kernels a full SM (2048 threads, __launch_bounds__(256, 8)), the
+# selection passes what their __launch_bounds__ asks (kMinBlocks)
+DESIGN_BLOCKS = dict({name: 8 for name in WIDE if name.startswith(("cast_", "pack_", "unpack_"))},
+                     scatter_add=8, topk_sample=1)  # topk_sample runs as one block
+SELECTION_BLOCKS = int(re.search(r"constexpr int kMinBlocks = (\d+);",
+                                 (KERNELS / "select_common.cuh").read_text()).group(1))
+
+
+ARCH_DESIGN_BLOCKS = {}  # (kernel, arch) -> blocks, where an arch differs
+
+
+def _design_blocks(kernel, arch):
+    return ARCH_DESIGN_BLOCKS.get((kernel, arch), DESIGN_BLOCKS.get(kernel, SELECTION_BLOCKS))
+
+
+def nvcc_options(arch):
+    """What the loader hands NVRTC, for nvcc: its options, cupy's additions, the architecture."""
+    return [*_loader.module_options(), *_loader.CUPY_ADDED_OPTIONS, "-arch=" + arch]
+
+
+def build(source, arch, out_dir):
+    """(cubin path, ptxas log) of kernels/<source> for ``arch``."""
+    out = Path(out_dir) / ("%s.%s.cubin" % (Path(source).stem, arch))
+    res = subprocess.run([NVCC, "-cubin", "--resource-usage", "-Werror", "all-warnings",
+                          *nvcc_options(arch), str(KERNELS / source), "-o", str(out)],
+                         capture_output=True, text=True, timeout=600)
+    assert res.returncode == 0, res.stdout + res.stderr
+    return out, res.stdout + res.stderr
+
+
+def _cuobjdump(*args):
+    env = dict(os.environ, NVDISASM_PATH=os.path.dirname(NVDISASM or ""))
+    return subprocess.run([CUOBJDUMP, *args], capture_output=True, text=True, timeout=120,
+                          check=True, env=env).stdout
+
+
+def resources(cubin):
+    """{kernel: {"REG", "STACK", "SHARED", "LOCAL", ...}} from ``cuobjdump -res-usage``."""
+    text = _cuobjdump("-res-usage", str(cubin))
+    table = {}
+    for name, fields in re.findall(r"Function (\w+):\s*\n\s*(.*)", text):
+        table[name] = {k: int(v) for k, v in re.findall(r"(\w+)(?:\[\d+\])?:(\d+)", fields)}
+    return table
+
+
+def spills(ptxas_log):
+    """{kernel: (stack frame, spill store, spill load bytes)} from ptxas' report."""
+    return {name: tuple(int(v) for v in nums) for name, *nums in re.findall(
+        r"Function properties for (\w+)\s*\n\s*(\d+) bytes stack frame, (\d+) bytes spill "
+        r"stores, (\d+) bytes spill loads", ptxas_log)}
+
+
+def memory_ops(cubin):
+    """{kernel: set of memory instruction mnemonics}, e.g. ``LDG.E.128.CONSTANT``."""
+    text = _cuobjdump("-sass", str(cubin))
+    ops = {}
+    for name, body in re.findall(r"Function : (\w+)\n(.*?)(?=\n\s*\.{6,}|\n\s*Function : |\Z)",
+                                 text, re.S):
+        ops[name] = set(re.findall(r"\b(?:LDG|STG|LDL|STL|LD|ST)\.[\w.]+|\b(?:LDL|STL)\b", body))
+    return ops
+
+
+def wide(ops, kind):
+    """Whether ``ops`` hold a 128-bit global ``kind`` ("LDG" or "STG")."""
+    return any(op.startswith(kind + ".E.128") for op in ops)
+
+
+def local_ops(ops):
+    return sorted(op for op in ops if op.split(".")[0] in ("LDL", "STL"))
+
+
+def sm_limits(arch):
+    return _loader.SM_LIMITS[arch]
+
+
+def analyse(out_dir, jobs=4):
+    """Rows (kernel, arch, regs, shared, stack/spill bytes, local ops, 128-bit ld, st,
+    resident blocks) for every kernel of every source and arch."""
+    pairs = [(s, a) for s in SOURCES for a in ARCHS]
+    with concurrent.futures.ThreadPoolExecutor(jobs) as pool:
+        built = list(pool.map(lambda p: build(p[0], p[1], out_dir), pairs))
+    rows = []
+    for (source, arch), (cubin, log) in zip(pairs, built):
+        res, ops, spill = resources(cubin), memory_ops(cubin), spills(log)
+        for name in sorted(res):
+            r = res[name]
+            rows.append(dict(
+                source=source, kernel=name, arch=arch, regs=r["REG"], shared=r["SHARED"],
+                local=r["LOCAL"], stack=r["STACK"], spill=spill.get(name),
+                local_ops=local_ops(ops.get(name, ())),
+                ld128=wide(ops.get(name, ()), "LDG"), st128=wide(ops.get(name, ()), "STG"),
+                resident=_loader.occupancy(r["REG"], THREADS, r["SHARED"], sm_limits(arch)),
+                design=_design_blocks(name, arch)))
+    return rows
+
+
+@pytest.fixture(scope="module")
+def rows(tmp_path_factory):
+    return analyse(tmp_path_factory.mktemp("cubins"))
+
+
+def _by(rows, pred):
+    picked = [r for r in rows if pred(r)]
+    assert picked
+    return picked
+
+
+def test_every_wrapper_kernel_is_in_the_cubins(rows):
+    names = {r["kernel"] for r in rows}
+    want = set(WIDE) | {"topk_sample", "topk_hist1_resid_scalar", "scatter_add"}
+    assert want <= names, sorted(want - names)
+    assert {r["arch"] for r in rows} == set(ARCHS)
+
+
+def test_bandwidth_kernels_use_128_bit_loads_and_stores(rows):
+    bad = []
+    for r in _by(rows, lambda r: r["kernel"] in WIDE):
+        need = WIDE[r["kernel"]]
+        if "ld" in need and not r["ld128"]:
+            bad.append((r["kernel"], r["arch"], "no LDG.E.128"))
+        if "st" in need and not r["st128"]:
+            bad.append((r["kernel"], r["arch"], "no STG.E.128"))
+    assert not bad, bad
+
+
+def test_no_kernel_uses_local_memory(rows):
+    bad = [(r["kernel"], r["arch"], r["spill"], r["local"], r["local_ops"]) for r in rows
+           if r["spill"] != (0, 0, 0) or r["local"] or r["stack"] or r["local_ops"]]
+    assert not bad, bad
+
+
+# ------------------------------------------------------- NVRTC's machine code
+# cupy builds the kernels with the NVRTC of its CUDA wheel, whose ptxas may
+# allocate registers differently from nvcc's: the cubins that NVRTC itself
+# produces are checked too, for every NVRTC a cupy build ships with here.
+# CUDA 13.0's is pinned (it kept 8 bytes of threshold_select on the stack on
+# sm_90 where 12.9 and 13.5 did not); pip cannot install two versions of one
+# package, so its wheel is downloaded into a cache folder (PyPI) and the
+# library taken from it. A test that cannot get it fails.
+
+PINNED_NVRTC = {"13.0": "nvidia-cuda-nvrtc==13.0.88"}
+NVRTC_ARCHS = ("sm_80", "sm_90")
+
+
+def nvrtc_cache_dir():
+    base = os.environ.get("COMMLIB_NVRTC_CACHE") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "commlib", "nvrtc")
+    return Path(base)
+
+
+def pinned_nvrtc(version):
+    """Path of libnvrtc of the pinned CUDA ``version`` ("13.0"): from
+    COMMLIB_NVRTC_<major>_<minor>, the cache folder, or its wheel downloaded
+    into the cache folder with pip. Raises RuntimeError when none can be had."""
+    env = os.environ.get("COMMLIB_NVRTC_" + version.replace(".", "_"))
+    if env:
+        return env
+    requirement = PINNED_NVRTC[version]
+    dest = nvrtc_cache_dir() / requirement.split("==")[1]
+    found = sorted(p for p in dest.glob("nvidia/*/lib/libnvrtc.so.*") if ".alt." not in p.name)
+    if found:
+        return str(found[0])
+    import tempfile
+    import zipfile
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=dest.parent) as tmp:
+        res = subprocess.run([sys.executable, "-m", "pip", "download", "--quiet", "--no-deps",
+                              "--only-binary=:all:", "--platform", "manylinux_2_17_x86_64",
+                              "--platform", "manylinux_2_12_x86_64", "--dest", tmp, requirement],
+                             capture_output=True, text=True, timeout=900)
+        wheels = glob.glob(os.path.join(tmp, "*.whl"))
+        if res.returncode != 0 or not wheels:
+            raise RuntimeError("cannot download %s: %s" % (requirement, res.stderr[-2000:]))
+        unpacked = Path(tmp) / "unpacked"
+        with zipfile.ZipFile(wheels[0]) as zf:
+            for name in zf.namelist():
+                if re.search(r"nvidia/\w+/lib/libnvrtc[-.]", name):
+                    zf.extract(name, unpacked)
+        os.replace(unpacked, dest)  # complete or absent, also with two test runs at once
+    found = sorted(p for p in dest.glob("nvidia/*/lib/libnvrtc.so.*") if ".alt." not in p.name)
+    if not found:
+        raise RuntimeError("%s holds no libnvrtc.so" % requirement)
+    return str(found[0])
+
+
+def nvrtc_versions():
+    """{label: libnvrtc path}: the pip wheels of the test extras (CUDA 12 and
+    the newest 13) and the pinned ones; a pinned one that cannot be had maps
+    to the RuntimeError's text."""
+    import test_kernel_sources
+    libs = {"%d (pip)" % major: path for major, path in test_kernel_sources.NVRTC_LIBS.items()}
+    for version in PINNED_NVRTC:
+        try:
+            libs[version] = pinned_nvrtc(version)
+        except RuntimeError as exc:
+            libs[version] = exc
+    return libs
+
+
+# argv: library, output folder, options (JSON), [[source path, arch], ...] (JSON).
+# Writes <stem>.<arch>.cubin; prints JSON {"<stem>.<arch>": [status, log]}.
+_NVRTC_CUBIN_PROGRAM = r"""
+import concurrent.futures, ctypes, glob, json, os, sys
+lib_path, out_dir, options, jobs = sys.argv[1], sys.argv[2], json.loads(sys.argv[3]), json.loads(sys.argv[4])
+for b in glob.glob(os.path.join(os.path.dirname(lib_path), "libnvrtc-builtins.so*")):
+    if ".alt." not in b:
+        ctypes.CDLL(b, mode=ctypes.RTLD_GLOBAL)
+lib = ctypes.CDLL(lib_path)
+major, minor = ctypes.c_int(), ctypes.c_int()
+lib.nvrtcVersion(ctypes.byref(major), ctypes.byref(minor))
+
+def build(job):
+    source, arch = job
+    stem = os.path.basename(source).rsplit(".", 1)[0]
+    opts = options + ["-arch=" + arch]
+    prog = ctypes.c_void_p()
+    assert lib.nvrtcCreateProgram(ctypes.byref(prog), open(source, "rb").read(),
+                                  os.path.basename(source).encode(), 0, None, None) == 0
+    try:
+        argv = (ctypes.c_char_p * len(opts))(*[o.encode() for o in opts])
+        rc = lib.nvrtcCompileProgram(prog, len(opts), argv)
+        size = ctypes.c_size_t()
+        lib.nvrtcGetProgramLogSize(prog, ctypes.byref(size))
+        log = ctypes.create_string_buffer(size.value)
+        lib.nvrtcGetProgramLog(prog, log)
+        if rc != 0:
+            return stem + "." + arch, ["error %d" % rc, log.value.decode(errors="replace")]
+        n = ctypes.c_size_t()
+        assert lib.nvrtcGetCUBINSize(prog, ctypes.byref(n)) == 0
+        buf = ctypes.create_string_buffer(n.value)
+        assert lib.nvrtcGetCUBIN(prog, buf) == 0
+        with open(os.path.join(out_dir, "%s.%s.cubin" % (stem, arch)), "wb") as f:
+            f.write(buf.raw)
+    finally:
+        lib.nvrtcDestroyProgram(ctypes.byref(prog))
+    return stem + "." + arch, ["ok", log.value.decode(errors="replace")]
+
+with concurrent.futures.ThreadPoolExecutor(2) as pool:
+    result = dict(pool.map(build, jobs))
+print(json.dumps({"version": "%d.%d" % (major.value, minor.value), "builds": result}))
+"""
+
+
+def nvrtc_analyse(lib, out_dir, archs=NVRTC_ARCHS, sources=SOURCES):
+    """(NVRTC version, rows as analyse()'s) of the cubins NVRTC ``lib``
+    builds with the options cupy.RawModule hands it."""
+    import json
+    options = [*_loader.module_options(), *_loader.CUPY_ADDED_OPTIONS]
+    jobs = [[str(KERNELS / s), a] for s in sources for a in archs]
+    res = subprocess.run([sys.executable, "-c", _NVRTC_CUBIN_PROGRAM, lib, str(out_dir),
+                          json.dumps(options), json.dumps(jobs)],
+                         capture_output=True, text=True, timeout=900)
+    assert res.returncode == 0, res.stdout + res.stderr
+    report = json.loads(res.stdout)
+    bad = {k: v for k, v in report["builds"].items() if v[0] != "ok" or "warning" in v[1]}
+    assert not bad, bad
+    rows = []
+    for source in sources:
+        for arch in archs:
+            cubin = Path(out_dir) / ("%s.%s.cubin" % (Path(source).stem, arch))
+            res_, ops = resources(cubin), memory_ops(cubin)
+            for name in sorted(res_):
+                r = res_[name]
+                rows.append(dict(
+                    source=source, kernel=name, arch=arch, regs=r["REG"], shared=r["SHARED"],
+                    local=r["LOCAL"], stack=r["STACK"], spill=None,
+                    local_ops=local_ops(ops.get(name, ())),
+                    ld128=wide(ops.get(name, ()), "LDG"), st128=wide(ops.get(name, ()), "STG"),
+                    resident=_loader.occupancy(r["REG"], THREADS, r["SHARED"], sm_limits(arch)),
+                    design=_design_blocks(name, arch)))
+    return report["version"], rows
+
+
+@pytest.fixture(scope="module")
+def nvrtc_rows(tmp_path_factory):
+    return {}  # label -> (version, rows), filled on first use
+
+
+def _nvrtc_rows(cache, label, tmp_path_factory):
+    if label not in cache:
+        lib = nvrtc_versions()[label]
+        if isinstance(lib, Exception):
+            pytest.fail("NVRTC %s not available: %s" % (label, lib))
+        cache[label] = nvrtc_analyse(lib, tmp_path_factory.mktemp("nvrtc"))
+    return cache[label]
+
+
+NVRTC_LABELS = ("12 (pip)", "13.0", "13 (pip)")
+
+
+@pytest.mark.parametrize("label", NVRTC_LABELS)
+def test_nvrtc_cubins_use_no_local_memory(nvrtc_rows, label, tmp_path_factory):
+    version, rows = _nvrtc_rows(nvrtc_rows, label, tmp_path_factory)
+    if label == "13.0":
+        assert version == "13.0", version
+    names = {r["kernel"] for r in rows}
+    assert set(WIDE) | {"topk_sample", "scatter_add"} <= names
+    bad = [(r["kernel"], r["arch"], r["regs"], r["local"], r["stack"], r["local_ops"])
+           for r in rows if r["local"] or r["stack"] or r["local_ops"]]
+    assert not bad, (version, bad)
+
+
+@pytest.mark.parametrize("label", NVRTC_LABELS)
+def test_nvrtc_cubins_reach_the_design_occupancy(nvrtc_rows, label, tmp_path_factory):
+    version, rows = _nvrtc_rows(nvrtc_rows, label, tmp_path_factory)
+    bad = [(r["kernel"], r["arch"], r["regs"], r["resident"], r["design"]) for r in rows
+           if r["resident"] < r["design"]]
+    assert not bad, (version, bad)
+    bad = [(r["kernel"], r["arch"]) for r in rows if r["kernel"] in WIDE and
+           ("ld" in WIDE[r["kernel"]] and not r["ld128"] or
+            "st" in WIDE[r["kernel"]] and not r["st128"])]
+    assert not bad, (version, bad)
+
+
+def test_resident_blocks_reach_the_design_occupancy(rows):
+    bad = [(r["kernel"], r["arch"], r["regs"], r["resident"], r["design"]) for r in rows
+           if r["resident"] < r["design"]]
+    assert not bad, bad
+
+
+class _Kernel:
+    def __init__(self, regs, shared):
+        self.attributes = {"num_regs": regs, "shared_size_bytes": shared}
+
+
+def _props(arch, sms=132):
+    lim = sm_limits(arch)
+    return {"multiProcessorCount": sms, "regsPerMultiprocessor": lim["regs"],
+            "maxThreadsPerMultiProcessor": lim["threads"],
+            "maxBlocksPerMultiProcessor": lim["blocks"],
+            "sharedMemPerMultiprocessor": lim["shared"], "reservedSharedMemPerBlock": 1024}
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_launch_grids_follow_the_cubin_attributes(rows, arch, monkeypatch):
+    # the wrappers' grids: resident_blocks() on the kernel's attributes (what
+    # cupy reports for this cubin) and the device's limits
+    import types
+    fake = types.SimpleNamespace(cuda=types.SimpleNamespace(Device=lambda: types.SimpleNamespace(id=0)))
+    monkeypatch.setattr(_loader, "_cupy", lambda: fake)
+    monkeypatch.setattr(_loader, "_device_props", lambda i: _props(arch))
+    monkeypatch.setattr(_loader, "_resident", {})
+    for r in _by(rows, lambda r: r["arch"] == arch):
+        k = _Kernel(r["regs"], r["shared"])
+        assert _loader.resident_blocks(k, THREADS) == r["resident"], r
+        assert _loader.persistent_grid(10 ** 6, k, THREADS) == (132 * r["resident"],)
+        grid, block = _loader.launch_config(10 ** 9, k, THREADS, waves=4)
+        assert grid == (4 * 132 * r["resident"],) and block == (THREADS,)
+        assert _loader.persistent_grid(3, k, THREADS) == (3,)
+
+
+@pytest.mark.parametrize("regs,threads,shared,arch,want", [
+    (80, 256, 9412, "sm_80", 3),    # 2560 regs a warp: 6 warps per scheduler, 24 per SM
+    (64, 256, 9412, "sm_80", 4),
+    (32, 256, 0, "sm_80", 8),       # thread limit
+    (33, 256, 0, "sm_90", 6),       # 1280 regs a warp: 12 per scheduler
+    (16, 64, 0, "sm_90", 32),       # block limit
+    (24, 256, 100000, "sm_80", 1),  # shared: 101120 bytes a block of 167936
+    (24, 256, 100000, "sm_90", 2),  # of 233472
+    (255, 1024, 0, "sm_80", 0),     # 261120 registers: does not fit
+    (40, 96, 0, "sm_86", 16),       # 3 warps, 1536 threads, 16 blocks
+])
+def test_occupancy_rule(regs, threads, shared, arch, want):
+    assert _loader.occupancy(regs, threads, shared, sm_limits(arch)) == want
+
+
+def format_table(rows):
+    lines = ["| kernel | arch | regs | shared B | stack/spill B | local ops | 128-bit ld | "
+             "128-bit st | resident blocks | design |", "|" + "---|" * 10]
+    for r in rows:
+        lines.append("| %s | %s | %d | %d | %s | %s | %s | %s | %d | %d |" % (
+            r["kernel"], r["arch"], r["regs"], r["shared"],
+            "/".join(map(str, r["spill"] or ())), ",".join(r["local_ops"]) or "-",
+            "yes" if r["ld128"] else "no", "yes" if r["st128"] else "no",
+            r["resident"], r["design"]))
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    import tempfile
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    with tempfile.TemporaryDirectory() as d:
+        print("nvcc\n" + format_table(analyse(d)))
+        for label, lib in nvrtc_versions().items():
+            if isinstance(lib, Exception):
+                print("\nNVRTC %s: %s" % (label, lib))
+                continue
+            out = Path(d) / label.replace(" ", "_").replace("(", "").replace(")", "")
+            out.mkdir()
+            version, rows_ = nvrtc_analyse(lib, out)
+            print("\nNVRTC %s\n%s" % (version, format_table(rows_)))

@@ -1,0 +1,432 @@
+"""CUDA sources: they compile with nvcc, and with the NVRTC of CUDA 12 and of
+CUDA 13 given the options the loader gives cupy, for every supported
+architecture, stay NVRTC-friendly, export the kernels the wrappers launch, and (built as host code) compute exactly what
+their numpy twins compute.
+
+The host build (tests/ops/cuda_host_build.py, the cooperative one that
+tests/ops/test_kernels_cooperative.py runs every kernel through) launches the
+kernels with every thread a fiber, every load and store bounds- and
+alignment-checked and every written byte counted; it needs g++ but no GPU.
+With its host stand-in for cupy, the ``gpu``-marked tests of the cast and
+pack wrappers and the benchmark's GPU branch run end to end on a CPU too.
+"""
+import glob
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from commlib.ops import _pack_cuda, cast as cast_mod
+from commlib.ops.cast import numpy_cast_into
+from commlib.ops.pack import copy_mode, pack, unpack
+import cuda_host_build
+from test_ops_cast import STORE, adversarial
+
+ROOT = Path(__file__).resolve().parents[2]
+KERNELS = ROOT / "kernels"
+SOURCES = sorted(KERNELS.glob("*.cu"))
+ARCHS = ("75", "80", "90")
+NVCC = shutil.which("nvcc")
+needs_nvcc = pytest.mark.skipif(NVCC is None, reason="nvcc not found on PATH")
+# what cupy.RawModule adds (-ftz=true) plus what commlib passes (--std=c++17)
+FLAGS = ["--std=c++17", "-Werror", "all-warnings", "-ftz=true", "-I", str(KERNELS)]
+
+
+def _nvcc(args, timeout=300):
+    return subprocess.run([NVCC] + args, capture_output=True, text=True, timeout=timeout)
+
+
+@needs_nvcc
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("source", SOURCES, ids=[p.name for p in SOURCES])
+def test_ptx_compiles(source, arch, tmp_path):
+    out = tmp_path / (source.stem + ".ptx")
+    res = _nvcc(["--ptx", "-arch=compute_" + arch, *FLAGS, str(source), "-o", str(out)])
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert out.stat().st_size > 0
+
+
+@needs_nvcc
+@pytest.mark.parametrize("source,names", [("cast.cu", cast_mod.KERNEL_NAMES),
+                                          ("pack.cu", _pack_cuda.KERNEL_NAMES)])
+def test_wrappers_name_existing_kernels(source, names, tmp_path):
+    out = tmp_path / "k.ptx"
+    res = _nvcc(["--ptx", "-arch=compute_90", *FLAGS, str(KERNELS / source), "-o", str(out)])
+    assert res.returncode == 0, res.stdout + res.stderr
+    entries = set(re.findall(r"\.entry\s+(\w+)\s*\(", out.read_text()))
+    assert set(names) <= entries, sorted(set(names) - entries)
+
+
+NVRTC_MAJORS = (12, 13)               # the NVRTC of each cupy-cuda wheel (cupy-cuda12x, 13x)
+NVRTC_ARCHS = ("75", "80", "86", "89", "90")
+
+
+def nvrtc_libraries():
+    """{major: path} of the libnvrtc libraries found: COMMLIB_NVRTC, pip
+    ``nvidia-cuda-nvrtc-cu12`` / ``nvidia-cuda-nvrtc`` wheels, the CUDA toolkit."""
+    candidates = [os.environ.get("COMMLIB_NVRTC", "")]
+    for entry in sys.path:
+        candidates += sorted(glob.glob(os.path.join(entry, "nvidia", "*", "lib", "libnvrtc.so.*")))
+    for root in (os.environ.get("CUDA_PATH", ""), "/usr/local/cuda"):
+        candidates += sorted(glob.glob(os.path.join(root, "lib64", "libnvrtc.so.*")))
+    found = {}
+    for path in candidates:
+        m = re.search(r"libnvrtc\.so\.(\d+)", os.path.basename(path))
+        if m and ".alt." not in path and os.path.exists(path):
+            found.setdefault(int(m.group(1)), path)
+    return found
+
+
+# Runs in a subprocess of its own per library (two majors' builtins do not
+# share a process): argv = library, source, options (JSON), archs (JSON).
+# Prints JSON {arch: [status, log]}; "unsupported" for an arch this NVRTC
+# does not list.
+_NVRTC_PROGRAM = r"""
+import concurrent.futures, ctypes, glob, json, os, sys
+lib_path, source, options, archs = sys.argv[1], sys.argv[2], json.loads(sys.argv[3]), json.loads(sys.argv[4])
+for b in glob.glob(os.path.join(os.path.dirname(lib_path), "libnvrtc-builtins.so*")):
+    if ".alt." not in b:
+        ctypes.CDLL(b, mode=ctypes.RTLD_GLOBAL)
+lib = ctypes.CDLL(lib_path)
+n = ctypes.c_int()
+assert lib.nvrtcGetNumSupportedArchs(ctypes.byref(n)) == 0
+supported = (ctypes.c_int * n.value)()
+assert lib.nvrtcGetSupportedArchs(supported) == 0
+supported = set(supported)
+text = open(source, "rb").read()
+
+def compile_for(arch):
+    if int(arch) not in supported:
+        return arch, ["unsupported", ""]
+    opts = options + ["-arch=sm_" + arch]
+    prog = ctypes.c_void_p()
+    assert lib.nvrtcCreateProgram(ctypes.byref(prog), text, os.path.basename(source).encode(),
+                                  0, None, None) == 0
+    try:
+        argv = (ctypes.c_char_p * len(opts))(*[o.encode() for o in opts])
+        rc = lib.nvrtcCompileProgram(prog, len(opts), argv)
+        size = ctypes.c_size_t()
+        lib.nvrtcGetProgramLogSize(prog, ctypes.byref(size))
+        log = ctypes.create_string_buffer(size.value)
+        lib.nvrtcGetProgramLog(prog, log)
+        cubin = ctypes.c_size_t()
+        if rc == 0:
+            assert lib.nvrtcGetCUBINSize(prog, ctypes.byref(cubin)) == 0
+    finally:
+        lib.nvrtcDestroyProgram(ctypes.byref(prog))
+    status = "ok" if rc == 0 and cubin.value > 0 else "error %d" % rc
+    return arch, [status, log.value.decode(errors="replace")]
+
+with concurrent.futures.ThreadPoolExecutor(2) as pool:
+    print(json.dumps(dict(pool.map(compile_for, archs))))
+"""
+
+
+NVRTC_LIBS = nvrtc_libraries()
+
+
+@pytest.mark.parametrize("major", NVRTC_MAJORS + ("13.0",))
+@pytest.mark.parametrize("source", SOURCES, ids=[p.name for p in SOURCES])
+def test_nvrtc_compiles_like_the_loader(source, major):
+    # exactly what cupy.RawModule hands NVRTC for commlib's kernels: the
+    # loader's options, cupy's -ftz=true, and -arch=sm_XX for the device;
+    # "13.0": CUDA 13.0's NVRTC, pinned (test_kernel_machine_code.pinned_nvrtc)
+    from commlib.ops import _loader
+    if major == "13.0":
+        import test_kernel_machine_code
+        try:
+            lib = test_kernel_machine_code.pinned_nvrtc(major)
+        except RuntimeError as exc:
+            pytest.fail("NVRTC 13.0 not available: %s" % exc)
+    elif major not in NVRTC_LIBS:
+        pytest.skip("libnvrtc.so.%d not found (pip install %s)" % (
+            major, "nvidia-cuda-nvrtc-cu12" if major == 12 else "nvidia-cuda-nvrtc"))
+    else:
+        lib = NVRTC_LIBS[major]
+    options = list(_loader.module_options()) + list(_loader.CUPY_ADDED_OPTIONS)
+    res = subprocess.run([sys.executable, "-c", _NVRTC_PROGRAM, lib, str(source),
+                          json.dumps(options), json.dumps(NVRTC_ARCHS)],
+                         capture_output=True, text=True, timeout=600)
+    assert res.returncode == 0, res.stdout + res.stderr
+    results = json.loads(res.stdout)
+    assert set(results) == set(NVRTC_ARCHS)
+    for arch, (status, log) in sorted(results.items()):
+        assert status == "ok", "NVRTC %s, sm_%s: %s\n%s" % (major, arch, status, log)
+        assert "warning" not in log, "NVRTC %s, sm_%s:\n%s" % (major, arch, log)
+
+
+@pytest.mark.parametrize("path", sorted(KERNELS.glob("*.cu*")), ids=lambda p: p.name)
+def test_sources_need_no_host_headers(path):
+    # NVRTC has no C/C++ standard library headers; cuda_*.h are fine
+    text = path.read_text()
+    for header in re.findall(r"^\s*#\s*include\s*<([^>]+)>", text, re.M):
+        assert header.startswith("cuda_") or "__CUDACC_RTC__" in text, \
+            "%s includes <%s>, which NVRTC cannot open" % (path.name, header)
+
+
+# ---------------------------------------------------------------- host build
+# The cooperative host build of kernels/ (tests/ops/cuda_host_build.py): every
+# thread of a launch is a fiber, every load and store is checked, and each
+# stored byte can be counted.
+
+needs_host_build = pytest.mark.skipif(
+    cuda_host_build.GXX is None or cuda_host_build.OBJCOPY is None,
+    reason="g++ or objcopy not found on PATH")
+
+
+def _span(a, name, counts=None):
+    lo = a.__array_interface__["data"][0]
+    return (lo, lo + a.nbytes, name) + (() if counts is None else (counts,))
+
+
+class Emulator:
+    """Launches the cast and pack kernels of the host build over numpy
+    arrays. A launch may touch only the arrays named as read or written (and
+    its counter and segment table), and over one call every byte of the
+    written arrays is stored exactly once and no byte of the read ones."""
+
+    def __init__(self, kernels):
+        self.kernels = kernels
+
+    def _run(self, launches, reads, writes):
+        """launches: (kernel, grid, block, args, extra regions)."""
+        arrays = list(writes) + list(reads)
+        counts = [np.zeros(a.nbytes, np.uint8) for a in arrays]
+        regions = [_span(a, "%s array %d" % ("written" if i < len(writes) else "read", i), c)
+                   for i, (a, c) in enumerate(zip(arrays, counts))]
+        for name, grid, block, args, extra in launches:
+            self.kernels.launch(name, grid, block, args, regions=regions + extra,
+                                args_are_regions=False)
+        assert all(np.all(c == 1) for c in counts[:len(writes)]), \
+            "bytes not stored exactly once"
+        assert not any(c.any() for c in counts[len(writes):]), "stores into an array only read"
+
+    def cast(self, x, out, scale, accumulate, threads):
+        name = cast_mod.cast_kernel_name(cast_mod.format_of(x.dtype),
+                                         cast_mod.format_of(out.dtype), accumulate)
+        counter = np.zeros((), np.uint64)
+        args = [x, out, np.int64(x.size), np.float32(scale), counter]
+        self._run([(name, 1, threads, args, [_span(counter, "counter")])], [x], [out])
+        return int(counter)
+
+    def pack(self, direction, arrays, bucket, scale, accumulate, mode, blocks, threads=256):
+        plan = _pack_cuda.plan(direction, [a.dtype for a in arrays], [a.size for a in arrays],
+                               [a.ctypes.data for a in arrays], bucket.dtype,
+                               bucket.ctypes.data, mode, accumulate)
+        total = sum(a.size for a in arrays)
+        live = [a for a in arrays if a.size]
+        counter = np.zeros((), np.uint64)
+        launches = []
+        for launch in plan:
+            table, nchunks = _pack_cuda.build_table(launch.segments, launch.chunk)
+            args = [table, np.int64(len(launch.segments)), np.int64(launch.chunk), bucket,
+                    np.float32(1 if scale is None else scale), counter]
+            launches.append((launch.kernel, min(blocks, nchunks), threads, args,
+                             [_span(table, "table"), _span(counter, "counter")]))
+        if direction == "pack":
+            self._run(launches, live, [bucket[:total]])
+        else:
+            self._run(launches, [bucket[:total]], live)
+        return int(counter), [launch.kernel for launch in plan]
+
+
+@pytest.fixture(scope="module")
+def emu():
+    if cuda_host_build.GXX is None or cuda_host_build.OBJCOPY is None:
+        pytest.skip("g++ or objcopy not found on PATH")
+    return Emulator(cuda_host_build.build())
+
+
+@pytest.fixture(scope="module")
+def host_cupy(emu, tmp_path_factory):
+    """Environment that makes ``import cupy`` load the host stand-in."""
+    d = tmp_path_factory.mktemp("hostcupy")
+    cuda_host_build.write_cupy_package(d, emu.kernels)
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(d), str(ROOT)]))
+    env.pop("COMMLIB_HOST_KERNELS_LENIENT", None)
+    return env
+
+
+@needs_host_build
+def test_gpu_tests_pass_on_the_host_build(host_cupy):
+    # the @pytest.mark.gpu tests of the cast and pack wrappers, end to end
+    # (wrappers, launch arguments, caches), on the host build of the kernels
+    res = subprocess.run([sys.executable, "-m", "pytest", "-q", "-m", "gpu", "-x",
+                          "-p", "no:cacheprovider", "tests/ops/test_ops_cast.py",
+                          "tests/ops/test_ops_pack.py"],
+                         cwd=ROOT, env=host_cupy, capture_output=True, text=True, timeout=600)
+    tail = res.stdout[-3000:] + res.stderr[-3000:]
+    assert res.returncode == 0, tail
+    assert "skipped" not in res.stdout.splitlines()[-1], tail
+
+
+def _benchmark(args, env, tmp_path):
+    res = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "kernels.py"), *args,
+                          "--out", str(tmp_path)], cwd=ROOT, env=env, capture_output=True,
+                         text=True, timeout=600)
+    rows = json.loads((tmp_path / "kernels.json").read_text())["rows"]
+    return res, rows
+
+
+def test_benchmark_runs_on_the_cpu(tmp_path):
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    res, rows = _benchmark(["--device", "cpu", "--sizes", "20K", "--repeats", "1", "--no-pack"],
+                           env, tmp_path)
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert "| name | N | k | ms |" in res.stdout
+    names = {r["name"] for r in rows}
+    assert {"cast f32->f16", "topk", "threshold"} <= names
+    assert all(r["check"] in ("ok", "-", "n/a") for r in rows), rows
+
+
+@needs_host_build
+def test_benchmark_gpu_branch_on_the_host_build(host_cupy, tmp_path):
+    # every commlib kernel runs on the host build; the benchmark's own timing
+    # kernel has none and does nothing here (lenient)
+    env = dict(host_cupy, COMMLIB_HOST_KERNELS_LENIENT="1")
+    res, rows = _benchmark(["--device", "gpu", "--sizes", "20K", "--repeats", "2"], env,
+                           tmp_path)
+    mine = [r for r in rows if r["name"].startswith(("cast", "pack", "unpack"))]
+    assert len(mine) == 6 and all(r["check"] == "ok" for r in mine), mine
+    assert all(r["ms"] > 0 and r["copy_fraction"] > 0 for r in mine)
+    failed = {r["name"] for r in rows if str(r["check"]).startswith(("FAIL", "error"))}
+    assert not failed, rows
+    assert {"topk", "threshold"} <= {r["name"] for r in rows}, rows
+    assert res.returncode == 0, res.stdout + res.stderr
+
+
+FMTS = ("float32", "float16", "bfloat16")
+
+
+@needs_host_build
+@pytest.mark.parametrize("src", FMTS)
+@pytest.mark.parametrize("dst", FMTS)
+@pytest.mark.parametrize("accumulate", [False, True], ids=["set", "acc"])
+def test_cast_kernel_body_matches_twin(emu, src, dst, accumulate):
+    # every pair of start offsets (mod 8 elements) of x and out: aligned,
+    # misaligned but vectorisable after a head, and never vectorisable
+    lengths = (0, 1, 7, 37, 100, 1001)
+    xbase = adversarial(src, 1100, 1)
+    obase = adversarial(dst, 1100, 2)
+    for k, scale in enumerate((1.0, 0.375, 3e5)):
+        for xo in range(8):
+            for oo in range(8):
+                n = lengths[(xo * 8 + oo + k) % len(lengths)]
+                x = xbase[xo:xo + n]
+                o_kernel = obase.copy()[oo:oo + n]
+                o_twin = o_kernel.copy()
+                count = emu.cast(x, o_kernel, scale, accumulate, threads=96)
+                want = numpy_cast_into(x, o_twin, np.float32(scale), accumulate)
+                assert count == want, (xo, oo, n, scale)
+                np.testing.assert_array_equal(o_kernel.view(np.uint8), o_twin.view(np.uint8))
+
+
+def _resnet_shapes():
+    return [tuple(s) for s in json.loads((ROOT / "tests/data/resnet50.json").read_text())["shapes"]]
+
+
+def _arrays(shapes, dtype, seed, fmt=None):
+    rng = np.random.default_rng(seed)
+    out = []
+    for s in shapes:
+        a = rng.standard_normal(s).astype(np.float32)
+        if fmt == "bfloat16":
+            a = (a.view(np.uint32) >> 16).astype(np.uint16)
+        out.append(a.astype(dtype, copy=False))
+    return out
+
+
+SMALL_SHAPES = [(3, 5), (0,), (64,), (1,), (7, 3, 3), (1000,), (17,), (2, 0), (8200,), (5,)]
+
+
+@needs_host_build
+@pytest.mark.parametrize("afmt", FMTS)
+@pytest.mark.parametrize("bfmt", FMTS)
+def test_pack_kernel_bodies_match_twin(emu, afmt, bfmt):
+    total = sum(int(np.prod(s)) for s in SMALL_SHAPES)
+    for layout in ("separate", "flat+0", "flat+1", "flat+3"):
+        if layout == "separate":
+            arrays = _arrays(SMALL_SHAPES, STORE[afmt], 3, afmt)
+        else:       # views into one flat buffer, as a gradient buffer would be
+            flat = np.concatenate([a.ravel() for a in _arrays(SMALL_SHAPES, STORE[afmt], 3, afmt)]
+                                  + [np.zeros(8, STORE[afmt])])[int(layout[-1]):]
+            arrays = _views(flat, SMALL_SHAPES)
+        arrays[2].reshape(-1)[:8] = adversarial(afmt, 8, 9)
+        for bucket_offset in (0, 1, 3):
+            for scale in (None, 0.5):
+                _check_pack_roundtrip(emu, arrays, total, afmt, bfmt, bucket_offset, scale)
+
+
+def _views(flat, shapes):
+    out, lo = [], 0
+    for s in shapes:
+        n = int(np.prod(s))
+        out.append(flat[lo:lo + n].reshape(s))
+        lo += n
+    return out
+
+
+def _check_pack_roundtrip(emu, arrays, total, afmt, bfmt, bucket_offset, scale):
+    base_k = np.full(total + 10, 7, STORE[bfmt])
+    base_t = base_k.copy()
+    bk, bt = base_k[bucket_offset:], base_t[bucket_offset:]
+    mode = copy_mode([a.dtype for a in arrays], bk.dtype, scale, counting=True)
+    count, _ = emu.pack("pack", arrays, bk, scale, False, mode, blocks=3)
+    want = np.zeros((), np.int64)
+    pack(arrays, bt, scale, nonfinite=want)
+    assert count == int(want)
+    np.testing.assert_array_equal(base_k.view(np.uint8), base_t.view(np.uint8))
+    for accumulate in (False, True):
+        flat = np.concatenate([a.ravel() for a in _arrays(SMALL_SHAPES, STORE[afmt], 4, afmt)]
+                              + [np.zeros(4, STORE[afmt])])
+        flat_t = flat.copy()
+        shift = (arrays[0].ctypes.data // arrays[0].itemsize) % 4
+        outs_k = _views(flat[shift:], SMALL_SHAPES)
+        outs_t = _views(flat_t[shift:], SMALL_SHAPES)
+        mode = copy_mode([a.dtype for a in outs_k], bk.dtype, scale, accumulate, True)
+        count, _ = emu.pack("unpack", outs_k, bk, scale, accumulate, mode, blocks=2)
+        want = np.zeros((), np.int64)
+        unpack(bt, outs_t, scale, accumulate, nonfinite=want)
+        assert count == int(want)
+        np.testing.assert_array_equal(flat.view(np.uint8), flat_t.view(np.uint8))
+
+
+@needs_host_build
+@pytest.mark.parametrize("dtype", [np.int8, np.int16, np.float32, np.float64, np.complex128])
+def test_raw_pack_kernel_bodies_copy_bits(emu, dtype):
+    rng = np.random.default_rng(5)
+    arrays = [rng.integers(0, 100, s).astype(dtype) for s in SMALL_SHAPES]
+    total = sum(a.size for a in arrays)
+    for bucket_offset in (0, 1):
+        base = np.zeros(total + 3, dtype)
+        bucket = base[bucket_offset:]
+        _, kernels = emu.pack("pack", arrays, bucket, None, False, "raw", blocks=5)
+        assert len(kernels) == 1 and "raw" in kernels[0]
+        np.testing.assert_array_equal(bucket[:total], np.concatenate([a.ravel() for a in arrays]))
+        outs = [np.zeros_like(a) for a in arrays]
+        emu.pack("unpack", outs, bucket, None, False, "raw", blocks=4)
+        for a, o in zip(arrays, outs):
+            np.testing.assert_array_equal(a, o)
+
+
+@needs_host_build
+def test_pack_kernel_body_resnet50_mixed_dtypes(emu):
+    shapes = _resnet_shapes()
+    assert len(shapes) == 161
+    # float32 weights with float16 batch-norm parameters: two launches
+    arrays = [a if a.ndim > 1 else a.astype(np.float16)
+              for a in _arrays(shapes, np.float32, 6)]
+    total = sum(a.size for a in arrays)
+    bucket_k = np.empty(total, np.uint16)
+    bucket_t = np.empty(total, np.uint16)
+    count, kernels = emu.pack("pack", arrays, bucket_k, 0.25, False, "cast", blocks=500)
+    assert sorted(kernels) == ["pack_f16_bf16", "pack_f32_bf16"]
+    pack(arrays, bucket_t, 0.25)
+    assert count == 0
+    np.testing.assert_array_equal(bucket_k, bucket_t)

@@ -1,0 +1,232 @@
+"""Rank programs of tests/transport/test_shm_reducer.py: the shared-memory reducer
+on real MPI ranks, against a numpy reduction in rank order of every rank's
+input gathered with plain mpi4py.
+
+    mpiexec -n N python -m reducer_programs reduce|parts|gil|errors [args]
+"""
+import os
+import sys
+import threading
+import time
+
+import numpy as np
+from mpi4py import MPI
+
+comm = MPI.COMM_WORLD
+rank, n = comm.Get_rank(), comm.Get_size()
+
+
+def make_reducer(comm, capacity_bytes=4 << 20, **options):
+    """A SharedMemoryReducer of ``capacity_bytes`` per round over memory
+    shared by the ranks of ``comm``, as the communicator makes it
+    (collective)."""
+    from commlib.startup import bootstrap
+    from commlib.transport.shm import SharedMemoryReducer
+    nbytes = SharedMemoryReducer.bytes_needed(comm.Get_size(), max(1, capacity_bytes))
+    segment = bootstrap.node_segment(comm, nbytes)
+    assert segment is not None, "no shared memory on this node"
+    reducer = SharedMemoryReducer(comm, segment.array, capacity_bytes, **options)
+    reducer.segment = segment          # keeps the mapping alive with the reducer
+    return reducer
+
+
+def reduce(sync):
+    """Every dtype and op, odd and zero lengths, repeated calls of changing
+    size, pieces longer than the window; ``sync``: flags, barrier or auto."""
+    DTYPES = ["float16", "float32", "float64", "int32", "int64", "uint8"]
+    try:
+        import ml_dtypes
+        DTYPES.append(ml_dtypes.bfloat16)
+    except ImportError:
+        pass
+    UFUNCS = {"sum": np.add, "max": np.maximum, "min": np.minimum, "prod": np.multiply}
+    CAPACITY = 8192
+    red = make_reducer(comm, capacity_bytes=CAPACITY, sync=sync)
+    assert red.capacity_bytes == CAPACITY
+
+    def make(dtype, length, seed):
+        rng = np.random.default_rng(seed)
+        dtype = np.dtype(dtype)
+        if dtype.kind == "f" or dtype.name == "bfloat16":
+            return (rng.standard_normal(length) * 4).astype(dtype)
+        return rng.integers(0, 200, length).astype(dtype)
+
+    def check(dtype, length, op, seed):
+        x = make(dtype, length, seed * 10 + rank)
+        everyone = comm.allgather(x)
+        with np.errstate(all="ignore"):
+            ref = everyone[0].copy()
+            for other in everyone[1:]:
+                ref = UFUNCS[op](ref, other).astype(ref.dtype)
+            assert red.all_reduce(x, op) is True
+        mine = x.view(np.uint8).tobytes()
+        assert mine == ref.view(np.uint8).tobytes(), (np.dtype(dtype).name, length, op, x, ref)
+        assert all(b == mine for b in comm.allgather(mine)), "ranks differ"
+
+    seed = 0
+    for dtype in DTYPES:
+        itemsize = np.dtype(dtype).itemsize
+        for length in (0, 1, 2, 3, 5, 7, 64, 1001, CAPACITY // itemsize):
+            for op in UFUNCS:
+                seed += 1
+                check(dtype, length, op, seed)
+
+    # repeated calls of changing sizes and dtypes, no synchronisation in between
+    rng = np.random.default_rng(1234)       # same sequence on every rank
+    plan = [(DTYPES[rng.integers(len(DTYPES))], int(rng.integers(0, 600)),
+             list(UFUNCS)[rng.integers(4)]) for _ in range(60)]
+    inputs = [make(d, length, 7919 * i + rank) for i, (d, length, _) in enumerate(plan)]
+    outputs = [x.copy() for x in inputs]
+    with np.errstate(all="ignore"):
+        for (_, _, op), x in zip(plan, outputs):
+            assert red.all_reduce(x, op)
+        everyone = comm.allgather(inputs)
+        for i, (_, _, op) in enumerate(plan):
+            ref = everyone[0][i].copy()
+            for r in range(1, n):
+                ref = UFUNCS[op](ref, everyone[r][i]).astype(ref.dtype)
+            assert outputs[i].tobytes() == ref.tobytes(), (i, plan[i])
+
+    # longer than the window: reduced piece by piece
+    for length in (CAPACITY // 4 + 1, 3 * CAPACITY // 4 + 5):
+        big = make("float32", length, 555 + rank)
+        everyone = comm.allgather(big)
+        assert red.all_reduce(big, "sum") is True
+        assert big.tobytes() == sum(everyone[1:], everyone[0].copy()).tobytes()
+        for dtype in ("float32", "float64", "float16"):      # the average's scale, fused
+            x = make(dtype, length, 777 + rank)
+            everyone = comm.allgather(x)
+            ref = sum(everyone[1:], everyone[0].copy()).astype(x.dtype)
+            ref *= 1.0 / n
+            assert red.all_reduce(x, "sum", scale=1.0 / n) is True
+            assert x.tobytes() == ref.tobytes(), (dtype, length, x, ref)
+    # a bucket longer than the window, not numpy, unsupported dtype: declined, untouched
+    big = np.ones(CAPACITY // 4 + 1, np.float32)
+    assert red.all_reduce_parts((big,), big.size, big.dtype, "sum") is False and (big == 1).all()
+    assert red.all_reduce([1.0, 2.0], "sum") is False
+    assert red.all_reduce(np.ones(4, np.complex64), "sum") is False
+    assert red.all_reduce(np.ones(4, np.int16), "sum") is False
+    red.close()
+    red.close()
+    print("rank %d ok" % rank, flush=True)
+
+
+def parts(mode, stores):
+    """Buckets given as lists of arrays. ``mode``: the compiled loops on
+    every rank (all), on none, or on even ranks only (even); ``stores``:
+    plain, streaming or auto stores into the shared memory."""
+    if mode == "none" or (mode == "even" and rank % 2):
+        os.environ["COMMLIB_NATIVE"] = "0"      # before commlib loads its host loops
+    from commlib.ops import hostreduce
+    if mode == "none" or (mode == "even" and rank % 2):
+        os.environ["COMMLIB_NATIVE"] = "0"
+
+    assert hostreduce.supports(np.dtype(np.float32), "sum") == (os.environ.get("COMMLIB_NATIVE") != "0")
+    UFUNCS = {"sum": np.add, "max": np.maximum, "min": np.minimum, "prod": np.multiply}
+    DTYPES = ["float16", "float32", "float64", "int32", "int64", "uint8"]
+    red = make_reducer(comm, capacity_bytes=1 << 16, stores=stores)
+    if n > 1 and stores == "auto" and mode == "all":
+        # the start-up probe of plain against streaming stores agrees on every rank
+        answers = comm.allgather((red.streaming, red.probe_stores()))
+        assert all(a == answers[0] for a in answers) and isinstance(answers[0][1], bool), answers
+    if stores != "auto":
+        assert red.streaming == (stores == "streaming")
+    rng = np.random.default_rng(99)              # same layouts on every rank
+    for trial in range(40):
+        dtype = np.dtype(DTYPES[trial % len(DTYPES)])
+        op = list(UFUNCS)[trial % 4]
+        sizes = [int(s) for s in rng.integers(0, 300, rng.integers(1, 30))]
+        count = sum(sizes)
+        if count * dtype.itemsize > red.capacity_bytes:
+            continue
+        scale = 0.25 if dtype.kind == "f" and op == "sum" and trial % 3 else None
+        mine = np.random.default_rng(1000 * trial + rank)
+        flat = ((mine.standard_normal(count) * 4) if dtype.kind == "f"
+                else mine.integers(0, 200, count)).astype(dtype)
+        parts, at = [], 0
+        for k, size in enumerate(sizes):
+            piece = flat[at:at + size].copy()
+            parts.append(piece.reshape(size // 2, 2) if size % 2 == 0 and k % 2 else piece)
+            at += size
+        everyone = comm.allgather(flat)
+        with np.errstate(all="ignore"):
+            ref = everyone[0].copy()
+            for other in everyone[1:]:
+                ref = UFUNCS[op](ref, other)
+            if scale is not None:
+                ref *= scale
+            assert red.all_reduce_parts(tuple(parts) if trial % 2 else parts, count, dtype, op,
+                                        scale) is True
+        got = np.concatenate(parts, axis=None) if parts else flat[:0]
+        assert got.tobytes() == ref.tobytes(), (trial, dtype, op, sizes)
+        assert all(b == got.tobytes() for b in comm.allgather(got.tobytes())), "ranks differ"
+    modes = comm.allgather(red.streaming)
+    assert all(m == modes[0] for m in modes), modes           # every rank chose alike
+    red.close()
+    print("rank %d ok" % rank, flush=True)
+
+
+def gil():
+    """A rank waiting for a late peer does not hold the GIL."""
+    from commlib.ops import hostcopy
+
+    red = make_reducer(comm, capacity_bytes=1 << 16)
+    x = np.full(1 << 12, rank + 1.0, np.float32)
+    ticks, stop = [0], threading.Event()
+
+    def spin():
+        while not stop.is_set():
+            ticks[0] += 1
+
+    if rank == 0:
+        worker = threading.Thread(target=spin)
+        worker.start()
+        time.sleep(0.1)
+        before = ticks[0]
+        assert red.all_reduce(x, "sum")       # waits about 1 s for rank 1
+        during = ticks[0] - before
+        stop.set()
+        worker.join()
+        # while rank 0 waited, its other thread kept running (the wait holds no GIL)
+        print("ticks while waiting:", during, flush=True)
+        assert during > 1000000 or not hostcopy.available(), during
+    else:
+        time.sleep(1.0)
+        assert red.all_reduce(x, "sum")
+    assert (x == 3).all()
+    red.close()
+    print("rank %d ok" % rank, flush=True)
+
+
+def errors():
+    """Bad settings, op and layouts are refused."""
+    from commlib.errors import ArgumentError, ArrayTypeError
+    for bad in (dict(capacity_bytes=0), dict(sync="spin")):
+        try:
+            make_reducer(comm, **bad)
+        except ArgumentError:
+            pass
+        else:
+            raise AssertionError(bad)
+    red = make_reducer(comm)
+    try:
+        red.all_reduce(np.ones(4, np.float32), "avg")
+    except ArgumentError:
+        pass
+    else:
+        raise AssertionError("bad op accepted")
+    for bad in (np.ones((2, 2), np.float32), np.ones(8, np.float32)[::2]):
+        try:
+            red.all_reduce(bad, "sum")
+        except ArrayTypeError:
+            pass
+        else:
+            raise AssertionError("bad layout accepted")
+    x = np.full(3, comm.Get_rank() + 1.0)
+    assert red.all_reduce(x, "sum") and (x == comm.Get_size() * (comm.Get_size() + 1) / 2).all()
+    red.close()
+    print("ok", flush=True)
+
+
+if __name__ == "__main__":
+    {"reduce": reduce, "parts": parts, "gil": gil, "errors": errors}[sys.argv[1]](*sys.argv[2:])

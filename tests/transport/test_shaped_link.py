@@ -1,0 +1,132 @@
+"""benchmarks/shaped_link.py: the rate limit bites, TCP carries the bytes,
+the namespace is gone afterwards whatever the command did.
+
+Needs root and iproute2 (network namespaces, tc); elsewhere these tests
+skip, naming the reason."""
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "benchmarks"))
+import shaped_link  # noqa: E402
+
+
+def _usable():
+    try:
+        shaped_link.make_namespace("commlib-probe-%d" % os.getpid(), "1gbit")
+    except shaped_link.ShapedLinkUnavailable as e:
+        return str(e)
+    shaped_link.delete_namespace("commlib-probe-%d" % os.getpid())
+    return None
+
+
+def _namespaces():
+    proc = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True, timeout=30)
+    return {line.split()[0] for line in proc.stdout.splitlines()
+            if line.startswith("commlib-")}
+
+
+REASON = _usable()
+pytestmark = pytest.mark.skipif(REASON is not None, reason="no shaped link here: %s" % REASON)
+NAME = "commlib-%d" % os.getpid()
+
+
+def test_rate_limit_bites_and_tcp_carries_the_bytes():
+    nbytes = 8 << 20
+    measured, theory, carried = shaped_link.check_link("200mbit", nbytes=nbytes, repeats=2,
+                                                       timeout=120)
+    assert abs(theory - nbytes * 8 / 200e6) < 1e-9     # 2 ranks: each sends nbytes
+    assert measured >= 0.9 * theory, (measured, theory)
+    assert measured <= 3 * theory, (measured, theory)  # shaped, not stalled
+    assert carried >= 2 * 2 * nbytes                    # two repeats, both directions, on lo
+    assert not shaped_link.namespace_exists(NAME)
+
+
+def test_exit_status_passes_through_and_namespace_is_deleted():
+    run = shaped_link.run_shaped(["sh", "-c", "ip link show lo; echo $MPIR_CVAR_NOLOCAL "
+                                  "$COMMLIB_SHM; exit 3"], "1gbit", capture=True, timeout=60)
+    assert run.returncode == 3
+    assert "mtu 9000" in run.stdout and "1 0" in run.stdout
+    assert not shaped_link.namespace_exists(NAME)
+
+
+def test_timeout_kills_the_command_and_deletes_the_namespace():
+    start = time.monotonic()
+    run = shaped_link.run_shaped(["sh", "-c", "sleep 60 & sleep 60"], "1gbit", timeout=2)
+    assert run.returncode < 0 and time.monotonic() - start < 30
+    assert not shaped_link.namespace_exists(NAME)
+
+
+def test_command_line_refuses_byte_units_and_runs_a_command():
+    script = str(ROOT / "benchmarks" / "shaped_link.py")
+    bad = subprocess.run([sys.executable, script, "--rate", "1gbps", "--", "true"],
+                         capture_output=True, text=True, timeout=60)
+    assert bad.returncode == 2 and "bits per second" in bad.stderr
+    good = subprocess.run([sys.executable, script, "--rate", "1gbit", "--", "sh", "-c",
+                           "exit 5"], capture_output=True, text=True, timeout=60)
+    assert good.returncode == 5 and "lo carried" in good.stderr
+
+
+@pytest.mark.parametrize("rate, bits", [("10gbit", 10**10), ("1.5gbit", 15 * 10**8),
+                                        ("500mbit", 5 * 10**8), (2e6, 2 * 10**6)])
+def test_parse_rate(rate, bits):
+    assert shaped_link.parse_rate(rate) == bits
+
+
+@pytest.mark.parametrize("rate", ["1gbps", "fast", "-1gbit", "10bit", True])
+def test_parse_rate_rejects(rate):
+    with pytest.raises(ValueError):
+        shaped_link.parse_rate(rate)
+
+
+def test_ctrl_c_deletes_the_namespace():
+    import signal
+    script = str(ROOT / "benchmarks" / "shaped_link.py")
+    proc = subprocess.Popen([sys.executable, script, "--rate", "1gbit", "--", "sleep", "60"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    name = "commlib-%d" % proc.pid
+    try:
+        deadline = time.monotonic() + 30
+        while not shaped_link.namespace_exists(name) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert shaped_link.namespace_exists(name)
+        proc.send_signal(signal.SIGINT)
+        proc.communicate(timeout=30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode != 0
+    assert not shaped_link.namespace_exists(name)
+
+
+def test_break_even_table_over_shm_and_a_shaped_link(tmp_path):
+    """benchmarks/break_even.py end to end on the MNIST CNN: every strategy
+    on both links, wire bytes as the strategies promise, dense faster
+    unshaped than at 200 Mbit/s."""
+    import json
+    before = _namespaces()
+    out = tmp_path / "be.json"
+    script = str(ROOT / "benchmarks" / "break_even.py")
+    proc = subprocess.run([sys.executable, script, "--cases", "mnist_cnn", "--links",
+                           "shm,200mbit", "--repeats", "1", "--compute-repeats", "1",
+                           "--json", str(out)], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    rows = json.loads(out.read_text())["rows"]
+    got = {(r["link"], r["strategy"]): r for r in rows}
+    strategies = ["none", "fp16", "bf16", "topk-1%", "topk-0.1%", "threshold-1%", "partial-10%"]
+    assert set(got) == {(link, s) for link in ("shm", "200mbit") for s in strategies}
+    dense = got["shm", "none"]["wire_bytes"]
+    assert dense == 4 * 431080                             # the CNN's float32 parameters
+    for link in ("shm", "200mbit"):
+        assert got[link, "fp16"]["wire_bytes"] == dense // 2
+        assert got[link, "topk-1%"]["wire_bytes"] < dense // 20
+        assert all(r["compute_ms"] > 0 and len(r["times"]) == 1 for r in rows)
+    # 1.7 MB at 200 Mbit/s per rank takes at least 69 ms
+    assert got["200mbit", "none"]["ms"] >= 60
+    assert "| mnist_cnn | 200mbit | none |" in proc.stdout
+    assert _namespaces() == before                          # its namespace is gone
