@@ -12,7 +12,7 @@ from commlib.ops.cast import cast
 from commlib.ops.pack import copy_mode, offsets_of, pack, unpack
 from test_ops_cast import STORE, adversarial
 
-DATA = Path(__file__).resolve().parent / "data"
+DATA = Path(__file__).resolve().parents[1] / "data"
 SHAPES = [(3, 5), (0,), (64,), (1,), (7, 3, 3), (1000,), (17,), (2, 0), (5,)]
 
 
