@@ -60,7 +60,22 @@ def _settings():
 
 
 def report(run=0, out=sys.stdout):
-    """Print what commlib would use; returns the exit status (see module doc)."""
+    """Print what commlib would use on this machine (see the module docstring).
+
+    A LaunchError or BackendUnavailableError met on the way is printed and
+    turned into the exit status, not raised.
+
+    Args:
+        run: N > 0 also starts N ranks with the chosen mpiexec and checks
+            that they form one MPI world of N; 0 (default) starts none.
+        out: the text stream printed to (default ``sys.stdout``).
+
+    Returns:
+        The exit status: 0, or 1 when the mpiexec on PATH or the one
+        commlib would use belongs to another MPI than mpi4py's library,
+        or the ranks of ``run`` did not form one world of N, or ``run`` was
+        asked for and mpi4py's MPI library could not be found.
+    """
     from .ops import native
     say = lambda text: print(text, file=out, flush=True)   # noqa: E731
     status = 0
@@ -108,6 +123,18 @@ def report(run=0, out=sys.stdout):
 
 
 def main(argv=None):
+    """``python -m commlib.info [--run N]``: :func:`report` to ``sys.stdout``.
+
+    Args:
+        argv: the command line's arguments without the program name
+            (default ``sys.argv[1:]``).
+
+    Returns:
+        :func:`report`'s exit status.
+
+    Raises:
+        SystemExit: (from argparse) ``--help``, or bad arguments (status 2).
+    """
     ap = argparse.ArgumentParser(prog="python -m commlib.info",
                                  description=__doc__.split("\n\n")[0])
     ap.add_argument("--run", type=int, default=0, metavar="N",

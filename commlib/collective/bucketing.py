@@ -109,8 +109,20 @@ def flat_arrays(shapes, dtype="float32", xp=np):
 
     Gradients allocated this way are fused without any copy: a bucket of
     them is reduced where it lies (like PyTorch DDP's
-    ``gradient_as_bucket_view``). ``xp`` is numpy or cupy. Returns a list of
-    zero-filled arrays of ``dtype``.
+    ``gradient_as_bucket_view``).
+
+    Args:
+        shapes: a sequence of shapes (tuples, or ints for 1-D arrays).
+        dtype: the arrays' dtype (default ``"float32"``).
+        xp: the array module, numpy (default) or cupy.
+
+    Returns:
+        A list of zero-filled arrays of ``dtype``, one per shape, in order,
+        each a view of its consecutive part of one buffer.
+
+    Raises:
+        TypeError, ValueError: from ``xp`` for a ``dtype`` it does not
+            understand or a negative shape (no check of its own).
     """
     sizes = [int(np.prod(s, dtype=np.int64)) for s in shapes]
     flat = xp.zeros(sum(sizes), dtype=dtype)

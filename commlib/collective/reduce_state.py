@@ -40,7 +40,12 @@ class ReduceState:
         self.workspaces = {}
 
     def clear(self):
-        """Forget the plans and every compression state (residuals restart at 0)."""
+        """Forget the plans and every compression state (residuals restart at 0).
+
+        The next all-reduce with this state plans its list again, and every
+        strategy starts from an empty state dict (partial windows from the
+        first, error-feedback residuals at 0).
+        """
         self.fusion.clear()
         self.workspaces.clear()
 

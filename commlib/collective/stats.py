@@ -18,6 +18,9 @@ class CommStats:
     blocking collective calls and :meth:`commlib.Work.wait`). The first two
     are updated by whichever thread executes the collective (one at a time),
     the third by the calling thread: no counter has two writers at once.
+
+    The communicator makes one (``comm.stats``); the constructor takes no
+    arguments and starts every counter at zero.
     """
 
     __slots__ = ("bytes_sent", "collectives", "blocked_seconds")
@@ -30,17 +33,34 @@ class CommStats:
         self.bytes_sent, self.collectives, self.blocked_seconds = 0, 0, 0.0
 
     def snapshot(self):
-        """The counters as a dict (a copy)."""
+        """The counters as a dict (a copy).
+
+        Returns:
+            ``{"bytes_sent": int, "collectives": int, "blocked_seconds":
+            float}``, not updated afterwards.
+        """
         return {"bytes_sent": self.bytes_sent, "collectives": self.collectives,
                 "blocked_seconds": self.blocked_seconds}
 
     def add_bytes(self, nbytes):
+        """Count bytes handed to a transport.
+
+        Args:
+            nbytes: the number of bytes (anything ``int()`` takes), added to
+                ``bytes_sent``.
+        """
         self.bytes_sent += int(nbytes)
 
     def add_collective(self):
+        """Count one collective entered (``collectives`` += 1)."""
         self.collectives += 1
 
     def add_blocked(self, seconds):
+        """Count time the calling thread spent blocked in a collective.
+
+        Args:
+            seconds: wall time (a float), added to ``blocked_seconds``.
+        """
         self.blocked_seconds += seconds
 
     def __repr__(self):

@@ -23,7 +23,7 @@ class Sparsifier(Compression):
     ranks' records are all-gathered and validated (:mod:`._payload`), then
     summed rank by rank in rank order (so every rank computes the same bits)
     into the bucket, times ``scale`` if given; the new residual is ``acc``
-    less what was sent. ``nonfinite`` (:mod:`._nonfinite`): with
+    less what was sent. ``nonfinite`` (:mod:`.nonfinite`): with
     ``"raise"``, a non-zero count on any rank raises NonFiniteError on every
     rank; with ``"warn"`` the dropped entries are not sent, their residual
     is 0, and every rank warns. On any error nothing is written: the arrays
@@ -31,41 +31,115 @@ class Sparsifier(Compression):
 
     Subclasses set ``error_feedback``, ``nonfinite`` and ``name``, and define
     :meth:`select` and, when every rank sends as many entries,
-    :meth:`count_for`.
+    :meth:`count_for`. The base class's constructor takes no arguments.
     """
 
     error_feedback = True
     nonfinite = "raise"
 
     def applies_to(self, dtype):
+        """Whether arrays of ``dtype`` are compressed.
+
+        Args:
+            dtype: a numpy/cupy dtype.
+
+        Returns:
+            True for float32 only.
+        """
         return dtype == np.float32
 
     def check(self, op, rank):
+        """Refuse every op but a sum (an average is a sum with a scale).
+
+        Args:
+            op: the call's operation.
+            rank: this rank, named in the message.
+
+        Raises:
+            ArgumentError: ``op`` is not ``"sum"`` or ``"avg"`` (before any
+                communication).
+        """
         if op not in ("sum", "avg"):
             raise ArgumentError("rank %d: compression %s sums; op=%r is not supported "
                                 "(use 'sum' or 'avg')" % (rank, self.name, op))
 
     def count_for(self, size):
-        """The number of entries every rank sends from a bucket of ``size``
-        values, or None when it varies by rank (the default)."""
+        """How many entries every rank sends from a bucket.
+
+        Args:
+            size: the bucket's number of values.
+
+        Returns:
+            The number of entries every rank sends from a bucket of ``size``
+            values (one all-gather), or None when it varies by rank (the
+            default: headers, then the entries by count, all-gather-v).
+        """
         return None
 
     def select(self, acc):
-        """``(indices, values)`` to send from ``acc`` (1-D float32, finite;
-        not to be modified): int32 indices in ``[0, len(acc))`` (or the
-        padding -1 with value 0), unique, preferably ascending (else the
-        duplicate check sorts), and float32 values of the same length."""
+        """The entries this rank sends.
+
+        Args:
+            acc: 1-D float32 (numpy or cupy, finite); not to be modified.
+
+        Returns:
+            ``(indices, values)``: int32 indices in ``[0, len(acc))`` (or the
+            padding -1 with value 0), unique, preferably ascending (else the
+            duplicate check sorts), and float32 values of the same length,
+            1-D arrays of ``acc``'s kind. The selection is not trusted: a
+            malformed one (another kind, dtype or length, an index out of
+            range or repeated, a non-finite value) raises PayloadError on
+            every rank in :meth:`reduce`.
+
+        Raises:
+            NotImplementedError: in the base class; every subclass defines it.
+        """
         raise NotImplementedError
 
     def accumulate_and_select(self, residual, flat, acc):
-        """numpy buckets: ``acc = residual + flat`` (``flat`` alone when
-        ``residual`` is None) with its NaN and +-inf set to 0, then
-        :meth:`select`; returns ``(non-finite count, indices, values)``.
-        A subclass may fuse the two."""
+        """numpy buckets: accumulate into ``acc``, drop non-finite values, select.
+
+        ``acc = residual + flat`` (``flat`` alone when ``residual`` is None)
+        with its NaN and +-inf set to 0, then :meth:`select`. A subclass may
+        fuse the two.
+
+        Args:
+            residual: 1-D float32 numpy array, the error-feedback residual,
+                or None without error feedback.
+            flat: 1-D float32 numpy array, the bucket's values.
+            acc: 1-D float32 numpy array of the same length, written.
+
+        Returns:
+            ``(non-finite count, indices, values)``: how many NaN and +-inf
+            ``acc`` held (an int), then :meth:`select`'s ``(indices,
+            values)``.
+        """
         nonfinite = hostselect.accumulate_finite(residual, flat, acc)
         return (nonfinite,) + tuple(self.select(acc))
 
     def reduce(self, bucket):
+        """Sum every rank's selection into the bucket (see the class docstring).
+
+        On any error nothing is written: the arrays and residuals stay as
+        they were. With ``nonfinite="warn"`` the dropped entries are not
+        sent, their residual is 0, and every rank emits a
+        ``RuntimeWarning``.
+
+        Args:
+            bucket: the :class:`~commlib.compression.base.Bucket` (float32
+                arrays, op ``"sum"``), reduced in place, times ``scale`` if
+                given; its ``state`` keeps the residual between calls.
+
+        Raises:
+            NonFiniteError: with ``nonfinite="raise"``, on every rank, when
+                any rank's ``acc`` held NaN or +-inf (before the entries
+                travel); ``counts``: per rank, how many.
+            PayloadError: on every rank, naming the senders, when a rank's
+                selection or record is malformed (see
+                :mod:`commlib.compression._payload`).
+            CollectiveTimeoutError, PeerError, TransportError, ClosedError:
+                from the bucket's communication.
+        """
         arrays, scale, workspace = bucket.arrays, bucket.scale, bucket.state
         flat = gather(arrays, workspace)
         xp, n = array_module(flat), flat.size

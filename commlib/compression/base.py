@@ -31,6 +31,18 @@ class Bucket:
             (its ``name``), list layout and bucket, for the communicator's
             lifetime (or a :class:`~commlib.ReduceState`'s).
         rank, size: this rank and the number of ranks.
+
+    The communicator makes the buckets; a strategy only receives them.
+
+    Args:
+        transport: the transport carrying the bucket's arrays (gives
+            ``rank`` and ``size``).
+        arrays: as the attribute.
+        op: as the attribute.
+        scale: as the attribute.
+        wait: the call's :class:`~commlib.faults.waiting.Wait` (deadline, and
+            the peers to watch), passed to every transport call.
+        state: as the attribute.
     """
 
     __slots__ = ("arrays", "op", "scale", "state", "rank", "size", "_transport", "_wait")
@@ -41,23 +53,65 @@ class Bucket:
         self._transport, self._wait = transport, wait
 
     def all_reduce(self, buf, op=None, fmt=None, owned=False):
-        """Reduce the contiguous array ``buf`` over every rank, in place,
-        with ``op`` (default the bucket's). ``fmt``: ``"bfloat16"`` for
-        uint16 buffers holding bfloat16 bits (``"float16"`` for float16 ones
-        may pick a faster operator). ``owned``: ``buf`` is the strategy's
-        own buffer, which the transport may write into directly (else it
-        stages the result, so that a failure never leaves half a result in
-        memory the user sees)."""
+        """Reduce the contiguous array ``buf`` over every rank, in place.
+
+        Args:
+            buf: a contiguous numpy or cupy array, the same length on every
+                rank.
+            op: ``"sum"``, ``"max"``, ``"min"`` or ``"prod"``; default (None)
+                the bucket's :attr:`op`.
+            fmt: ``"bfloat16"`` for uint16 buffers holding bfloat16 bits
+                (``"float16"`` for float16 ones may pick a faster operator);
+                None otherwise.
+            owned: ``buf`` is the strategy's own buffer, which the transport
+                may write into directly (else it stages the result, so that
+                a failure never leaves half a result in memory the user
+                sees).
+
+        Raises:
+            CollectiveTimeoutError: the call's deadline passed first.
+            PeerError: a peer left (closed, exited, died or gave up).
+            TransportError: the MPI or NCCL library reported an error.
+            ClosedError: the transport was left unusable by an earlier
+                failure.
+        """
         self._transport.all_reduce(buf, op or self.op, self._wait, fmt=fmt, owned=owned)
 
     def all_gather(self, send, out):
-        """Every rank's ``send`` (contiguous, one length on every rank),
-        back to back in rank order, into ``out`` (``size * send.size``)."""
+        """Gather every rank's ``send`` into ``out``, back to back in rank order.
+
+        Args:
+            send: a contiguous array, of one length on every rank.
+            out: a contiguous array of ``size * send.size`` elements, written
+                with rank r's ``send`` at ``[r * send.size, (r + 1) *
+                send.size)``.
+
+        Raises:
+            CollectiveTimeoutError: the call's deadline passed first.
+            PeerError: a peer left (closed, exited, died or gave up).
+            TransportError: the MPI or NCCL library reported an error.
+            ClosedError: the transport was left unusable by an earlier
+                failure.
+        """
         self._transport.all_gather(send, out, self._wait)
 
     def all_gatherv(self, send, out, counts):
-        """Every rank's ``send``, whose lengths are ``counts`` (a list of ints,
-        known on every rank), back to back in rank order, into ``out``."""
+        """Gather every rank's ``send``, of lengths that differ, into ``out``.
+
+        Args:
+            send: a contiguous array of ``counts[rank]`` elements.
+            out: a contiguous array of ``sum(counts)`` elements, written with
+                every rank's ``send`` back to back in rank order.
+            counts: a list of ints, every rank's ``send`` length, known (and
+                the same) on every rank.
+
+        Raises:
+            CollectiveTimeoutError: the call's deadline passed first.
+            PeerError: a peer left (closed, exited, died or gave up).
+            TransportError: the MPI or NCCL library reported an error.
+            ClosedError: the transport was left unusable by an earlier
+                failure.
+        """
         self._transport.all_gatherv(send, out, counts, self._wait)
 
 
@@ -77,19 +131,52 @@ class Compression:
     name = "?"
 
     def applies_to(self, dtype):
-        """Whether arrays of numpy/cupy ``dtype`` are compressed (the others
-        of the call are reduced as usual)."""
+        """Whether arrays of a dtype are compressed.
+
+        Args:
+            dtype: a numpy/cupy dtype of the call's arrays.
+
+        Returns:
+            True when arrays of ``dtype`` go to :meth:`reduce`; False when
+            they are reduced as usual with the call's other arrays.
+
+        Raises:
+            NotImplementedError: in the base class; every strategy defines it.
+        """
         raise NotImplementedError
 
     def check(self, op, rank):
-        """Raise :class:`~commlib.errors.ArgumentError` (naming ``rank``)
-        when this strategy cannot serve ``op``; runs before any
-        communication."""
+        """Refuse an operation this strategy cannot serve.
+
+        Runs before any communication. The base class accepts every op.
+
+        Args:
+            op: the call's operation, ``"sum"``, ``"max"``, ``"min"`` or
+                ``"prod"`` (an average is ``"sum"`` with a scale).
+            rank: this rank, to name in the message.
+
+        Raises:
+            ArgumentError: (naming ``rank``) this strategy cannot serve
+                ``op``.
+        """
 
     def reduce(self, bucket):
-        """All-reduce ``bucket.arrays`` in place with ``bucket.op``, then
-        multiply by ``bucket.scale`` (when not None), communicating only
-        through the :class:`Bucket`'s methods."""
+        """All-reduce one bucket in compressed form.
+
+        Reduce ``bucket.arrays`` in place with ``bucket.op``, then multiply
+        by ``bucket.scale`` (when not None), communicating only through the
+        :class:`Bucket`'s methods. The result must be the same on every
+        rank, and nothing may be written before a failure.
+
+        Args:
+            bucket: the :class:`Bucket` to reduce.
+
+        Raises:
+            NotImplementedError: in the base class; every strategy defines it.
+            CommlibError: a strategy's failure, raised alike on every rank
+                before anything is written (keeps the communicator usable);
+                the :class:`Bucket` methods' errors pass through.
+        """
         raise NotImplementedError
 
     def __repr__(self):

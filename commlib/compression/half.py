@@ -18,7 +18,7 @@ float32 and rounds back to nearest even; numpy float16 wires take the same
 kind of MPI operator (both compiled, :mod:`commlib.ops.hostcast`), not the
 shared-memory reducer. Other dtypes are not compressed.
 
-``nonfinite`` (see :mod:`._nonfinite`) looks at the reduced half-precision
+``nonfinite`` (see :mod:`.nonfinite`) looks at the reduced half-precision
 result, whose bits are the same on every rank, so every rank decides alike:
 NaN or inf in it (a rank's NaN or inf, a value beyond float16's range after
 the division, or a float16 sum that overflowed) raises NonFiniteError on
@@ -40,10 +40,23 @@ from .base import Compression
 
 
 class HalfPrecision(Compression):
-    """float32 buckets travel as ``fmt``: ``"float16"`` or ``"bfloat16"``;
-    ``nonfinite``: ``"raise"`` or ``"warn"``. The name is ``"fp16"`` /
-    ``"bf16"`` (like the ``compression=`` strings) with ``"raise"``, and
-    spells the setting otherwise: ``"fp16(nonfinite='warn')"``."""
+    """float32 buckets travel as float16 or bfloat16 (see the module docstring).
+
+    The name is ``"fp16"`` / ``"bf16"`` (like the ``compression=`` strings)
+    with ``"raise"``, and spells the setting otherwise:
+    ``"fp16(nonfinite='warn')"``. It refuses no op (the reduction runs in
+    the half format with the call's op); other dtypes than float32 are not
+    compressed.
+
+    Args:
+        fmt: the wire format, ``"float16"`` or ``"bfloat16"``.
+        nonfinite: ``"raise"`` (default) or ``"warn"``: what NaN or inf in
+            the reduced result does (see :mod:`.nonfinite`).
+
+    Raises:
+        ArgumentError: ``fmt`` is neither ``"float16"`` nor ``"bfloat16"``,
+            or ``nonfinite`` is neither ``"raise"`` nor ``"warn"``.
+    """
 
     def __init__(self, fmt, nonfinite="raise"):
         if fmt not in ("float16", "bfloat16"):
@@ -60,9 +73,37 @@ class HalfPrecision(Compression):
         self._wire_fmt = fmt if fmt == "bfloat16" else None
 
     def applies_to(self, dtype):
+        """Whether arrays of ``dtype`` are compressed.
+
+        Args:
+            dtype: a numpy/cupy dtype.
+
+        Returns:
+            True for float32 only.
+        """
         return dtype == np.float32
 
     def reduce(self, bucket):
+        """Cast the bucket to the half format, all-reduce it, cast it back.
+
+        When averaging, the values are multiplied by ``bucket.scale`` before
+        the cast. The reduced half-precision result is checked for NaN and
+        inf before anything is written back; with ``nonfinite="warn"`` it is
+        written as it is and a ``RuntimeWarning`` names the ranks and counts.
+
+        Args:
+            bucket: the :class:`~commlib.compression.base.Bucket` (float32
+                arrays), reduced in place.
+
+        Raises:
+            NonFiniteError: with ``nonfinite="raise"``, on every rank, when
+                the reduced result holds NaN or inf (``counts``: the
+                non-finite values each rank sent; none when only the sum
+                overflowed); nothing was written: the arrays are unchanged.
+            CollectiveTimeoutError, PeerError, TransportError, ClosedError:
+                from the bucket's communication (see
+                :meth:`~commlib.compression.base.Bucket.all_reduce`).
+        """
         # a scale comes only with "sum" (averaging): dividing before the cast
         # keeps the half-precision sum from overflowing
         arrays, scale, workspace = bucket.arrays, bucket.scale, bucket.state
@@ -121,14 +162,30 @@ class HalfPrecision(Compression):
 
 
 class FP16(HalfPrecision):
-    """float32 buckets travel as float16."""
+    """float32 buckets travel as float16 (``compression="fp16"``).
+
+    Args:
+        nonfinite: ``"raise"`` (default) or ``"warn"``, as
+            :class:`HalfPrecision`'s.
+
+    Raises:
+        ArgumentError: ``nonfinite`` is neither ``"raise"`` nor ``"warn"``.
+    """
 
     def __init__(self, nonfinite="raise"):
         super().__init__("float16", nonfinite)
 
 
 class BF16(HalfPrecision):
-    """float32 buckets travel as bfloat16."""
+    """float32 buckets travel as bfloat16 (``compression="bf16"``).
+
+    Args:
+        nonfinite: ``"raise"`` (default) or ``"warn"``, as
+            :class:`HalfPrecision`'s.
+
+    Raises:
+        ArgumentError: ``nonfinite`` is neither ``"raise"`` nor ``"warn"``.
+    """
 
     def __init__(self, nonfinite="raise"):
         super().__init__("bfloat16", nonfinite)

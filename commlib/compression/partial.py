@@ -23,7 +23,21 @@ from .base import Compression
 
 
 class Partial(Compression):
-    """Reduce a rotating ``fraction`` of each float32 bucket per call."""
+    """Reduce a rotating ``fraction`` of each float32 bucket per call.
+
+    Call c reduces window ``c mod period`` of each bucket (see the module
+    docstring, :meth:`window` and :meth:`period`) and leaves the rest as it
+    is on each rank; the call count lives in the bucket's state. It
+    refuses no op; other dtypes than float32 are not compressed.
+
+    Args:
+        fraction: the share of each bucket reduced per call, a number in
+            (0, 1] (default 0.1).
+
+    Raises:
+        ArgumentError: ``fraction`` is not a number in (0, 1] (a bool is
+            not one).
+    """
 
     def __init__(self, fraction=0.1):
         if (isinstance(fraction, bool) or not isinstance(fraction, (int, float))
@@ -34,22 +48,64 @@ class Partial(Compression):
         self.name = "partial(fraction=%r)" % self.fraction
 
     def applies_to(self, dtype):
+        """Whether arrays of ``dtype`` are compressed.
+
+        Args:
+            dtype: a numpy/cupy dtype.
+
+        Returns:
+            True for float32 only.
+        """
         return dtype == np.float32
 
     def period(self, size):
-        """How many calls it takes to synchronise every value of a bucket of
-        ``size`` values once: ``ceil(size / ceil(fraction * size))``."""
+        """How many calls it takes to synchronise every value of a bucket once.
+
+        Args:
+            size: the bucket's number of values.
+
+        Returns:
+            ``ceil(size / ceil(fraction * size))`` (the number of windows;
+            at most ``ceil(1 / fraction)``), or 1 for an empty bucket.
+        """
         width = max(1, math.ceil(self.fraction * size))
         return math.ceil(size / width) if size else 1
 
     def window(self, size, call):
-        """``(start, stop)`` of the window that call number ``call`` (0, 1,
-        ...) reduces in a bucket of ``size`` values."""
+        """The window that one call reduces.
+
+        Windows are ``w = max(1, ceil(fraction * size))`` values wide (the
+        last may be shorter) and take turns.
+
+        Args:
+            size: the bucket's number of values.
+            call: the call number, 0, 1, ...
+
+        Returns:
+            ``(start, stop)``: the window that call number ``call`` reduces
+            in a bucket of ``size`` values, window ``call mod
+            period(size)``.
+        """
         width = max(1, math.ceil(self.fraction * size))
         start = (call % self.period(size)) * width
         return start, min(size, start + width)
 
     def reduce(self, bucket):
+        """All-reduce this call's window of the bucket, in place.
+
+        The window is reduced with ``bucket.op`` and multiplied by
+        ``bucket.scale`` when not None; the other values keep each rank's
+        own. Every rank must make the same sequence of calls.
+
+        Args:
+            bucket: the :class:`~commlib.compression.base.Bucket` (float32
+                arrays); ``bucket.state`` counts its calls.
+
+        Raises:
+            CollectiveTimeoutError, PeerError, TransportError, ClosedError:
+                from the bucket's communication (see
+                :meth:`~commlib.compression.base.Bucket.all_reduce`).
+        """
         workspace = bucket.state
         call = workspace.get("calls", 0)
         workspace["calls"] = call + 1

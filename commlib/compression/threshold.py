@@ -26,8 +26,23 @@ from ._sparse import Sparsifier
 
 
 class Threshold(Sparsifier):
-    """Send the entries of each float32 bucket with ``|value| > threshold``;
-    ``nonfinite``: ``"raise"`` or ``"warn"``."""
+    """Send the entries of each float32 bucket with ``|value| > threshold``.
+
+    How many differs from rank to rank (headers, then the entries by count,
+    all-gather-v); ``sum`` and ``avg`` only (see
+    :class:`~commlib.compression._sparse.Sparsifier`).
+
+    Args:
+        threshold: a finite number >= 0; entries of larger magnitude are
+            sent.
+        error_feedback: keep what was not sent as a residual added to the
+            next gradient of the same bucket (default True).
+        nonfinite: ``"raise"`` (default) or ``"warn"``.
+
+    Raises:
+        ArgumentError: ``threshold`` is not a finite number >= 0 (a bool is
+            not one), or ``nonfinite`` is neither ``"raise"`` nor ``"warn"``.
+    """
 
     def __init__(self, threshold, error_feedback=True, nonfinite="raise"):
         if (isinstance(threshold, bool) or not isinstance(threshold, (int, float))
@@ -41,6 +56,17 @@ class Threshold(Sparsifier):
             self.threshold, self.error_feedback, self.nonfinite)
 
     def select(self, acc):
+        """The entries of ``acc`` with ``|value| > threshold``, ascending.
+
+        On GPUs this reads the count to the host (a synchronisation).
+
+        Args:
+            acc: 1-D float32 numpy or cupy array (finite); not modified.
+
+        Returns:
+            ``(indices, values)``: int32 indices and their float32 values
+            (see :meth:`~commlib.compression._sparse.Sparsifier.select`).
+        """
         if type(acc) is np.ndarray:
             return hostselect.threshold(acc, self.threshold)
         indices, values, count = threshold(acc, self.threshold)
@@ -48,6 +74,22 @@ class Threshold(Sparsifier):
         return indices[:count], values[:count]
 
     def accumulate_and_select(self, residual, flat, acc):
+        """numpy buckets: accumulate, drop non-finite values and select in one pass.
+
+        A subclass that overrides :meth:`select` gets the base class's two
+        steps instead, with its own selection.
+
+        Args:
+            residual: 1-D float32 numpy array, or None without error
+                feedback.
+            flat: 1-D float32 numpy array, the bucket's values.
+            acc: 1-D float32 numpy array of the same length, written with
+                ``residual + flat``, its NaN and +-inf set to 0.
+
+        Returns:
+            ``(non-finite count, indices, values)``, as the base class's
+            :meth:`~commlib.compression._sparse.Sparsifier.accumulate_and_select`.
+        """
         if type(self).select is not Threshold.select:   # a subclass selects its own way
             return super().accumulate_and_select(residual, flat, acc)
         # one compiled pass: the sum, its non-finite entries and the selection

@@ -28,8 +28,22 @@ from ._sparse import Sparsifier
 
 
 class TopK(Sparsifier):
-    """Send the ``ratio`` largest-magnitude fraction of each float32 bucket;
-    ``nonfinite``: ``"raise"`` or ``"warn"``."""
+    """Send the ``ratio`` largest-magnitude fraction of each float32 bucket.
+
+    Every rank sends exactly :meth:`k_for` entries per bucket; ``sum`` and
+    ``avg`` only (see :class:`~commlib.compression._sparse.Sparsifier`).
+
+    Args:
+        ratio: the fraction of each bucket sent, a number in (0, 1]
+            (default 0.01).
+        error_feedback: keep what was not sent as a residual added to the
+            next gradient of the same bucket (default True).
+        nonfinite: ``"raise"`` (default) or ``"warn"``.
+
+    Raises:
+        ArgumentError: ``ratio`` is not a number in (0, 1] (a bool is not
+            one), or ``nonfinite`` is neither ``"raise"`` nor ``"warn"``.
+    """
 
     def __init__(self, ratio=0.01, error_feedback=True, nonfinite="raise"):
         if isinstance(ratio, bool) or not isinstance(ratio, (int, float)) or not 0 < ratio <= 1:
@@ -41,18 +55,62 @@ class TopK(Sparsifier):
             self.ratio, self.error_feedback, self.nonfinite)
 
     def k_for(self, size):
-        """Entries sent from a bucket of ``size`` values."""
+        """Entries sent from a bucket.
+
+        Args:
+            size: the bucket's number of values.
+
+        Returns:
+            ``min(size, max(1, ceil(ratio * size)))``: k for a bucket of
+            ``size`` values (0 for an empty one).
+        """
         return min(size, max(1, math.ceil(self.ratio * size)))
 
     def count_for(self, size):
+        """How many entries every rank sends: :meth:`k_for`.
+
+        Args:
+            size: the bucket's number of values.
+
+        Returns:
+            ``k_for(size)``; a rank that sends another number raises
+            PayloadError on every rank.
+        """
         return self.k_for(size)
 
     def select(self, acc):
+        """The :meth:`k_for` entries of ``acc`` of largest magnitude.
+
+        Ties go to the lowest index.
+
+        Args:
+            acc: 1-D float32 numpy or cupy array (finite); not modified.
+
+        Returns:
+            ``(indices, values)``: int32 indices and their float32 values
+            (see :meth:`~commlib.compression._sparse.Sparsifier.select`).
+        """
         if type(acc) is np.ndarray:
             return hostselect.topk(acc, self.k_for(acc.size))
         return topk(acc, self.k_for(acc.size))
 
     def accumulate_and_select(self, residual, flat, acc):
+        """numpy buckets: accumulate, drop non-finite values and select in one pass.
+
+        A subclass that overrides :meth:`select` gets the base class's two
+        steps instead, with its own selection.
+
+        Args:
+            residual: 1-D float32 numpy array, or None without error
+                feedback.
+            flat: 1-D float32 numpy array, the bucket's values.
+            acc: 1-D float32 numpy array of the same length, written with
+                ``residual + flat``, its NaN and +-inf set to 0.
+
+        Returns:
+            ``(non-finite count, indices, values)``, as the base class's
+            :meth:`~commlib.compression._sparse.Sparsifier.accumulate_and_select`.
+        """
         if type(self).select is not TopK.select:     # a subclass selects its own way
             return super().accumulate_and_select(residual, flat, acc)
         # one compiled pass: the sum, its non-finite entries and the candidates

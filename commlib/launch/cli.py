@@ -73,7 +73,36 @@ def parse_args(argv=None):
 
 
 def main(argv=None):
-    """``commlib-run`` / ``python -m commlib.launch``; returns the exit status."""
+    """``commlib-run`` / ``python -m commlib.launch``; returns the exit status.
+
+    Starts ``--nprocs`` workers of the script (NCCL: forked workers sharing
+    a fresh :class:`~commlib.NcclId`; MPI: an mpiexec of mpi4py's MPI) and
+    watches over them. The internal first arguments ``--_worker`` (a rank's
+    supervisor under mpiexec) and ``--_rank`` (the rank process) run that
+    part instead.
+
+    Args:
+        argv: the command line's arguments without the program name
+            (default ``sys.argv[1:]``).
+
+    Returns:
+        The exit status: 0 when all workers finish; else the exit code of
+        the worker that failed or died first (128 + N for signal N; the
+        others are ended); ``EXIT_TIMEOUT`` (124) after ``--timeout``;
+        ``EXIT_WRONG_SIZE`` (3) when a rank's MPI world is not of size N;
+        128 + N after signal N to the launcher; 2 when the job could not be
+        started (a CommlibError such as BackendUnavailableError,
+        ArgumentError or LaunchError, e.g. an mpiexec of another MPI than
+        mpi4py's; its message is printed), or for ``--_worker`` /
+        ``--_rank`` without a script. With ``--_worker`` / ``--_rank``, the
+        status of that part.
+
+    Raises:
+        SystemExit: (status 2, from argparse) bad arguments, or a script
+            that does not exist or is not a file.
+        CommlibError: one raised while watching the job (not while
+            starting it) passes through.
+    """
     argv = sys.argv[1:] if argv is None else list(argv)
     if argv[:1] in ([WORKER_FLAG], [RANK_FLAG]):
         if len(argv) < 2:

@@ -102,6 +102,22 @@ class BackwardReducer:
     residuals, partial windows), where such calls share it between buckets
     of the same shapes. Every rank makes its reducers of a communicator in
     the same order (the consistency check compares them).
+
+    Args:
+        comm: the :class:`commlib.Communicator`.
+        grads: list (or tuple) of the persistent gradient arrays.
+        bucket_bytes: a positive int, or None (default) as above.
+        op: as for :meth:`Communicator.all_reduce` (default ``"avg"``);
+            not checked here: a bad one raises from :meth:`wait`.
+        compression: as for :meth:`Communicator.all_reduce` (default None);
+            not checked here: a bad one raises from :meth:`wait`.
+        overlap: True, False or ``"auto"`` (default).
+
+    Raises:
+        ArgumentError: ``overlap`` is not True, False or ``"auto"``;
+            ``grads`` is not a list or tuple, or holds something that is not
+            an array (no ``dtype`` and ``nbytes``); ``bucket_bytes`` is not
+            a positive int.
     """
 
     def __init__(self, comm, grads, bucket_bytes=None, op="avg", compression=None,
@@ -156,8 +172,21 @@ class BackwardReducer:
         self._works = []
 
     def ready(self, i):
-        """``grads[i]`` holds its final value for this step; starts every
-        bucket, in order, whose arrays are all ready."""
+        """``grads[i]`` holds its final value for this step.
+
+        With :attr:`overlap`, starts every bucket, in order, whose arrays
+        are all ready (and every earlier bucket has started); its errors
+        raise from :meth:`wait`.
+
+        Args:
+            i: the index of the array in ``grads``.
+
+        Raises:
+            ArgumentError: ``i`` is not an int in ``[0, len(grads))``, or
+                ``ready(i)`` was already called in this step.
+            ClosedError: a bucket was to start on a communicator that is
+                closed or left unusable by an earlier failure.
+        """
         rank = self.comm.rank
         if isinstance(i, bool) or not isinstance(i, numbers.Integral) \
                 or not 0 <= i < len(self.grads):
@@ -181,9 +210,24 @@ class BackwardReducer:
                                               state=self._states[k]))
 
     def wait(self):
-        """Start the buckets not started yet (in order), wait for every one
-        and return ``grads``, reduced in place; ready for the next step.
-        Raises the first bucket's error (after waiting for all of them)."""
+        """Finish the step: start the buckets not started yet, wait for all.
+
+        Starts the buckets not started yet (in order) and waits for every
+        one; the reducer is then ready for the next step (every index to be
+        made :meth:`ready` again), whether or not a bucket failed.
+
+        Returns:
+            ``grads``, reduced in place.
+
+        Raises:
+            CommlibError: the first bucket's error, in bucket order (after
+                waiting for all of them): what :meth:`Work.wait
+                <commlib.Work.wait>` of an all-reduce raises (ArgumentError,
+                ConsistencyError, CollectiveTimeoutError, PeerError,
+                NonFiniteError, PayloadError, ...).
+            ClosedError: a bucket was to start on a communicator that is
+                closed or left unusable by an earlier failure.
+        """
         self._start(lambda k: True)
         works = self._works
         self._reset()

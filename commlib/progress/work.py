@@ -47,6 +47,15 @@ class Work:
     handle until :meth:`wait` returns (commlib reads and writes them only
     while the collective executes). Dropping a handle without waiting is
     allowed: ``close()`` waits for it.
+
+    Handles are made by the communicator's collectives with
+    ``async_op=True``, not by the caller.
+
+    Args:
+        progress: the communicator's :class:`Progress` queue.
+        run: the whole collective, a callable returning its result.
+        arrays: the arrays the call was given (:attr:`arrays`).
+        gpu: a :class:`GpuOrder` for cupy arrays, else None.
     """
 
     __slots__ = ("arrays", "_progress", "_run", "_event", "_error", "_result", "_gpu",
@@ -61,18 +70,50 @@ class Work:
         self._flight = None       # its InFlight, when its requests outlive _execute
 
     def done(self):
-        """Whether the collective has completed (or failed); never blocks."""
+        """Whether the collective has completed (or failed); never blocks.
+
+        Deferred (no progress thread): False until :meth:`wait` (or the next
+        synchronous collective, or ``close()``) ran it. cupy arrays: also
+        queries the collective's event on the side stream.
+
+        Returns:
+            True once the collective completed or failed, else False.
+        """
         if not self._event.is_set():
             return False
         return self._gpu is None or self._error is not None or self._gpu.finished()
 
     def wait(self, timeout=None):
-        """Wait until the collective completed and return its result (the
-        arrays, for an all-reduce), or raise its error (again at every call). ``timeout`` (seconds, or None
-        for no limit beyond the watch dog's): raise :class:`TimeoutError`
-        when it passes first; the collective goes on, call ``wait`` again.
-        A KeyboardInterrupt while waiting stops the collective (as Ctrl-C
-        in a synchronous one would) and leaves the communicator unusable."""
+        """Wait until the collective completed and return its result.
+
+        Deferred (no progress thread): runs the queue up to this collective
+        on the calling thread. cupy arrays: makes the caller's current
+        stream wait for the collective (no host synchronisation). The time
+        spent here counts in the communicator's ``blocked_seconds``.
+
+        Args:
+            timeout: seconds, or None (default) for no limit beyond the
+                watch dog's. When it passes first, :class:`TimeoutError` is
+                raised; the collective goes on, call ``wait`` again. Only
+                with a progress thread: deferred, the queue runs up to this
+                collective whatever ``timeout`` says.
+
+        Returns:
+            The collective's result (the arrays, for an all-reduce).
+
+        Raises:
+            TimeoutError: ``timeout`` passed first (the built-in, not a
+                CommlibError; the collective goes on; progress thread only).
+            KeyboardInterrupt: while waiting; it stops the collective (as
+                Ctrl-C in a synchronous one would) and leaves the
+                communicator unusable.
+            CommlibError: the collective's own error, again at every call:
+                whatever the synchronous call raises (ArgumentError,
+                ArrayTypeError, ConsistencyError, CollectiveTimeoutError,
+                PeerError, TransportError, NonFiniteError, PayloadError,
+                ...), or ClosedError when an earlier collective failed or
+                the communicator was closed before it started.
+        """
         start = time.perf_counter()
         try:
             self._progress.wait_for(self, timeout)

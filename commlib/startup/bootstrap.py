@@ -35,7 +35,18 @@ class NcclId:
 
     ``NcclId()`` asks NCCL for a fresh ID (needs cupy with NCCL);
     ``NcclId(data)`` wraps existing bytes; ``NcclId.from_hex(text)`` parses
-    ``str(nid)``.
+    ``str(nid)``. IDs compare and hash by their bytes, pickle, and print as
+    hex (``str``).
+
+    Args:
+        data: the 128 bytes (anything ``bytes()`` takes), or None (default)
+            for a fresh ID from NCCL.
+
+    Raises:
+        ArgumentError: ``data`` is not 128 bytes long.
+        TypeError: ``bytes()`` refuses ``data`` (a str, say).
+        BackendUnavailableError: ``data`` is None and NCCL is not usable here
+            (saying why).
     """
 
     __slots__ = ("_data",)
@@ -51,7 +62,18 @@ class NcclId:
 
     @classmethod
     def from_hex(cls, text):
-        """Parse the hex form written by ``str(nid)``."""
+        """Parse the hex form written by ``str(nid)``.
+
+        Args:
+            text: the hex string (surrounding whitespace is ignored).
+
+        Returns:
+            The :class:`NcclId`.
+
+        Raises:
+            ArgumentError: ``text`` is not a hex string (or not a str), or
+                does not hold 128 bytes.
+        """
         try:
             data = bytes.fromhex(text.strip())
         except (ValueError, AttributeError) as exc:
@@ -60,12 +82,16 @@ class NcclId:
 
     @property
     def data(self):
-        """The 128 raw bytes."""
+        """The 128 raw bytes (``bytes``)."""
         return self._data
 
     def for_cupy(self):
-        """The ID in the form this cupy's ``NcclCommunicator`` takes: a tuple of
-        signed chars (CuPy < 14) or bytes (CuPy >= 14)."""
+        """The ID in the form cupy's ``NcclCommunicator`` is given.
+
+        Returns:
+            A tuple of 128 ints in [-128, 127]: the bytes as signed chars,
+            whatever cupy's version.
+        """
         return tuple(b - 256 if b > 127 else b for b in self._data)
 
     def __str__(self):
