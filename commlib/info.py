@@ -99,14 +99,15 @@ def report(run=0, out=sys.stdout):
             else:
                 say("mpiexec on PATH: %s (%s)" % (on_path, seen.version))
         try:
-            chosen = mpi_library.choose_mpiexec(library=library)
+            chosen = mpi_library.choose_mpiexec(os.environ.get(settings.MPIEXEC) or None,
+                                                library=library)
             say("mpiexec commlib uses: %s (%s) %s" % (chosen.path, chosen.version,
                                                       " ".join(mpi_library.extra_args(chosen))))
             say("MPI library and mpiexec match: %s" % (
                 "yes" if chosen.family == library.family
                 else "unknown (%s / %s)" % (library.family, chosen.family)))
             if run:
-                got = mpi_library.run_world(run)
+                got = mpi_library.run_world(run, chosen)
                 say("%d ranks form one MPI world of %d: %s" % (run, run, got))
         except LaunchError as exc:
             say("MISMATCH: %s" % " ".join(str(exc).split()))
@@ -120,6 +121,17 @@ def report(run=0, out=sys.stdout):
                                       else "not available (%s)" % native.unavailable_reason()))
     say(_settings())
     return status
+
+
+def _ranks(text):
+    """``--run``'s value: a number of ranks, 0 (do not start a job) or more."""
+    try:
+        n = int(text)
+    except ValueError:
+        n = -1
+    if n < 0:
+        raise argparse.ArgumentTypeError("expected a number of ranks >= 0, got %r" % text)
+    return n
 
 
 def main(argv=None):
@@ -137,7 +149,7 @@ def main(argv=None):
     """
     ap = argparse.ArgumentParser(prog="python -m commlib.info",
                                  description=__doc__.split("\n\n")[0])
-    ap.add_argument("--run", type=int, default=0, metavar="N",
+    ap.add_argument("--run", type=_ranks, default=0, metavar="N",
                     help="start N ranks with the chosen mpiexec and check they form one world")
     ns = ap.parse_args(argv)
     return report(ns.run)

@@ -3,12 +3,13 @@ processes, the environment variables it sets, exit statuses, poll periods,
 and how it speaks (one line on stderr, prefixed with its name)."""
 import sys
 
+from .. import settings
+
 
 PROG = "commlib.launch"  # also the module name workers run with -m
 WORKER_FLAG = "--_worker"  # the supervisor of one rank under mpiexec
 RANK_FLAG = "--_rank"  # the rank process itself: runs the script
-#: the mpiexec to use (else one of the MPI that mpi4py loads is looked for)
-ENV_MPIEXEC = "COMMLIB_MPIEXEC"
+ENV_MPIEXEC = settings.MPIEXEC  # the mpiexec to use
 #: "1": supervisors prefix output lines with "[rank] " (mpiexec without -prepend-rank)
 ENV_PREFIX = "COMMLIB_LAUNCH_PREFIX"
 EXIT_TIMEOUT = 124

@@ -316,14 +316,22 @@ print("WORLD " + json.dumps({"rank": world.Get_rank(), "size": world.Get_size(),
 """
 
 
-def run_world(n, timeout=60):
-    """Start ``n`` ranks of this interpreter with :func:`choose_mpiexec`'s
-    mpiexec; returns the sorted (rank, size) each reported.
+def run_world(n, mpiexec=None, timeout=60):
+    """Start ``n`` ranks of this interpreter and check they form one world.
+
+    Args:
+        n: the number of ranks.
+        mpiexec: the :class:`Mpiexec` to start them with (default
+            :func:`choose_mpiexec`'s).
+        timeout: seconds the job may take.
+
+    Returns:
+        The sorted (rank, size) each rank reported: ``[(0, n), ..., (n-1, n)]``.
 
     Raises:
         LaunchError: the ranks did not form one world of size ``n``.
     """
-    chosen = choose_mpiexec()
+    chosen = mpiexec or choose_mpiexec()
     cmd = [chosen.path, *extra_args(chosen), "-n", str(n), sys.executable, "-c", _WORLD_PROBE]
     try:
         out = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
