@@ -58,6 +58,9 @@ setup(
     extras_require={
         "mpi": ["mpi4py>=4.0", "mpich"],
         "test": ["pytest>=7", "hypothesis>=6", "mpi4py>=4.0", "mpich", "ml_dtypes", "matplotlib",
+                 # arrays of other frameworks (tests/test_interop.py); the CPU build
+                 # of torch is the one the CI machines install
+                 "torch==2.13.0", "jax",
                  # NVRTC of both CUDA majors and the machine-code readers, for the
                  # kernel checks that need no GPU (tests/test_kernel_*.py)
                  "nvidia-cuda-nvrtc-cu12>=12.0,<13", "nvidia-cuda-nvrtc>=13,<14",

@@ -88,9 +88,11 @@ def _plan(layout, bucket_bytes):
 
 def span(arrays, xp):
     """A 1-D view of the memory that ``arrays`` (same dtype, C-contiguous)
-    fill back to back inside one common base array, or None."""
+    fill back to back inside one common base array, or None (also when
+    the base is no array: memory of ``numpy.frombuffer`` or ``from_dlpack``)."""
     base = arrays[0].base
-    if base is None or not base.flags.c_contiguous or any(a.base is not base for a in arrays):
+    if (not isinstance(base, xp.ndarray) or not base.flags.c_contiguous
+            or any(a.base is not base for a in arrays)):
         return None
     start = end = address(arrays[0])
     for a in arrays:

@@ -9,7 +9,7 @@ import numpy as np
 from .. import compression as _compression
 from . import fusion, validation
 from ..progress import issuing
-from .. import settings
+from .. import interop, settings
 from ..errors import ArgumentError
 from ..progress.inflight import now
 from ..ops.arrays import array_module
@@ -22,7 +22,7 @@ def broadcast(session, arrays, root):
 
     def checks():
         nonlocal items, key, prepared
-        items = validation.as_list(arrays, rank=session.rank)[0]
+        items = validation.as_list(arrays, rank=session.rank, writeable=not is_root)[0]
         key, prepared = session.fusion.lookup(items)
         validation.check_root(root, session.size, session.rank)
         return fusion.fused_checks(session, items, prepared, not is_root, False)
@@ -57,7 +57,7 @@ def reduce(session, name, arrays, root, op, division, compression=None, state=No
         if state is not None and not isinstance(state, ReduceState):
             raise ArgumentError("rank %d: %s: state must be a commlib.ReduceState or "
                                 "None, got %s" % (session.rank, name, type(state).__name__))
-        items = validation.as_list(arrays, rank=session.rank)[0]
+        items = validation.as_list(arrays, rank=session.rank, writeable=receives)[0]
         key, prepared = cache.lookup(items)
         if root is not None:
             validation.check_root(root, session.size, session.rank)
@@ -86,9 +86,12 @@ def reduce(session, name, arrays, root, op, division, compression=None, state=No
     return arrays
 
 
-def all_gather(session, array):
+def all_gather(session, given):
+    array = given
+
     def checks():
-        session.one_array("all_gather", array)
+        nonlocal array
+        array = session.one_array("all_gather", given)
         return session.array_checks([array], writeable=False)
 
     kind, wait = session.begin("all_gather", ("all_gather",), checks, lambda: ([array], None))
@@ -99,14 +102,16 @@ def all_gather(session, array):
     elif array.size:
         send = xp.ascontiguousarray(array).reshape(-1)
         session.run(session.transport(kind).all_gather, send, out.reshape(-1), wait)
-    return out
+    return interop.like(given, out)
 
 
-def reduce_scatter(session, array, op):
+def reduce_scatter(session, given, op):
     averaging = op == "avg"
+    array = given
 
     def checks():
-        session.one_array("reduce_scatter", array)
+        nonlocal array
+        array = session.one_array("reduce_scatter", given)
         validation.check_op(op, False, session.rank)
         kind = session.array_checks([array], writeable=False, floating=averaging)
         if array.size % session.size:
@@ -128,23 +133,27 @@ def reduce_scatter(session, array, op):
                     "sum" if averaging else op, wait)
     if averaging:
         out *= 1.0 / session.size
-    return out
+    return interop.like(given, out)
 
 
-def all_gatherv(session, array):
+def all_gatherv(session, given):
+    array = given
+
     def checks():
-        session.one_array("all_gatherv", array)
+        nonlocal array
+        array = session.one_array("all_gatherv", given)
         kind = session.array_checks([array], writeable=False)
         if array.ndim != 1:
             raise ArgumentError("rank %d: all_gatherv takes a 1-D array, got shape %s"
                                 % (session.rank, tuple(array.shape)))
         return kind
 
-    dtype = getattr(array, "dtype", None)
-    kind, wait = session.begin("all_gatherv", ("all_gatherv", str(dtype)), checks)
+    kind, wait = session.begin("all_gatherv", ("all_gatherv", str(interop.dtype_name(given))),
+                               checks)
     xp = array_module(array)
     if session.size == 1:
-        return xp.array(array, copy=True), np.array([array.size], dtype=np.int64)
+        return interop.like(given, xp.array(array, copy=True)), np.array([array.size],
+                                                                          dtype=np.int64)
     counts = np.empty(session.size, dtype=np.int64)
     host = session.transport("numpy")
     session.run(host.all_gather, np.array([array.size], dtype=np.int64), counts, wait)
@@ -152,7 +161,7 @@ def all_gatherv(session, array):
     if out.size:
         session.run(session.transport(kind).all_gatherv, xp.ascontiguousarray(array), out,
                     counts, wait)
-    return out, counts
+    return interop.like(given, out), counts
 
 
 def barrier(session, timeout):

@@ -174,10 +174,12 @@ class Session:
                                        writeable=writeable, floating=floating)
 
     def one_array(self, name, array):
+        """``array``, the one array collective ``name`` takes, as a numpy or
+        cupy array (a view of another framework's, see :mod:`commlib.interop`)."""
         if isinstance(array, (list, tuple)):
             raise ArgumentError("rank %d: %s takes one array, got a %s"
                                 % (self.rank, name, type(array).__name__))
-        return validation.as_list(array, name, self.rank)[0]
+        return validation.as_list(array, name, self.rank)[0][0]
 
     def close(self, reason):
         if self.closed:

@@ -10,21 +10,28 @@ import operator
 import numpy as np
 
 from . import dtypes
+from .. import interop
 from ..errors import ArgumentError, ArrayTypeError, DeviceMismatchError
 from ..ops.arrays import is_cupy
 
 _KINDS = {"numpy": "numpy.ndarray", "cupy": "cupy.ndarray"}
 
 
-def as_list(arrays, what="arrays", rank=None):
-    """(list_of_arrays, was_single): accept one array or a list/tuple."""
+def as_list(arrays, what="arrays", rank=None, writeable=False):
+    """(list_of_arrays, was_single): accept one array or a list/tuple.
+
+    Arrays of other frameworks (torch, JAX, any DLPack producer) come back
+    as numpy or cupy views of their memory (:mod:`commlib.interop`);
+    ``writeable``: the caller writes its result into them (immutable
+    arrays raise ArrayTypeError)."""
     if isinstance(arrays, (list, tuple)):
-        return list(arrays), False
-    if _kind(arrays) is None:
-        raise ArrayTypeError("%s%s: expected a numpy/cupy array or a list of them, got %s"
+        return interop.native_list(list(arrays), rank=rank, what=what, writeable=writeable), False
+    if _kind(arrays) is None and not interop.is_foreign(arrays):
+        raise ArrayTypeError("%s%s: expected a numpy/cupy array (or a torch, JAX or other "
+                             "DLPack array) or a list of them, got %s"
                              % ("" if rank is None else "rank %d: " % rank, what,
                                 type(arrays).__name__))
-    return [arrays], True
+    return [interop.native(arrays, rank=rank, what=what, writeable=writeable)], True
 
 
 def _kind(a):

@@ -12,6 +12,7 @@ from collections.abc import Mapping
 import numpy as np
 
 from .. import compression as _compression
+from .. import interop
 from ..collective import validation
 from ..collective.bucketing import flat_arrays, span
 from ..compression import Partial, Threshold, TopK
@@ -281,7 +282,8 @@ class DistributedOptimizer:
                                        ", ".join(map(repr, ("params",) + tuple(defaults)))))
             group = dict(defaults)
             group.update(g)
-            group["params"] = list(arrays)
+            group["params"] = interop.native_list(list(arrays), rank=rank, writeable=True,
+                                                  what=where + "['params']")
             if isinstance(rule, Rule):
                 group.update(rule.check_group(group, where + ": ", rank))
             groups.append(group)
@@ -662,7 +664,8 @@ class DistributedOptimizer:
                                 "parameter), got %s" % (rank, len(self.params), (
                                     "%d" % len(grads)) if isinstance(grads, (list, tuple))
                                     else type(grads).__name__))
-        validation.check_arrays(list(grads), rank=rank, writeable=False, what="grads")
+        grads = interop.native_list(list(grads), rank=rank, what="grads")
+        validation.check_arrays(grads, rank=rank, writeable=False, what="grads")
         for i, (g, p) in enumerate(zip(grads, self.params)):
             if g.shape != p.shape or g.dtype != p.dtype or is_cupy(g) != is_cupy(p):
                 raise ArgumentError(

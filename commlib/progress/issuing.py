@@ -5,9 +5,9 @@ requests in flight (:class:`commlib.progress.inflight.InFlight`)."""
 import time
 import weakref
 
+from .. import interop
 from ..errors import ArgumentError, ClosedError
 from .inflight import InFlight, overlap
-from ..ops.arrays import is_cupy
 from .work import GpuOrder, Progress
 
 
@@ -60,9 +60,10 @@ def threaded(session):
 
 
 def gpu_order(session, arrays):
-    """A GpuOrder when ``arrays`` (an array or a list) hold cupy arrays."""
+    """A GpuOrder when ``arrays`` (an array or a list) hold cupy arrays (or
+    another framework's CUDA arrays)."""
     items = arrays if isinstance(arrays, (list, tuple)) else [arrays]
-    if session.device is None or arrays is None or not any(is_cupy(a) for a in items):
+    if session.device is None or arrays is None or not any(map(interop.on_gpu, items)):
         return None
     import cupy
     if session.side is None:

@@ -79,7 +79,9 @@ class ThreadTransport(Transport):
         scale_in_place(buf, scale)
 
     def broadcast(self, buf, root, wait=waiting.FOREVER, owned=False):
-        buf[...] = self._all(buf, wait)[root]
+        sent = self._all(buf, wait)[root]
+        if self.rank != root:           # the root's buffer may be read-only
+            buf[...] = sent
 
     def reduce(self, buf, root, op, wait=waiting.FOREVER, owned=False):
         result = _reduce(self._all(buf, wait), op)
