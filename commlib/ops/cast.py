@@ -89,45 +89,56 @@ def cast(x, dtype, *, scale=1.0, out=None, accumulate=False, nonfinite=None):
     src_fmt = _check_float_array(x, "x")
     gpu = is_cupy(x)
     scale32 = check_scale(scale)
-    if out is None:
-        if accumulate:
-            raise ArgumentError("accumulate=True needs out= (the array to add into)")
-        if gpu:
-            with x.device:
-                out = _xp(gpu).empty(x.shape, dtype=_STORAGE[dst_fmt])
-        else:
-            out = np.empty(x.shape, dtype=_STORAGE[dst_fmt])
-    else:
-        _check_same_kind(out, "out", gpu)
-        if out.dtype != _STORAGE[dst_fmt]:
-            raise ArrayTypeError("out: expected dtype %s for %s, got %s"
-                                 % (_STORAGE[dst_fmt], dst_fmt, out.dtype))
-        if out.shape != x.shape:
-            raise ArgumentError("out: expected shape %s (the shape of x), got %s"
-                                % (x.shape, out.shape))
-        if not out.flags.c_contiguous:
-            raise ArrayTypeError("out: expected a C-contiguous array")
+    out = _output(x, out, dst_fmt, gpu, accumulate)
     nonfinite = check_counter(nonfinite, gpu)
     if gpu:
-        _check_device(x, out)
-        if nonfinite is not None and nonfinite.device.id != x.device.id:
-            raise ArrayTypeError("nonfinite: expected an array on device %d (where x is), got "
-                                 "device %d" % (x.device.id, nonfinite.device.id))
-        with x.device:
-            if nonfinite is not None:
-                counter = nonfinite
-            else:
-                from . import _launch
-                counter = _xp(gpu).empty((), np.int64)
-                _launch.memset0(counter)  # no fill kernel
-            if x.size:
-                _cast_cuda(x, out, src_fmt, dst_fmt, scale32, accumulate, counter)
-        return out, counter
+        return _cast_on_device(x, out, src_fmt, dst_fmt, scale32, accumulate, nonfinite)
     count = numpy_cast_into(x, out, scale32, accumulate)
     if nonfinite is None:
         return out, np.array(count, dtype=np.int64)
     nonfinite += count
     return out, nonfinite
+
+
+def _output(x, out, dst_fmt, gpu, accumulate):
+    """``out`` checked against ``x`` and format ``dst_fmt``, or a new array
+    (on ``x``'s device) when it is None."""
+    if out is None:
+        if accumulate:
+            raise ArgumentError("accumulate=True needs out= (the array to add into)")
+        if gpu:
+            with x.device:
+                return _xp(gpu).empty(x.shape, dtype=_STORAGE[dst_fmt])
+        return np.empty(x.shape, dtype=_STORAGE[dst_fmt])
+    _check_same_kind(out, "out", gpu)
+    if out.dtype != _STORAGE[dst_fmt]:
+        raise ArrayTypeError("out: expected dtype %s for %s, got %s"
+                             % (_STORAGE[dst_fmt], dst_fmt, out.dtype))
+    if out.shape != x.shape:
+        raise ArgumentError("out: expected shape %s (the shape of x), got %s"
+                            % (x.shape, out.shape))
+    if not out.flags.c_contiguous:
+        raise ArrayTypeError("out: expected a C-contiguous array")
+    return out
+
+
+def _cast_on_device(x, out, src_fmt, dst_fmt, scale32, accumulate, nonfinite):
+    """The cupy path of :func:`cast`: ``(out, counter)``, the counter
+    ``nonfinite`` itself or a new zeroed one on ``x``'s device."""
+    _check_device(x, out)
+    if nonfinite is not None and nonfinite.device.id != x.device.id:
+        raise ArrayTypeError("nonfinite: expected an array on device %d (where x is), got "
+                             "device %d" % (x.device.id, nonfinite.device.id))
+    with x.device:
+        if nonfinite is not None:
+            counter = nonfinite
+        else:
+            from . import _launch
+            counter = _xp(True).empty((), np.int64)
+            _launch.memset0(counter)  # no fill kernel
+        if x.size:
+            _cast_cuda(x, out, src_fmt, dst_fmt, scale32, accumulate, counter)
+    return out, counter
 
 
 # ---------------------------------------------------------------- checks
