@@ -14,6 +14,7 @@ did not form one world of N.
 import argparse
 import os
 import platform
+import shutil
 import sys
 
 from .startup import mpi_library
@@ -59,34 +60,15 @@ def _settings():
                                              else "%g s" % settings.timeout())
 
 
-def report(run=0, out=sys.stdout):
-    """Print what commlib would use on this machine (see the module docstring).
-
-    A LaunchError or BackendUnavailableError met on the way is printed and
-    turned into the exit status, not raised.
-
-    Args:
-        run: N > 0 also starts N ranks with the chosen mpiexec and checks
-            that they form one MPI world of N; 0 (default) starts none.
-        out: the text stream printed to (default ``sys.stdout``).
-
-    Returns:
-        The exit status: 0, or 1 when the mpiexec on PATH or the one
-        commlib would use belongs to another MPI than mpi4py's library,
-        or the ranks of ``run`` did not form one world of N, or ``run`` was
-        asked for and mpi4py's MPI library could not be found.
-    """
-    from .ops import native
-    say = lambda text: print(text, file=out, flush=True)   # noqa: E731
+def _mpi(run, say):
+    """Say which MPI library mpi4py loads, the mpiexec on PATH and the one
+    commlib uses, whether they match, and (``run`` > 0) whether ``run``
+    ranks form one world; returns the exit status (see :func:`report`)."""
     status = 0
-    say("python %s on %s" % (sys.version.split()[0], platform.platform()))
-    for module in ("numpy", "mpi4py", "cupy", "torch"):
-        say("%s: %s" % (module, _version(module)))
     try:
         library = mpi_library.loaded_library()
         say("MPI library (mpi4py loads): %s [%s] %s" % (library.version, library.family,
                                                         library.path))
-        import shutil
         on_path = shutil.which("mpiexec")
         if on_path:
             seen = mpi_library.describe_mpiexec(on_path)
@@ -111,10 +93,36 @@ def report(run=0, out=sys.stdout):
                 say("%d ranks form one MPI world of %d: %s" % (run, run, got))
         except LaunchError as exc:
             say("MISMATCH: %s" % " ".join(str(exc).split()))
-            status = 1
+            return 1
     except BackendUnavailableError as exc:
         say("MPI: %s" % exc)
-        status = 1 if run else 0
+        return 1 if run else 0
+    return status
+
+
+def report(run=0, out=sys.stdout):
+    """Print what commlib would use on this machine (see the module docstring).
+
+    A LaunchError or BackendUnavailableError met on the way is printed and
+    turned into the exit status, not raised.
+
+    Args:
+        run: N > 0 also starts N ranks with the chosen mpiexec and checks
+            that they form one MPI world of N; 0 (default) starts none.
+        out: the text stream printed to (default ``sys.stdout``).
+
+    Returns:
+        The exit status: 0, or 1 when the mpiexec on PATH or the one
+        commlib would use belongs to another MPI than mpi4py's library,
+        or the ranks of ``run`` did not form one world of N, or ``run`` was
+        asked for and mpi4py's MPI library could not be found.
+    """
+    from .ops import native
+    say = lambda text: print(text, file=out, flush=True)   # noqa: E731
+    say("python %s on %s" % (sys.version.split()[0], platform.platform()))
+    for module in ("numpy", "mpi4py", "cupy", "torch"):
+        say("%s: %s" % (module, _version(module)))
+    status = _mpi(run, say)
     for line in _gpus():
         say(line)
     say("compiled host loops: %s" % ("built" if native.available()

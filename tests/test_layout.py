@@ -164,3 +164,44 @@ def test_the_private_checks_find_planted_reaches():
         ["commlib.collective.bucketing._span", "commlib.ops._arrays", "commlib.ops._arrays.is_cupy"]
     assert [t for _, _, t in private_members_of_other_modules(modules)] == \
         ["comm._transport"]
+
+
+# -- sizes a reader can hold ----------------------------------------------------------
+
+#: the most lines a module, a class and a function of commlib may have
+MODULE_LINES, CLASS_LINES, FUNCTION_LINES = 500, 300, 60
+#: the facade a user reads first stays smaller still
+COMMUNICATOR_LINES = 250
+
+
+def oversized(source, name):
+    """``[(what, lines), ...]`` over the limits in ``source`` (module ``name``)."""
+    found = []
+    if source.count("\n") > MODULE_LINES:
+        found.append(("module " + name, source.count("\n")))
+    for node in ast.walk(ast.parse(source)):
+        lines = getattr(node, "end_lineno", 0) - getattr(node, "lineno", 0) + 1
+        if isinstance(node, ast.ClassDef) and lines > CLASS_LINES:
+            found.append(("class %s.%s" % (name, node.name), lines))
+        elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and lines > FUNCTION_LINES:
+            found.append(("function %s.%s" % (name, node.name), lines))
+    return found
+
+
+def test_no_module_class_or_function_over_its_size():
+    found = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        found += oversized(path.read_text(), str(path.relative_to(PACKAGE.parent)))
+    assert not found, found
+
+
+def test_communicator_class_stays_small():
+    tree = ast.parse((PACKAGE / "communicator.py").read_text())
+    cls = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "Communicator")
+    assert cls.end_lineno - cls.lineno + 1 < COMMUNICATOR_LINES
+
+
+def test_size_check_finds_a_long_function():
+    body = "".join("    x = %d\n" % i for i in range(FUNCTION_LINES))
+    assert oversized("def f():\n" + body, "m") == [("function m.f", FUNCTION_LINES + 1)]
+    assert oversized("def f():\n" + body[:-len("    x = 59\n")], "m") == []

@@ -147,15 +147,7 @@ class Sparsifier(Compression):
         residual = None
         if self.error_feedback:
             residual = buffer(workspace, "residual", xp, n, np.float32, zero=True)
-        if xp is np:                 # compiled passes
-            nonfinite, indices, values = self.accumulate_and_select(residual, flat, acc)
-        else:
-            if residual is None:
-                acc[...] = flat
-            else:
-                xp.add(residual, flat, out=acc)
-            nonfinite = _nonfinite.drop(acc)
-            indices, values = self.select(acc)
+        nonfinite, indices, values = self._accumulate(residual, flat, acc)
         slots = self.count_for(n)
         record = _payload.encode(xp, indices, values, nonfinite, slots)
         context = "rank %d: compression %s" % (bucket.rank, self.name)
@@ -175,13 +167,7 @@ class Sparsifier(Compression):
             bucket, record, slots, n, context,
             "in %s; nothing was written: arrays and residuals are unchanged" % where,
             on_headers)
-        if xp is np:
-            hostselect.sparse_sum(flat, all_indices, all_values, scale, counts)
-        else:
-            flat[...] = 0
-            scatter_add(flat, all_indices, all_values, segments=counts)
-            if scale is not None:
-                flat *= np.float32(scale)
+        _sum_into(flat, all_indices, all_values, scale, counts)
         if residual is not None:    # what was sent is no longer owed
             add = hostselect.scatter_add if xp is np else scatter_add
             add(acc, indices, values, alpha=-1.0)
@@ -191,3 +177,31 @@ class Sparsifier(Compression):
             _nonfinite.warn("%s: dropped NaN and inf of %s, in %s: not sent%s"
                             % (context, _nonfinite.ranks(dropped), where,
                                ", residual set to 0" if residual is not None else ""))
+
+    def _accumulate(self, residual, flat, acc):
+        """``acc = residual + flat`` (``flat`` alone without error feedback)
+        with its NaN and +-inf set to 0, and this rank's selection from it:
+        ``(non-finite count, indices, values)``; the count is an int for
+        numpy, a 0-d device array for cupy (no host synchronisation)."""
+        xp = array_module(acc)
+        if xp is np:                         # compiled passes
+            return self.accumulate_and_select(residual, flat, acc)
+        if residual is None:
+            acc[...] = flat
+        else:
+            xp.add(residual, flat, out=acc)
+        nonfinite = _nonfinite.drop(acc)
+        return (nonfinite,) + tuple(self.select(acc))
+
+
+def _sum_into(flat, indices, values, scale, counts):
+    """``flat`` = the sum of every rank's (``indices``, ``values``) pairs
+    (``counts`` per rank, in rank order: the same bits on every rank), times
+    ``scale`` when not None."""
+    if array_module(flat) is np:
+        hostselect.sparse_sum(flat, indices, values, scale, counts)
+        return
+    flat[...] = 0
+    scatter_add(flat, indices, values, segments=counts)
+    if scale is not None:
+        flat *= np.float32(scale)
