@@ -1,7 +1,8 @@
 """The :class:`Communicator`: the one object a training loop talks to.
 
 A thin facade: its factories make the parts (:mod:`commlib.startup.bootstrap`), its
-methods check how they are called and hand the collective to
+collective methods (:class:`~commlib.collective.calls.CollectiveCalls`, its
+base class) name the call and hand it to
 :mod:`commlib.progress.issuing` (inline, or queued for ``async_op=True``), which runs
 the steps of :mod:`commlib.collective.collectives` on the communicator's
 :class:`~commlib.collective.session.Session` (transports, status board, caches). Every
@@ -26,48 +27,64 @@ truncation); use ``op="sum"`` and divide yourself.
 """
 from .faults import board as _board
 from .startup import bootstrap
-from .collective import collectives
-from .progress import issuing
+from .collective.calls import CollectiveCalls
 from .collective.session import Session
 
 
-class Communicator:
+class Communicator(CollectiveCalls):
     """Data-parallel collectives over NCCL (cupy arrays) and/or MPI.
 
     Build one with :func:`commlib.init`, :meth:`from_mpi`,
-    :meth:`from_nccl_id`, :meth:`single` or :meth:`from_transport`. Options
-    (every rank must pass the same; checked when the communicator is made):
-    ``bucket_bytes`` caps a fused bucket (default per transport, see
-    :mod:`commlib.collective.bucketing`); ``check`` (default True, or
-    ``COMMLIB_CHECK``) compares every call across ranks before it runs;
-    ``timeout`` (seconds; default 600, or ``COMMLIB_WATCHDOG_TIMEOUT``;
-    ``math.inf`` or ``COMMLIB_WATCHDOG_ENABLE=0`` for none) is the watch
-    dog's deadline per collective. The constructor takes a factory's parts
-    (see :class:`~commlib.collective.session.Session`).
+    :meth:`from_nccl_id`, :meth:`single` or :meth:`from_transport`; the
+    constructor takes a factory's parts (see
+    :class:`~commlib.collective.session.Session`). Arrays are numpy or cupy
+    arrays, or any framework's that speak DLPack (:mod:`commlib.interop`).
+
+    Args:
+        bucket_bytes: cap of a fused bucket (default per transport, see
+            :mod:`commlib.collective.bucketing`).
+        check: compare every call across ranks before it runs (default
+            True, or ``COMMLIB_CHECK``).
+        timeout: the watch dog's deadline per collective, seconds (default
+            600, or ``COMMLIB_WATCHDOG_TIMEOUT``; ``math.inf`` or
+            ``COMMLIB_WATCHDOG_ENABLE=0`` for none). Every rank passes the
+            same options; they are checked when the communicator is made.
+
+    The collectives (``all_reduce``, ``broadcast``, ``reduce``,
+    ``all_gather``, ``reduce_scatter``, ``all_gatherv``, ``barrier``) are
+    the methods of its base class,
+    :class:`~commlib.collective.calls.CollectiveCalls`, where the errors
+    every collective may raise are listed.
     """
 
     def __init__(self, **parts_and_options):
-        self._session = Session(**parts_and_options)
+        super().__init__(Session(**parts_and_options))
 
     # -- construction (see commlib.startup.bootstrap) ----------------------------------
     @classmethod
     def from_mpi(cls, mpi_comm=None, device=None, *, backend=None, **options):
-        """Bootstrap over MPI: every rank of ``mpi_comm`` (default
-        ``MPI.COMM_WORLD``) calls this (collective).
+        """Bootstrap over MPI, collectively on every rank of ``mpi_comm``.
 
-        ``backend=None`` uses NCCL for cupy arrays when cupy, NCCL and a GPU
-        are usable on every rank (rank 0 makes the NCCL ID and broadcasts it
-        over MPI), and MPI otherwise; ``"mpi"`` or ``"nccl"`` forces one.
-        ``device`` is the GPU ordinal (default: local rank modulo the GPU
-        count). A rank that cannot make its communicator, or settings that
-        differ between ranks, raise on every rank.
+        Args:
+            mpi_comm: an mpi4py communicator (default ``MPI.COMM_WORLD``).
+            device: GPU ordinal (default: local rank modulo the GPU count).
+            backend: None: NCCL for cupy arrays when cupy, NCCL and a GPU are
+                usable on every rank (rank 0 makes the NCCL ID and broadcasts
+                it over MPI), else MPI; ``"mpi"`` or ``"nccl"`` forces one.
+            **options: ``bucket_bytes``, ``check``, ``timeout`` (see the class).
+
+        Returns:
+            The Communicator of this rank.
 
         Raises:
             LaunchError: the launcher said N ranks (``PMI_SIZE``,
                 ``OMPI_COMM_WORLD_SIZE``, ...; see
                 :func:`commlib.startup.mpi_library.check_world_size`) but
-                ``MPI.COMM_WORLD`` has another size; raised before any
+                ``MPI.COMM_WORLD`` has another size; before any
                 communication, on every process.
+            ArgumentError, BackendUnavailableError: bad options, settings
+                that differ between ranks, or a rank that cannot make its
+                communicator: raised on every rank.
         """
         return cls(**bootstrap.parts_from_mpi(mpi_comm, device, backend, options), **options)
 
@@ -76,10 +93,21 @@ class Communicator:
                      local_size=None, **options):
         """Bootstrap from an NCCL ID shared by a parent process (no MPI).
 
-        Every one of the ``size`` processes calls this with the same
-        ``nccl_id`` and its own ``rank``. ``device`` defaults to
-        ``local_rank`` (default ``rank``) modulo the GPU count. Processes on
-        one node share a status board in memory named after the ID.
+        Args:
+            nccl_id: the :class:`commlib.NcclId` every process was given.
+            rank, size: this process's rank and the number of processes.
+            device: GPU ordinal (default ``local_rank`` modulo the GPU count).
+            local_rank, local_size: place among this node's processes
+                (default ``rank`` and ``size``); they share a status board
+                in memory named after the ID.
+            **options: ``bucket_bytes``, ``check``, ``timeout`` (see the class).
+
+        Returns:
+            The Communicator of this rank.
+
+        Raises:
+            ArgumentError: bad rank, size or options.
+            BackendUnavailableError: cupy, NCCL or the GPU are not usable.
         """
         return cls(**bootstrap.parts_from_nccl_id(nccl_id, rank, size, device, local_rank,
                                                   local_size, options), **options)
@@ -87,20 +115,40 @@ class Communicator:
     @classmethod
     def from_transport(cls, transport, *, cupy_transport=None, local_rank=None,
                        local_size=None, device=None, **options):
-        """A communicator over ``transport``, a
-        :class:`commlib.transport.base.Transport` of the caller's own (one
-        method per collective), which carries numpy arrays, and cupy arrays
-        unless ``cupy_transport`` is given; ``local_rank``/``local_size``
-        default to its rank and size; the consistency check exchanges
-        fingerprints over it. Raises ArgumentError for a bad option or a
-        ``transport`` that is not a Transport."""
+        """A communicator over a :class:`commlib.transport.base.Transport`
+        of the caller's own (one method per collective).
+
+        Args:
+            transport: carries numpy arrays, cupy arrays too unless
+                ``cupy_transport`` is given, and the consistency check's
+                fingerprints.
+            cupy_transport: a Transport for cupy arrays, or None.
+            local_rank, local_size: default the transport's rank and size.
+            device: GPU ordinal, or None.
+            **options: ``bucket_bytes``, ``check``, ``timeout`` (see the class).
+
+        Returns:
+            The Communicator of this rank.
+
+        Raises:
+            ArgumentError: a bad option, or a ``transport`` that is not a
+                Transport.
+        """
         return cls(**bootstrap.parts_from_transport(transport, cupy_transport, local_rank,
                                                     local_size, device), **options)
 
     @classmethod
     def single(cls, device=None, **options):
         """A communicator of one process that needs no MPI: every collective
-        is local (what :func:`commlib.init` gives without mpi4py)."""
+        is local (what :func:`commlib.init` gives without mpi4py).
+
+        Args:
+            device: GPU ordinal for cupy arrays, or None.
+            **options: ``bucket_bytes``, ``check``, ``timeout`` (see the class).
+
+        Returns:
+            The Communicator (rank 0 of 1).
+        """
         return cls(**bootstrap.parts_single(device), **options)
 
     # -- properties --------------------------------------------------------------
@@ -140,88 +188,45 @@ class Communicator:
         self._session.async_threaded = value
 
     def bucket_bytes_for(self, kind):
-        """The fusion bucket cap, in bytes, for arrays of ``kind``
-        (``"numpy"`` or ``"cupy"``): the ``bucket_bytes`` option, else the
-        default of the transport that carries them."""
+        """The fusion bucket cap for arrays of ``kind``.
+
+        Args:
+            kind: ``"numpy"`` or ``"cupy"``.
+
+        Returns:
+            Bytes: the ``bucket_bytes`` option, else the default of the
+            transport that carries arrays of ``kind``.
+        """
         session = self._session
         return session.bucket_bytes_for(session.transport(kind))
 
     def transport_for(self, kind):
-        """The name of the transport that carries arrays of ``kind``
-        (``"numpy"`` or ``"cupy"``): ``"shm"``, ``"mpi"``, ``"nccl"``,
-        ``"local"``, or a transport of one's own's."""
-        return self._session.transport(kind).name
+        """The transport that carries arrays of ``kind``.
 
-    # -- collectives -----------------------------------------------------------------
-    def all_reduce(self, arrays, op="sum", division=False, compression=None, async_op=False,
-                   state=None):
-        """Reduce ``arrays`` (one array or a list) over all ranks, in place.
+        Args:
+            kind: ``"numpy"`` or ``"cupy"``.
 
-        ``op``: ``"sum"``, ``"avg"``, ``"max"``, ``"min"`` or ``"prod"``;
-        ``division=True`` divides the sum by ``size`` (same as ``"avg"``).
-        ``compression``: None, ``"fp16"`` or ``"bf16"`` (float32 arrays
-        travel as float16 / bfloat16, see :mod:`commlib.compression.half`) or
-        a :class:`~commlib.compression.Compression`. Returns ``arrays``; with
-        ``async_op=True`` a :class:`commlib.Work` at once, whose ``wait()``
-        returns them (see :mod:`commlib.progress.work`): the arrays belong to it until
-        then, and every error, argument errors included, raises from
-        ``wait()``. ``state``: a :class:`commlib.ReduceState` the caller
-        owns, holding this list's fusion plan and compression state instead
-        of the communicator's per-layout tables; every rank passes one of
-        the same name.
+        Returns:
+            Its name: ``"shm"``, ``"mpi"``, ``"nccl"``, ``"local"``,
+            ``"threads"``, or a transport of one's own's.
         """
-        return issuing.issue(self._session, "all_reduce", collectives.reduce,
-                             ("all_reduce", arrays, None, op, division, compression, state),
-                             async_op, arrays)
-
-    def broadcast(self, arrays, root=0):
-        """Copy ``arrays`` of rank ``root`` into every rank's ``arrays``, in
-        place. Returns ``arrays``."""
-        return issuing.issue(self._session, "broadcast", collectives.broadcast,
-                             (arrays, root), arrays=arrays)
-
-    def reduce(self, arrays, root=0, op="sum", division=False):
-        """Reduce ``arrays`` into rank ``root``'s arrays, in place; other
-        ranks' arrays are left unchanged. Returns ``arrays``."""
-        return issuing.issue(self._session, "reduce", collectives.reduce,
-                             ("reduce", arrays, root, op, division), arrays=arrays)
-
-    def all_gather(self, array):
-        """Every rank's ``array``, stacked: a new array of shape
-        ``(size, *array.shape)``, same kind and dtype."""
-        return issuing.issue(self._session, "all_gather", collectives.all_gather, (array,),
-                             arrays=array)
-
-    def reduce_scatter(self, array, op="sum"):
-        """Reduce ``array`` (flattened) over all ranks and return this rank's
-        block: a new 1-D array of ``array.size // size`` elements (block r
-        goes to rank r). ``array.size`` must be a multiple of ``size``."""
-        return issuing.issue(self._session, "reduce_scatter", collectives.reduce_scatter,
-                             (array, op), arrays=array)
-
-    def all_gatherv(self, array):
-        """Every rank's 1-D ``array`` (lengths may differ), concatenated in
-        rank order. Returns ``(values, counts)``: a new 1-D array and the
-        int64 numpy array of per-rank lengths."""
-        return issuing.issue(self._session, "all_gatherv", collectives.all_gatherv, (array,),
-                             arrays=array)
-
-    def barrier(self, timeout=None):
-        """Block until every rank has called barrier. ``timeout`` (seconds)
-        replaces the watch dog's deadline for this call; every rank must
-        pass the same."""
-        return issuing.issue(self._session, "barrier", collectives.barrier, (timeout,))
+        return self._session.transport(kind).name
 
     # -- lifetime -----------------------------------------------------------------------
     def close(self):
         """Release the communicator; later calls raise ClosedError. Idempotent.
 
         Every rank must close after the same number of collectives: ``close``
-        waits (up to the watch dog's deadline) until every rank has closed,
-        and raises PeerError when a rank is still calling collectives
-        (uneven number of steps; that rank raises too) or left otherwise.
+        waits (up to the watch dog's deadline) until every rank has closed.
         It never calls a blocking MPI function, and releases this rank's
         resources whatever happens.
+
+        Raises:
+            PeerError: a rank is still calling collectives (uneven number of
+                steps; the ranks whose count differs from the majority's are
+                named, and raise too) or left otherwise.
+            CollectiveTimeoutError: a rank neither closed nor left before
+                the deadline.
         """
         self._session.close(_board.CLOSED)
 
