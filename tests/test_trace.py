@@ -55,6 +55,18 @@ def nesting_errors(events):
     return errors
 
 
+def enclosing(events, inner, outer):
+    """For every event of ``inner`` (complete events), the innermost event of
+    category ``outer`` among ``events`` on the same thread that contains it
+    (or None)."""
+    found = []
+    for e in inner:
+        around = [o for o in events if o.get("cat") == outer and o["tid"] == e["tid"]
+                  and o["ts"] <= e["ts"] and e["ts"] + e["dur"] <= o["ts"] + o["dur"]]
+        found.append(max(around, key=lambda o: o["ts"]) if around else None)
+    return found
+
+
 def check_rank(doc, rank, size, report):
     events = doc["traceEvents"]
     assert doc["displayTimeUnit"] == "ms"
@@ -69,7 +81,10 @@ def check_rank(doc, rank, size, report):
     assert made == list(zip(report["collectives"], report["seqs"]))
     assert sum(e["args"]["bytes"] for e in events
                if e.get("cat") == "transport") == report["bytes_sent"]
+    calls = [e for e in events if e.get("cat") == "transport" and e["args"]["call"] != "barrier"]
+    assert None not in enclosing(events, calls, "bucket"), "a transport call outside buckets"
     buckets = [e for e in events if e.get("cat") == "bucket"]
+    assert None not in enclosing(events, buckets, "collective")
     assert {b["args"]["compression"] for b in buckets} >= {None, "fp16"}
     assert any(e["ph"] == "f" for e in events) and any(e["name"] == "Work.wait" for e in events)
 
