@@ -3,7 +3,8 @@
     python benchmarks/trace_overhead.py --base /tmp/trace-base --runs 6
 
 The step is benchmarks/overlap.py's: the backward pass's compute stand-in
-(``np.sin``, calibrated to take as long as the all-reduce) with each
+(``np.sin`` over ``--factor`` times each layer's size, the same in every
+job, so that jobs compare) with each
 layer's gradient handed to a :class:`commlib.BackwardReducer` as it is
 written, then ``reducer.wait()``; ``all_reduce`` is the 97.5 MiB gradient
 list alone. Each time is the slowest rank's, median of ``--repeats``.
@@ -13,8 +14,8 @@ list alone. Each time is the slowest rank's, median of ``--repeats``.
   alternate, old, new, old, new, ...; the table gives the median of the
   jobs' medians;
 * (b) tracing on against off, interleaved repeat by repeat in the same job
-  of this checkout (the files are written after each timed repeat, outside
-  the timing).
+  of this checkout, which of the two goes first alternating (the files are
+  written after each timed repeat, outside the timing).
 
 Without ``--base`` only (b) runs. Under mpiexec (``--rank-program``) it is
 the rank program and prints one ``TRACE_OVERHEAD {json}`` line.
@@ -36,7 +37,7 @@ def rank_program(args):
     sys.path[:0] = [args.commlib, str(HERE)]
     from mpi4py import MPI
     import commlib
-    from overlap import Backward, calibrate, layers
+    from overlap import Backward, layers
     world = MPI.COMM_WORLD
     comm = commlib.init()
     grads = commlib.flat_arrays(*layers("resnet50"))
@@ -57,18 +58,22 @@ def rank_program(args):
     def comm_only():
         comm.all_reduce(grads, op="avg")
 
+    def timed(name, fn, on):
+        if on:
+            commlib.trace(os.path.join(args.trace_dir, "overhead.json"))
+        times.setdefault(name + (" on" if on else " off"), []).append(slowest(fn))
+        if on:
+            commlib.trace(None)
+
+    backward.factor = args.factor
     for _ in range(2):
         slowest(step)
-    comm_s = statistics.median(slowest(comm_only) for _ in range(3))
-    calibrate(world, backward, comm_s, lambda fn: (slowest(fn), None))
+        slowest(comm_only)
     times = {}
-    for _ in range(args.repeats):
+    for k in range(args.repeats):
         for name, fn in (("step", step), ("all_reduce", comm_only)):
-            times.setdefault(name + " off", []).append(slowest(fn))
-            if traced:
-                commlib.trace(os.path.join(args.trace_dir, "overhead.json"))
-                times.setdefault(name + " on", []).append(slowest(fn))
-                commlib.trace(None)
+            for on in ((False, True) if k % 2 == 0 else (True, False))[:1 + bool(traced)]:
+                timed(name, fn, on and traced)
     comm.close()
     if comm.rank == 0:
         print("TRACE_OVERHEAD " + json.dumps(
@@ -80,7 +85,7 @@ def job(checkout, args, trace_dir=None):
     mpiexec = os.path.join(os.path.dirname(sys.executable), "mpiexec")
     cmd = [mpiexec if os.path.exists(mpiexec) else "mpiexec", "-n", "2", sys.executable,
            __file__, "--rank-program", "--commlib", str(checkout),
-           "--repeats", str(args.repeats)] + (["--trace-dir", trace_dir] if trace_dir else [])
+           "--repeats", str(args.repeats), "--factor", str(args.factor)] + (["--trace-dir", trace_dir] if trace_dir else [])
     env = dict(os.environ, PYTHONPATH=str(checkout))
     out = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600, check=True)
     line = [x for x in out.stdout.splitlines() if x.startswith("TRACE_OVERHEAD ")][0]
@@ -123,6 +128,8 @@ def main():
                         help="a checkout of commlib before tracing, for comparison (a)")
     parser.add_argument("--runs", type=int, default=6, help="jobs per checkout, alternating")
     parser.add_argument("--repeats", type=int, default=9, help="timed repeats per job")
+    parser.add_argument("--factor", type=float, default=0.3,
+                        help="compute per gradient element (np.sin calls over factor x size)")
     parser.add_argument("--json", default=None, help="write every job's medians here")
     parser.add_argument("--rank-program", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--commlib", default=str(HERE.parent), help=argparse.SUPPRESS)
