@@ -6,7 +6,7 @@
 
 ``import commlib`` works without cupy, NCCL or a GPU.
 """
-from . import compression, errors
+from . import compression, errors, trace
 from .startup.bootstrap import NcclId
 from .collective.bucketing import flat_arrays
 from .communicator import Communicator
@@ -66,7 +66,7 @@ def init(**options):
     return Communicator.from_mpi(**options)
 
 
-__all__ = ["Communicator", "NcclId", "init", "flat_arrays", "compression", "errors",
+__all__ = ["Communicator", "NcclId", "init", "flat_arrays", "compression", "errors", "trace",
            "Work", "CommStats", "BackwardReducer", "ReduceState",
            "optim", "DistributedOptimizer", "broadcast_parameters", "check_parameters",
            "partition", "ArgumentError", "ArrayTypeError",

@@ -26,6 +26,7 @@ NATIVE = "COMMLIB_NATIVE"
 MPIEXEC = "COMMLIB_MPIEXEC"
 KERNEL_DIR = "COMMLIB_KERNEL_DIR"
 ASYNC_DEPTH = "COMMLIB_ASYNC_DEPTH"
+TRACE = "COMMLIB_TRACE"
 
 #: the watch dog's default deadline per collective, seconds: long enough for
 #: a rank that evaluates or saves a checkpoint while the others wait at the
@@ -132,3 +133,9 @@ def async_depth():
     if depth < 1:
         raise ArgumentError("%s=%r: expected a positive int" % (ASYNC_DEPTH, value))
     return depth
+
+
+def trace_path():
+    """Where ``COMMLIB_TRACE`` asks the trace to be written (see
+    :mod:`commlib.trace` for the path rule), or None: no trace."""
+    return os.environ.get(TRACE, "").strip() or None

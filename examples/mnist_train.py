@@ -52,6 +52,10 @@ so the ranks finish with one model). Each is the optimizer's
 ``compression=`` (SINGA's method names are there too: ``opt.update_half``,
 ``opt.update_sparse``, ``opt.update_partial``); scripts/compare_compression.py
 compares them.
+
+``--trace DIR`` records the last epoch (see docs/tracing.md): every rank
+writes ``DIR/epoch.rankR.json`` and rank 0 joins them into
+``DIR/epoch.merged.json``, which https://ui.perfetto.dev opens.
 """
 import argparse
 import hashlib
@@ -199,6 +203,13 @@ def parameter_digest(params):
     return hashlib.sha256(b"".join(to_host(p).tobytes() for p in params)).hexdigest()
 
 
+def output_args(parser):
+    parser.add_argument("--json", default=None, help="rank 0 writes the per-epoch log here")
+    parser.add_argument("--trace", default=None, metavar="DIR",
+                        help="record the last epoch: DIR/epoch.rankR.json per rank, merged "
+                             "by rank 0 into DIR/epoch.merged.json (see docs/tracing.md)")
+
+
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0],
                                      formatter_class=argparse.ArgumentDefaultsHelpFormatter)
@@ -236,7 +247,7 @@ def parse_args(argv=None):
                         help="threshold: magnitude above which a gradient is sent")
     parser.add_argument("--shift", type=int, default=2,
                         help="training images are moved by up to this many pixels (0: never)")
-    parser.add_argument("--json", default=None, help="rank 0 writes the per-epoch log here")
+    output_args(parser)
     args = parser.parse_args(argv)
     for name in ("epochs", "batch_size"):
         if getattr(args, name) < 1:
@@ -294,6 +305,25 @@ def scheduler(opt, args, steps):
         opt, [commlib.optim.LinearWarmup(opt, warmup), cosine()], milestones=[warmup])
 
 
+def traced(run, comm, model, opt, sched, train, sampler, epoch, args):
+    """``run(comm, ..., args)`` (one epoch); with ``--trace DIR`` and the last
+    epoch, recorded (see the module docstring)."""
+    if not args.trace or epoch != args.epochs - 1:
+        return run(comm, model, opt, sched, train, sampler, epoch, args)
+    os.makedirs(args.trace, exist_ok=True)
+    template = os.path.join(args.trace, "epoch.json")
+    with commlib.trace(template):
+        result = run(comm, model, opt, sched, train, sampler, epoch, args)
+    comm.barrier()                          # every rank's file is written
+    if comm.rank == 0:
+        merged = os.path.join(args.trace, "epoch.merged.json")
+        commlib.trace.merge(merged, [commlib.trace.path_for(template, r)
+                                     for r in range(comm.size)])
+        print("Trace of epoch %d: %s (one file per rank beside it)" % (epoch, merged),
+              flush=True)
+    return result
+
+
 def main(argv=None):
     args = parse_args(argv)
     comm = commlib.init()
@@ -331,7 +361,7 @@ def main(argv=None):
     for epoch in range(args.epochs):
         say("Starting Epoch %d:" % epoch)
         t0 = time.perf_counter()
-        loss, train_acc = train_epoch(comm, model, opt, sched, train, sampler, epoch, args)
+        loss, train_acc = traced(train_epoch, comm, model, opt, sched, train, sampler, epoch, args)
         seconds = time.perf_counter() - t0
         eval_acc = evaluate(comm, model, evaluation)
         sent, blocked = (now - then for now, then in zip(communication(comm, opt), before))

@@ -4,6 +4,7 @@ or, for an all-reduce with compression, to the strategy as a
 :class:`~commlib.compression.base.Bucket` with its state."""
 from . import bucketing, consistency
 from ..compression.base import Bucket
+from .. import trace
 
 
 def fused_checks(session, items, prepared, writeable, floating):
@@ -42,12 +43,20 @@ def fused(session, items, kind, key, prepared, writeable, step, strategy=None, o
 def unit(transport, items, prepared, where, i, buf, step, strategy, op, scale, wait, tables):
     """One bucket (``i``) or in-place array (``i`` None) of a fused
     collective; ``where`` names it within the plan for the compression
-    state, kept in ``tables``."""
-    if strategy is not None and strategy.applies_to(buf.dtype):
-        strategy.reduce(Bucket(transport, prepared.arrays(items, i, buf), op, scale, wait,
-                               state=workspace(prepared, strategy, where, tables)))
-    else:
-        step(transport, buf, i, prepared)
+    state, kept in ``tables``. While tracing, recorded as a ``bucket`` event
+    around the transport calls it makes."""
+    start = trace.now() if trace.ON else 0.0
+    compressed = strategy is not None and strategy.applies_to(buf.dtype)
+    try:
+        if compressed:
+            strategy.reduce(Bucket(transport, prepared.arrays(items, i, buf), op, scale, wait,
+                                   state=workspace(prepared, strategy, where, tables)))
+        else:
+            step(transport, buf, i, prepared)
+    finally:
+        if start:
+            trace.bucket(transport.rank, start, i if i is not None else "direct %d" % where[1],
+                         buf.nbytes, strategy.name if compressed else None)
 
 
 def workspace(prepared, strategy, where, tables):

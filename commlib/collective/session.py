@@ -11,7 +11,7 @@ import time
 from ..faults import board as _board
 from ..startup import bootstrap, lifetime
 from . import bucketing, consistency, validation
-from .. import settings
+from .. import settings, trace
 from ..errors import (ArgumentError, ClosedError, CommlibError, ConsistencyError, NonFiniteError,
                       PayloadError)
 from .stats import CommStats, CountingTransport
@@ -34,6 +34,7 @@ class Session:
         ``board``: the status board of the consistency check and the watch
         dog (None: no check); ``segment``: shared memory to close last."""
         options = bootstrap.check_options(bucket_bytes, check, timeout)
+        trace.from_environment()
         if not isinstance(routes, dict) or set(routes) != {"numpy", "cupy"}:
             raise ArgumentError("Communicator: routes must be a dict with the keys 'numpy' and "
                                 "'cupy', got %r" % (routes,))
@@ -96,11 +97,14 @@ class Session:
         on every rank alike when the check is on."""
         self.usable(name)
         self.stats.add_collective()
+        start = trace.now() if trace.ON else 0.0
         error = kind = None
         try:
             kind = checks()
         except CommlibError as exc:
             error = exc
+        if start:
+            start = trace.checked(self.rank, start)
         seq = self.seq = self.seq + 1
         timeout = self.timeout if timeout is None else timeout
         wait = Wait(None if timeout is None else time.monotonic() + timeout, seq,
@@ -122,6 +126,9 @@ class Session:
                 if exc is not error and not isinstance(exc, ConsistencyError):
                     self.fail(exc)
                 raise
+        if start:
+            trace.began(self, name, seq, kind, params, layout()[0] if error is None else (),
+                        start, board is not None and self.check)
         if error is not None:
             raise error
         return kind, wait
@@ -213,6 +220,8 @@ class Session:
         """Free this rank's resources; never waits for the other ranks."""
         self.closed = True
         self.registration.closed()
+        if trace.ON:
+            trace.closed(self.rank)
         if not self.quiesce():
             return        # a collective still runs on the progress thread: keep its memory
         self.fusion.clear()

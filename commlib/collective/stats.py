@@ -8,7 +8,12 @@ to contribute (an all-reduce's buffer, a broadcast's buffer on every rank, a
 gather's send buffer; a barrier counts 0). What travels on the wire
 depends on the transport's algorithm (a ring all-reduce sends about
 ``2 (n-1)/n`` times that); the count is the same on every transport.
+While tracing (:mod:`commlib.trace`), each call is also recorded as a
+``transport`` event with the same bytes, so those events' bytes add up to
+``bytes_sent``.
 """
+from .. import trace
+
 class CommStats:
     """Counters of one communicator, since it was made or since :meth:`reset`.
 
@@ -84,13 +89,26 @@ def _counting(name, at=0):
     """A CountingTransport method forwarding ``name``; argument ``at`` is
     the buffer whose bytes are counted."""
     def call(self, *args, **kwargs):
-        self.stats.bytes_sent += args[at].nbytes
-        return getattr(self.transport, name)(*args, **kwargs)
+        nbytes = args[at].nbytes
+        self.stats.bytes_sent += nbytes
+        if not trace.ON:
+            return getattr(self.transport, name)(*args, **kwargs)
+        return trace.transport_call(self.rank, self.name, name, nbytes,
+                                    getattr(self.transport, name), args, kwargs)
     call.__name__ = name
     return call
+
+
+def _barrier(self, *args, **kwargs):
+    """The transport's barrier (0 bytes), recorded while tracing."""
+    if not trace.ON:
+        return self.transport.barrier(*args, **kwargs)
+    return trace.transport_call(self.rank, self.name, "barrier", 0, self.transport.barrier,
+                                args, kwargs)
 
 
 for _name in ("all_reduce", "broadcast", "reduce", "all_gather", "all_gatherv",
               "reduce_scatter"):
     setattr(CountingTransport, _name, _counting(_name))
 CountingTransport.all_reduce_parts = _counting("all_reduce_parts", at=1)
+CountingTransport.barrier = _barrier

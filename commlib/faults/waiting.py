@@ -13,6 +13,7 @@ import os
 import threading
 import time
 
+from .. import trace
 from ..errors import CollectiveTimeoutError
 
 #: seconds between checks of the deadline and the peers while polling, and
@@ -179,7 +180,8 @@ def poll(done, wait):
     """Call ``done()`` until it returns True, checking ``wait`` every
     :data:`CHECK_EVERY_S` seconds; relaxed (:func:`relaxed`) with sleeps
     between polls; calling the thread's :func:`background` poll between
-    polls."""
+    polls. While tracing, a wait that polled is a ``wait for peers`` event."""
+    start = trace.now() if trace.ON else 0.0
     clock = time.monotonic
     next_check = clock() + CHECK_EVERY_S
     polls = 0
@@ -197,6 +199,8 @@ def poll(done, wait):
         elif polls % _POLLS_PER_CLOCK == 0 and clock() >= next_check:
             wait.check()
             next_check = clock() + CHECK_EVERY_S
+    if start and polls:
+        trace.peer_wait(wait.rank, start)
 
 
 def spin_py(words, target, gone, seq, rank, until, may_sleep=True):

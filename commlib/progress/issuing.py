@@ -6,6 +6,7 @@ import time
 import weakref
 
 from .. import interop
+from .. import trace
 from ..errors import ArgumentError, ClosedError
 from .inflight import InFlight, overlap
 from .work import GpuOrder, Progress
@@ -24,13 +25,18 @@ def issue(session, name, run, args, async_op=False, arrays=None):
         try:
             return run(session, *args)
         finally:
-            session.stats.add_blocked(time.perf_counter() - start)
+            end = time.perf_counter()
+            session.stats.add_blocked(end - start)
+            if trace.ON:
+                trace.collective(session.rank, name, start, end, False)
     session.usable(name)
     if progress is None:
         progress = session.progress = start_progress(session)
     gpu = gpu_order(session, arrays)
     call = (lambda: run(session, *args)) if gpu is None else \
         (lambda: gpu.run(lambda: run(session, *args)))
+    if trace.ON:
+        call = trace.queued(session.rank, name, call, async_op)
     work = progress.submit(call, arrays, gpu)
     return work if async_op else work.wait()
 
@@ -46,7 +52,8 @@ def start_progress(session):
     gone = ClosedError("rank %d: the communicator is gone" % session.rank)
     return Progress(session.stats, threaded(session), fail,
                     name="commlib-progress-rank%d" % session.rank, depth=session.async_depth,
-                    on_error=fail, failed=lambda: getattr(me(), "failure", gone))
+                    on_error=fail, failed=lambda: getattr(me(), "failure", gone),
+                    rank=session.rank)
 
 
 def threaded(session):

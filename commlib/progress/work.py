@@ -31,6 +31,7 @@ import ctypes
 import threading
 import time
 
+from .. import trace
 from ..faults import waiting
 from ..errors import ClosedError
 from .inflight import Pacer
@@ -118,7 +119,10 @@ class Work:
         try:
             self._progress.wait_for(self, timeout)
         finally:
-            self._progress.stats.add_blocked(time.perf_counter() - start)
+            end = time.perf_counter()
+            self._progress.stats.add_blocked(end - start)
+            if trace.ON:
+                trace.work_wait(self._progress.rank, start, end)
         if self._error is not None:
             raise self._error
         if self._gpu is not None and not self._waited:
@@ -197,15 +201,16 @@ class Progress:
     :mod:`commlib.progress.inflight`; 1: none while another runs); ``on_error(exc)``:
     called when a collective in flight fails after its call returned;
     ``failed()``: the error that left the communicator unusable, or None
-    (nothing in flight may complete after one).
+    (nothing in flight may complete after one); ``rank``: the
+    communicator's rank (what a trace records it under).
 
     Only the thread that issues the communicator's collectives submits.
     The thread holds no reference to the communicator while idle.
     """
 
     def __init__(self, stats, threaded, on_interrupt, name="commlib-progress", depth=1,
-                 on_error=None, failed=None):
-        self.stats, self.threaded = stats, threaded
+                 on_error=None, failed=None, rank=0):
+        self.stats, self.threaded, self.rank = stats, threaded, rank
         self.depth = max(1, int(depth)) if threaded else 1
         self._on_interrupt = on_interrupt       # called with the KeyboardInterrupt
         self._on_error = on_error or (lambda exc: None)
@@ -371,6 +376,8 @@ class Progress:
                         continue
                     flight.finish()
                     self._pacer.completed(flight.started, flight.nbytes)
+                    if trace.ON:
+                        trace.in_flight(self.rank, flight.wait.seq, flight.started, trace.now())
             except BaseException as exc:
                 self._fail_started(exc)
                 if raise_failure:

@@ -1,0 +1,200 @@
+"""Tracing (commlib.trace): real MPI jobs of 1-3 ranks write one valid
+Chrome trace per rank whose events nest per thread, name every collective
+with its seq and whose transport bytes add up to ``stats.bytes_sent``;
+merge and summary; off by default; an unwritable path raises at once."""
+import json
+import os
+import re
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+import commlib
+from commlib import trace
+from inprocess import run_ranks
+from mpirun import ROOT, assert_each_rank, python_path, run_mpi
+
+SHAPES = str(ROOT / "tests" / "data" / "resnet50.json")
+OK = r"rank (?P<rank>\d+) ok "
+
+
+def traced_job(n, folder, arrays):
+    """Run trace_program on ``n`` ranks tracing into ``folder``; returns
+    ({rank: its report}, {rank: its trace document})."""
+    code = "import sys, trace_program\ntrace_program.main(sys.argv[1], sys.argv[2])\n"
+    proc = run_mpi(n, code, timeout=300, args=[SHAPES, str(arrays)],
+                   env={"COMMLIB_TRACE": str(folder / "trace.json")})
+    assert_each_rank(proc.stdout, OK, n)
+    reports = {}      # ranks' lines may interleave: read each report where it starts
+    for match in re.finditer(OK, proc.stdout):
+        reports[int(match.group("rank"))] = json.JSONDecoder().raw_decode(
+            proc.stdout, match.end())[0]
+    docs = {}
+    for rank in range(n):
+        with open(folder / ("trace.rank%d.json" % rank)) as f:
+            docs[rank] = json.load(f)
+    return reports, docs
+
+
+def nesting_errors(events):
+    """Complete events of one thread that overlap without nesting."""
+    threads, errors = {}, []
+    for e in events:
+        if e["ph"] == "X":
+            threads.setdefault((e["pid"], e["tid"]), []).append(e)
+    for spans in threads.values():
+        stack = []
+        for e in sorted(spans, key=lambda e: (e["ts"], -e["dur"])):
+            while stack and e["ts"] >= stack[-1]["ts"] + stack[-1]["dur"]:
+                stack.pop()
+            if stack and e["ts"] + e["dur"] > stack[-1]["ts"] + stack[-1]["dur"]:
+                errors.append((stack[-1]["name"], e["name"]))
+            stack.append(e)
+    return errors
+
+
+def enclosing(events, inner, outer):
+    """For every event of ``inner`` (complete events), the innermost event of
+    category ``outer`` among ``events`` on the same thread that contains it
+    (or None)."""
+    found = []
+    for e in inner:
+        around = [o for o in events if o.get("cat") == outer and o["tid"] == e["tid"]
+                  and o["ts"] <= e["ts"] and e["ts"] + e["dur"] <= o["ts"] + o["dur"]]
+        found.append(max(around, key=lambda o: o["ts"]) if around else None)
+    return found
+
+
+def check_rank(doc, rank, size, report):
+    events = doc["traceEvents"]
+    assert doc["displayTimeUnit"] == "ms"
+    assert doc["otherData"]["rank"] == rank and doc["otherData"]["size"] == size
+    assert {e["pid"] for e in events} == {rank}
+    names = {e["tid"]: e["args"]["name"] for e in events if e["name"] == "thread_name"}
+    assert {e["tid"] for e in events if e["ph"] != "M"} <= set(names)
+    assert "commlib-progress-rank%d" % rank in names.values()
+    assert not nesting_errors(events)
+    made = [(e["name"], e["args"]["seq"]) for e in sorted(
+        (e for e in events if e.get("cat") == "collective"), key=lambda e: e["ts"])]
+    assert made == list(zip(report["collectives"], report["seqs"]))
+    assert sum(e["args"]["bytes"] for e in events
+               if e.get("cat") == "transport") == report["bytes_sent"]
+    calls = [e for e in events if e.get("cat") == "transport" and e["args"]["call"] != "barrier"]
+    assert None not in enclosing(events, calls, "bucket"), "a transport call outside buckets"
+    buckets = [e for e in events if e.get("cat") == "bucket"]
+    assert None not in enclosing(events, buckets, "collective")
+    assert {b["args"]["compression"] for b in buckets} >= {None, "fp16"}
+    assert any(e["ph"] == "f" for e in events) and any(e["name"] == "Work.wait" for e in events)
+
+
+@pytest.fixture(scope="module")
+def two_ranks(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("trace2")
+    return folder, traced_job(2, folder, 161)
+
+
+def test_two_ranks_resnet50_trace_per_rank(two_ranks):
+    _, (reports, docs) = two_ranks
+    for rank in (0, 1):
+        check_rank(docs[rank], rank, 2, reports[rank])
+        events = docs[rank]["traceEvents"]
+        assert any(e["name"] == "consistency check" for e in events)
+        assert any(str(e["args"]["compression"]).lower().startswith("topk")
+                   for e in events if e.get("cat") == "bucket"), "no TopK bucket"
+
+
+def run_cli(*args, expect=0):
+    env = dict(os.environ, PYTHONPATH=python_path())
+    proc = subprocess.run([sys.executable, "-m", "commlib.trace", *map(str, args)],
+                          capture_output=True, text=True, env=env, timeout=60)
+    assert proc.returncode == expect, proc.stdout + proc.stderr
+    assert "RuntimeWarning" not in proc.stderr
+    return proc
+
+
+def test_merge_and_summary(two_ranks):
+    folder, (reports, _) = two_ranks
+    merged = folder / "merged.json"
+    run_cli("merge", merged, folder)
+    with open(merged) as f:
+        events = json.load(f)["traceEvents"]
+    assert {e["pid"] for e in events} == {0, 1}
+    assert {e["args"]["name"] for e in events if e["name"] == "process_name"} == {
+        "rank 0", "rank 1"}
+    assert not nesting_errors(events)
+    out = run_cli("summary", merged).stdout
+    rows = {int(line.split()[0]): line.split() for line in out.splitlines()[1:3]}
+    assert out.splitlines()[0].split()[:2] == ["rank", "collectives"]
+    for rank in (0, 1):
+        assert int(rows[rank][1]) == len(reports[rank]["collectives"])
+        assert int(rows[rank][-1]) == reports[rank]["bytes_sent"]
+        assert float(rows[rank][5]) > 0, "no compression time: %s" % out
+
+
+def test_merge_refuses_a_missing_rank(two_ranks, tmp_path):
+    folder, _ = two_ranks
+    proc = run_cli("merge", tmp_path / "m.json", folder / "trace.rank0.json", expect=2)
+    assert "rank(s) [1]" in proc.stderr
+    assert not (tmp_path / "m.json").exists()
+    assert "usage" in run_cli("--help").stdout
+
+
+@pytest.mark.parametrize("n", [1, 3])
+def test_one_and_three_ranks(n, tmp_path):
+    reports, docs = traced_job(n, tmp_path, 40)
+    for rank in range(n):
+        check_rank(docs[rank], rank, n, reports[rank])
+    if n > 1:
+        run_cli("merge", tmp_path / "all.json", str(tmp_path / "trace.rank*.json"))
+
+
+def test_off_by_default_records_nothing(tmp_path, monkeypatch):
+    assert "COMMLIB_TRACE" not in os.environ and not trace.ON
+    calls = []
+    for name in ("now", "collective", "checked", "began", "bucket", "transport_call", "peer_wait",
+                 "work_wait", "in_flight", "queued", "closed"):
+        monkeypatch.setattr(trace, name, lambda *a, _n=name, **k: calls.append(_n))
+    monkeypatch.chdir(tmp_path)
+
+    def body(comm):
+        grads = [np.ones(s, np.float32) for s in ([64, 3, 7, 7], [1000], [2048, 1000])]
+        comm.all_reduce(grads)
+        comm.all_reduce(grads, compression="fp16")
+        comm.all_reduce(grads, async_op=True).wait()
+        comm.barrier()
+        return comm.stats.bytes_sent
+    assert all(run_ranks(2, body))
+    assert calls == [] and os.listdir(tmp_path) == []
+
+
+def test_unwritable_path_raises_when_tracing_starts(tmp_path):
+    missing = tmp_path / "no" / "such" / "trace.json"
+    with pytest.raises(commlib.ArgumentError, match=r"commlib\.trace\(\).*no/such"):
+        commlib.trace(missing)
+    assert not trace.ON
+    env = dict(os.environ, PYTHONPATH=python_path(), COMMLIB_TRACE=str(missing))
+    proc = subprocess.run([sys.executable, "-c", "import commlib; commlib.Communicator.single()"],
+                          capture_output=True, text=True, env=env, timeout=60)
+    assert proc.returncode != 0
+    assert "COMMLIB_TRACE=" in proc.stderr and "does not exist" in proc.stderr
+
+
+def test_context_manager_writes_thread_ranks_and_the_path_rule(tmp_path):
+    assert trace.path_for("t.json", 2) == "t.rank2.json"
+    assert trace.path_for("run/{rank}/t.json", 1) == "run/1/t.json"
+    assert trace.path_for(str(tmp_path), 0) == str(tmp_path / "trace.rank0.json")
+
+    def body(comm):
+        comm.all_reduce([np.ones(100, np.float32)])
+        return comm.stats.bytes_sent
+    with commlib.trace(tmp_path / "t.json"):
+        sent = run_ranks(2, body)
+    assert not trace.ON
+    for rank in (0, 1):
+        with open(tmp_path / ("t.rank%d.json" % rank)) as f:
+            events = json.load(f)["traceEvents"]
+        assert sum(e["args"]["bytes"] for e in events if e.get("cat") == "transport") == \
+            sent[rank]
+        assert not nesting_errors(events)
