@@ -13,6 +13,8 @@ deadline passed, naming the ranks that had not arrived), PeerError (a peer
 left or died), TransportError (the MPI or NCCL library failed) and
 ClosedError (closed, or left unusable by an earlier failure).
 """
+from functools import partial
+
 from . import collectives
 from ..progress import issuing
 
@@ -60,9 +62,9 @@ class CollectiveCalls:
             PayloadError: a rank's compressed payload was malformed, on
                 every rank alike (the communicator stays usable).
         """
-        return issuing.issue(self._session, "all_reduce", collectives.reduce,
-                             ("all_reduce", arrays, None, op, division, compression, state),
-                             async_op, arrays)
+        run = partial(collectives.reduce, name="all_reduce", arrays=arrays, root=None, op=op,
+                      division=division, compression=compression, state=state)
+        return issuing.issue(self._session, "all_reduce", run, async_op=async_op, arrays=arrays)
 
     def broadcast(self, arrays, root=0):
         """Copy rank ``root``'s ``arrays`` into every rank's, in place.
@@ -77,8 +79,8 @@ class CollectiveCalls:
         Raises:
             ArgumentError: ``root`` is not a rank (``0 <= root < size``).
         """
-        return issuing.issue(self._session, "broadcast", collectives.broadcast,
-                             (arrays, root), arrays=arrays)
+        run = partial(collectives.broadcast, arrays=arrays, root=root)
+        return issuing.issue(self._session, "broadcast", run, arrays=arrays)
 
     def reduce(self, arrays, root=0, op="sum", division=False):
         """Reduce ``arrays`` into rank ``root``'s arrays, in place; other
@@ -96,8 +98,9 @@ class CollectiveCalls:
             ArgumentError: ``root`` is not a rank, or ``op`` is unknown.
             ArrayTypeError: ``"avg"`` or ``division=True`` on integer arrays.
         """
-        return issuing.issue(self._session, "reduce", collectives.reduce,
-                             ("reduce", arrays, root, op, division), arrays=arrays)
+        run = partial(collectives.reduce, name="reduce", arrays=arrays, root=root, op=op,
+                      division=division)
+        return issuing.issue(self._session, "reduce", run, arrays=arrays)
 
     def all_gather(self, array):
         """Every rank's ``array``, stacked.
@@ -113,8 +116,8 @@ class CollectiveCalls:
             ConsistencyError: (consistency check on) the ranks' shapes or
                 dtypes differ.
         """
-        return issuing.issue(self._session, "all_gather", collectives.all_gather, (array,),
-                             arrays=array)
+        run = partial(collectives.all_gather, given=array)
+        return issuing.issue(self._session, "all_gather", run, arrays=array)
 
     def reduce_scatter(self, array, op="sum"):
         """Reduce ``array`` (flattened) over all ranks and return this
@@ -131,8 +134,8 @@ class CollectiveCalls:
             ArgumentError: ``array.size`` is not a multiple of ``size``, or
                 ``op`` is unknown.
         """
-        return issuing.issue(self._session, "reduce_scatter", collectives.reduce_scatter,
-                             (array, op), arrays=array)
+        run = partial(collectives.reduce_scatter, given=array, op=op)
+        return issuing.issue(self._session, "reduce_scatter", run, arrays=array)
 
     def all_gatherv(self, array):
         """Every rank's 1-D ``array`` (lengths may differ), concatenated in
@@ -148,8 +151,8 @@ class CollectiveCalls:
         Raises:
             ArgumentError: ``array`` is not 1-D.
         """
-        return issuing.issue(self._session, "all_gatherv", collectives.all_gatherv, (array,),
-                             arrays=array)
+        run = partial(collectives.all_gatherv, given=array)
+        return issuing.issue(self._session, "all_gatherv", run, arrays=array)
 
     def barrier(self, timeout=None):
         """Block until every rank has called barrier.
@@ -161,4 +164,5 @@ class CollectiveCalls:
         Raises:
             ArgumentError: ``timeout`` is not a positive number or None.
         """
-        return issuing.issue(self._session, "barrier", collectives.barrier, (timeout,))
+        run = partial(collectives.barrier, timeout=timeout)
+        return issuing.issue(self._session, "barrier", run)

@@ -39,7 +39,8 @@ def broadcast(session, arrays, root):
         if i is not None and not is_root:
             prepared.unpack(items, i)
 
-    session.run(fusion.fused, session, items, kind, key, prepared, not is_root, step)
+    session.run(fusion.fused, session, items=items, kind=kind, key=key, prepared=prepared,
+                writeable=not is_root, step=step)
     return arrays
 
 
@@ -79,10 +80,11 @@ def reduce(session, name, arrays, root, op, division, compression=None, state=No
     flight = None
     if root is None and strategy is None:
         flight = issuing.in_flight(session, kind, items, wait)
-    step = reduce_step(items, root, reduce_op, scale, receives, wait, flight)
-    session.run(fusion.fused, session, items, kind, key, prepared, receives, step,
-                strategy=strategy, op=reduce_op, scale=scale, wait=wait, state=state,
-                deferred=flight is not None)
+    step = reduce_step(items, root=root, op=reduce_op, scale=scale, receives=receives, wait=wait,
+                       flight=flight)
+    session.run(fusion.fused, session, items=items, kind=kind, key=key, prepared=prepared,
+                writeable=receives, step=step, strategy=strategy, op=reduce_op, scale=scale,
+                wait=wait, state=state, deferred=flight is not None)
     return arrays
 
 
@@ -182,7 +184,7 @@ def barrier(session, timeout):
         session.run(session.transport("numpy").barrier, wait)
 
 
-def reduce_step(items, root, op, scale, receives, wait, flight):
+def reduce_step(items, *, root, op, scale, receives, wait, flight):
     """The step of :func:`reduce` for one bucket (``i``) or in-place array
     (``i`` None) of ``items``: reduce over the transport (``root`` None:
     all-reduce; ``flight``: left in flight), scaled by ``scale``, and

@@ -16,7 +16,7 @@ def fused_checks(session, items, prepared, writeable, floating):
     return session.array_checks(items, writeable=writeable, floating=floating)
 
 
-def fused(session, items, kind, key, prepared, writeable, step, strategy=None, op=None,
+def fused(session, *, items, kind, key, prepared, writeable, step, strategy=None, op=None,
           scale=None, wait=None, state=None):
     """Run ``step(transport, flat_buffer, bucket_index_or_None, prepared)``
     for every bucket and every in-place array of the list. With a
@@ -34,14 +34,16 @@ def fused(session, items, kind, key, prepared, writeable, step, strategy=None, o
         prepared.digest = consistency.layout_digest(items)
     tables = session.workspaces if state is None else state.workspaces
     for i, buf in prepared.buckets():
-        unit(transport, items, prepared, i, i, buf, step, strategy, op, scale, wait, tables)
+        unit(transport, items, prepared, where=i, index=i, buf=buf, step=step,
+             strategy=strategy, op=op, scale=scale, wait=wait, tables=tables)
     for position, flat in zip(prepared.plan.direct, prepared.direct(items)):
-        unit(transport, items, prepared, ("direct", position), None, flat, step, strategy, op,
-             scale, wait, tables)
+        unit(transport, items, prepared, where=("direct", position), index=None, buf=flat,
+             step=step, strategy=strategy, op=op, scale=scale, wait=wait, tables=tables)
 
 
-def unit(transport, items, prepared, where, i, buf, step, strategy, op, scale, wait, tables):
-    """One bucket (``i``) or in-place array (``i`` None) of a fused
+def unit(transport, items, prepared, *, where, index, buf, step, strategy, op, scale, wait,
+         tables):
+    """One bucket (``index``) or in-place array (``index`` None) of a fused
     collective; ``where`` names it within the plan for the compression
     state, kept in ``tables``. While tracing, recorded as a ``bucket`` event
     around the transport calls it makes."""
@@ -49,13 +51,13 @@ def unit(transport, items, prepared, where, i, buf, step, strategy, op, scale, w
     compressed = strategy is not None and strategy.applies_to(buf.dtype)
     try:
         if compressed:
-            strategy.reduce(Bucket(transport, prepared.arrays(items, i, buf), op, scale, wait,
+            strategy.reduce(Bucket(transport, prepared.arrays(items, index, buf), op, scale, wait,
                                    state=workspace(prepared, strategy, where, tables)))
         else:
-            step(transport, buf, i, prepared)
+            step(transport, buf, index, prepared)
     finally:
         if start:
-            trace.bucket(transport.rank, start, i if i is not None else "direct %d" % where[1],
+            trace.bucket(transport.rank, start, index if index is not None else "direct %d" % where[1],
                          buf.nbytes, strategy.name if compressed else None)
 
 

@@ -158,8 +158,8 @@ class Session:
             for transport in self.transports:
                 transport.fail("%s: %s" % (type(exc).__name__, exc))
 
-    def run(self, step, *args, deferred=False, **named):
-        """The data phase of a collective, ``step(*args, **named)``: any
+    def run(self, phase, *args, deferred=False, **named):
+        """The data phase of a collective, ``phase(*args, **named)``: any
         failure but an agreed one leaves the communicator unusable. Unless
         it is ``deferred`` (its requests left in flight, see
         :func:`commlib.progress.issuing.in_flight`), the collectives in flight
@@ -169,7 +169,7 @@ class Session:
                 and progress.in_flight():
             progress.complete_flight()
         try:
-            return step(*args, **named)
+            return phase(*args, **named)
         except AGREED:
             raise
         except BaseException as exc:

@@ -12,8 +12,10 @@ from .inflight import InFlight, overlap
 from .work import GpuOrder, Progress
 
 
-def issue(session, name, run, args, async_op=False, arrays=None):
-    """Execute collective ``name`` (``run(session, *args)``, on ``arrays``):
+def issue(session, name, run, async_op=False, arrays=None):
+    """Execute collective ``name``: ``run(session)`` (the collective's
+    function with its arguments bound by name, e.g. ``functools.partial(
+    collectives.reduce, arrays=..., compression=...)``), on ``arrays``:
     inline when nothing is queued, else after the queued ones;
     ``async_op``: queue it and return its Work."""
     if async_op is not True and async_op is not False:
@@ -23,7 +25,7 @@ def issue(session, name, run, args, async_op=False, arrays=None):
     if not async_op and (progress is None or progress.idle()):
         start = time.perf_counter()
         try:
-            return run(session, *args)
+            return run(session)
         finally:
             end = time.perf_counter()
             session.stats.add_blocked(end - start)
@@ -33,8 +35,7 @@ def issue(session, name, run, args, async_op=False, arrays=None):
     if progress is None:
         progress = session.progress = start_progress(session)
     gpu = gpu_order(session, arrays)
-    call = (lambda: run(session, *args)) if gpu is None else \
-        (lambda: gpu.run(lambda: run(session, *args)))
+    call = (lambda: run(session)) if gpu is None else (lambda: gpu.run(lambda: run(session)))
     if trace.ON:
         call = trace.queued(session.rank, name, call, async_op)
     work = progress.submit(call, arrays, gpu)
