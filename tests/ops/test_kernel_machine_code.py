@@ -22,6 +22,8 @@ from pathlib import Path
 
 import pytest
 
+import nvrtc_builds
+
 from commlib.ops import _loader, _pack_cuda, cast as cast_mod
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -261,63 +263,18 @@ def nvrtc_versions():
     return libs
 
 
-# argv: library, output folder, options (JSON), [[source path, arch], ...] (JSON).
-# Writes <stem>.<arch>.cubin; prints JSON {"<stem>.<arch>": [status, log]}.
-_NVRTC_CUBIN_PROGRAM = r"""
-import concurrent.futures, ctypes, glob, json, os, sys
-lib_path, out_dir, options, jobs = sys.argv[1], sys.argv[2], json.loads(sys.argv[3]), json.loads(sys.argv[4])
-for b in glob.glob(os.path.join(os.path.dirname(lib_path), "libnvrtc-builtins.so*")):
-    if ".alt." not in b:
-        ctypes.CDLL(b, mode=ctypes.RTLD_GLOBAL)
-lib = ctypes.CDLL(lib_path)
-major, minor = ctypes.c_int(), ctypes.c_int()
-lib.nvrtcVersion(ctypes.byref(major), ctypes.byref(minor))
-
-def build(job):
-    source, arch = job
-    stem = os.path.basename(source).rsplit(".", 1)[0]
-    opts = options + ["-arch=" + arch]
-    prog = ctypes.c_void_p()
-    assert lib.nvrtcCreateProgram(ctypes.byref(prog), open(source, "rb").read(),
-                                  os.path.basename(source).encode(), 0, None, None) == 0
-    try:
-        argv = (ctypes.c_char_p * len(opts))(*[o.encode() for o in opts])
-        rc = lib.nvrtcCompileProgram(prog, len(opts), argv)
-        size = ctypes.c_size_t()
-        lib.nvrtcGetProgramLogSize(prog, ctypes.byref(size))
-        log = ctypes.create_string_buffer(size.value)
-        lib.nvrtcGetProgramLog(prog, log)
-        if rc != 0:
-            return stem + "." + arch, ["error %d" % rc, log.value.decode(errors="replace")]
-        n = ctypes.c_size_t()
-        assert lib.nvrtcGetCUBINSize(prog, ctypes.byref(n)) == 0
-        buf = ctypes.create_string_buffer(n.value)
-        assert lib.nvrtcGetCUBIN(prog, buf) == 0
-        with open(os.path.join(out_dir, "%s.%s.cubin" % (stem, arch)), "wb") as f:
-            f.write(buf.raw)
-    finally:
-        lib.nvrtcDestroyProgram(ctypes.byref(prog))
-    return stem + "." + arch, ["ok", log.value.decode(errors="replace")]
-
-with concurrent.futures.ThreadPoolExecutor(2) as pool:
-    result = dict(pool.map(build, jobs))
-print(json.dumps({"version": "%d.%d" % (major.value, minor.value), "builds": result}))
-"""
-
-
-def nvrtc_analyse(lib, out_dir, archs=NVRTC_ARCHS, sources=SOURCES):
+def nvrtc_analyse(lib, archs=NVRTC_ARCHS, sources=SOURCES):
     """(NVRTC version, rows as analyse()'s) of the cubins NVRTC ``lib``
-    builds with the options cupy.RawModule hands it."""
-    import json
-    options = [*_loader.module_options(), *_loader.CUPY_ADDED_OPTIONS]
-    jobs = [[str(KERNELS / s), a] for s in sources for a in archs]
-    res = subprocess.run([sys.executable, "-c", _NVRTC_CUBIN_PROGRAM, lib, str(out_dir),
-                          json.dumps(options), json.dumps(jobs)],
-                         capture_output=True, text=True, timeout=900)
-    assert res.returncode == 0, res.stdout + res.stderr
-    report = json.loads(res.stdout)
-    bad = {k: v for k, v in report["builds"].items() if v[0] != "ok" or "warning" in v[1]}
+    builds with the options cupy.RawModule hands it (the builds of
+    :func:`nvrtc_builds.build`, shared with test_kernel_sources.py)."""
+    import test_kernel_sources
+    report, out_dir = nvrtc_builds.build(lib, test_kernel_sources.SOURCES,
+                                         test_kernel_sources.NVRTC_ARCHS)
+    wanted = {"%s.%s" % (Path(s).stem, a) for s in sources for a in archs}
+    bad = {k: v for k, v in report["builds"].items()
+           if k in wanted and (v[0] != "ok" or "warning" in v[1])}
     assert not bad, bad
+    assert wanted <= set(report["builds"]), sorted(wanted - set(report["builds"]))
     rows = []
     for source in sources:
         for arch in archs:
@@ -345,7 +302,7 @@ def _nvrtc_rows(cache, label, tmp_path_factory):
         lib = nvrtc_versions()[label]
         if isinstance(lib, Exception):
             pytest.fail("NVRTC %s not available: %s" % (label, lib))
-        cache[label] = nvrtc_analyse(lib, tmp_path_factory.mktemp("nvrtc"))
+        cache[label] = nvrtc_analyse(lib)
     return cache[label]
 
 
@@ -449,7 +406,5 @@ if __name__ == "__main__":
             if isinstance(lib, Exception):
                 print("\nNVRTC %s: %s" % (label, lib))
                 continue
-            out = Path(d) / label.replace(" ", "_").replace("(", "").replace(")", "")
-            out.mkdir()
-            version, rows_ = nvrtc_analyse(lib, out)
+            version, rows_ = nvrtc_analyse(lib)
             print("\nNVRTC %s\n%s" % (version, format_table(rows_)))

@@ -26,6 +26,7 @@ from commlib.ops import _pack_cuda, cast as cast_mod
 from commlib.ops.cast import numpy_cast_into
 from commlib.ops.pack import copy_mode, pack, unpack
 import cuda_host_build
+import nvrtc_builds
 from test_ops_cast import STORE, adversarial
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -83,51 +84,6 @@ def nvrtc_libraries():
     return found
 
 
-# Runs in a subprocess of its own per library (two majors' builtins do not
-# share a process): argv = library, source, options (JSON), archs (JSON).
-# Prints JSON {arch: [status, log]}; "unsupported" for an arch this NVRTC
-# does not list.
-_NVRTC_PROGRAM = r"""
-import concurrent.futures, ctypes, glob, json, os, sys
-lib_path, source, options, archs = sys.argv[1], sys.argv[2], json.loads(sys.argv[3]), json.loads(sys.argv[4])
-for b in glob.glob(os.path.join(os.path.dirname(lib_path), "libnvrtc-builtins.so*")):
-    if ".alt." not in b:
-        ctypes.CDLL(b, mode=ctypes.RTLD_GLOBAL)
-lib = ctypes.CDLL(lib_path)
-n = ctypes.c_int()
-assert lib.nvrtcGetNumSupportedArchs(ctypes.byref(n)) == 0
-supported = (ctypes.c_int * n.value)()
-assert lib.nvrtcGetSupportedArchs(supported) == 0
-supported = set(supported)
-text = open(source, "rb").read()
-
-def compile_for(arch):
-    if int(arch) not in supported:
-        return arch, ["unsupported", ""]
-    opts = options + ["-arch=sm_" + arch]
-    prog = ctypes.c_void_p()
-    assert lib.nvrtcCreateProgram(ctypes.byref(prog), text, os.path.basename(source).encode(),
-                                  0, None, None) == 0
-    try:
-        argv = (ctypes.c_char_p * len(opts))(*[o.encode() for o in opts])
-        rc = lib.nvrtcCompileProgram(prog, len(opts), argv)
-        size = ctypes.c_size_t()
-        lib.nvrtcGetProgramLogSize(prog, ctypes.byref(size))
-        log = ctypes.create_string_buffer(size.value)
-        lib.nvrtcGetProgramLog(prog, log)
-        cubin = ctypes.c_size_t()
-        if rc == 0:
-            assert lib.nvrtcGetCUBINSize(prog, ctypes.byref(cubin)) == 0
-    finally:
-        lib.nvrtcDestroyProgram(ctypes.byref(prog))
-    status = "ok" if rc == 0 and cubin.value > 0 else "error %d" % rc
-    return arch, [status, log.value.decode(errors="replace")]
-
-with concurrent.futures.ThreadPoolExecutor(2) as pool:
-    print(json.dumps(dict(pool.map(compile_for, archs))))
-"""
-
-
 NVRTC_LIBS = nvrtc_libraries()
 
 
@@ -137,7 +93,6 @@ def test_nvrtc_compiles_like_the_loader(source, major):
     # exactly what cupy.RawModule hands NVRTC for commlib's kernels: the
     # loader's options, cupy's -ftz=true, and -arch=sm_XX for the device;
     # "13.0": CUDA 13.0's NVRTC, pinned (test_kernel_machine_code.pinned_nvrtc)
-    from commlib.ops import _loader
     if major == "13.0":
         import test_kernel_machine_code
         try:
@@ -149,14 +104,9 @@ def test_nvrtc_compiles_like_the_loader(source, major):
             major, "nvidia-cuda-nvrtc-cu12" if major == 12 else "nvidia-cuda-nvrtc"))
     else:
         lib = NVRTC_LIBS[major]
-    options = list(_loader.module_options()) + list(_loader.CUPY_ADDED_OPTIONS)
-    res = subprocess.run([sys.executable, "-c", _NVRTC_PROGRAM, lib, str(source),
-                          json.dumps(options), json.dumps(NVRTC_ARCHS)],
-                         capture_output=True, text=True, timeout=600)
-    assert res.returncode == 0, res.stdout + res.stderr
-    results = json.loads(res.stdout)
-    assert set(results) == set(NVRTC_ARCHS)
-    for arch, (status, log) in sorted(results.items()):
+    report, _ = nvrtc_builds.build(lib, SOURCES, NVRTC_ARCHS)     # every source, once per lib
+    for arch in NVRTC_ARCHS:
+        status, log = report["builds"]["%s.sm_%s" % (source.stem, arch)]
         assert status == "ok", "NVRTC %s, sm_%s: %s\n%s" % (major, arch, status, log)
         assert "warning" not in log, "NVRTC %s, sm_%s:\n%s" % (major, arch, log)
 
