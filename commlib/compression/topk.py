@@ -95,22 +95,10 @@ class TopK(Sparsifier):
         return topk(acc, self.k_for(acc.size))
 
     def accumulate_and_select(self, residual, flat, acc):
-        """numpy buckets: accumulate, drop non-finite values and select in one pass.
-
-        A subclass that overrides :meth:`select` gets the base class's two
-        steps instead, with its own selection.
-
-        Args:
-            residual: 1-D float32 numpy array, or None without error
-                feedback.
-            flat: 1-D float32 numpy array, the bucket's values.
-            acc: 1-D float32 numpy array of the same length, written with
-                ``residual + flat``, its NaN and +-inf set to 0.
-
-        Returns:
-            ``(non-finite count, indices, values)``, as the base class's
-            :meth:`~commlib.compression._sparse.Sparsifier.accumulate_and_select`.
-        """
+        """numpy buckets: :meth:`Sparsifier.accumulate_and_select
+        <commlib.compression._sparse.Sparsifier.accumulate_and_select>` (same
+        arguments and result) in one compiled pass; a subclass that
+        overrides :meth:`select` gets the base class's two steps instead."""
         if type(self).select is not TopK.select:     # a subclass selects its own way
             return super().accumulate_and_select(residual, flat, acc)
         # one compiled pass: the sum, its non-finite entries and the candidates
