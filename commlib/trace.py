@@ -45,7 +45,18 @@ id (a ``thread_name`` event names it: the caller's thread, e.g.
   :func:`commlib.faults.waiting.poll` that did not find its requests done
   at once (inside a transport call); ``Work.wait`` on the caller's thread;
 * ``inflight`` -- an async event (``"b"``/``"e"``) from the start of an
-  all-reduce left in flight to its completion on the progress thread.
+  all-reduce left in flight to its completion on the progress thread;
+* ``user`` -- the program's own work, marked with :func:`span`.
+
+**The program's spans.** ``with commlib.trace.span("forward/backward",
+step=i): ...`` records its body as a ``user`` event of that name and args
+(JSON-ready; anything else is written as its ``str``) on the calling
+thread, like ``torch.profiler.record_function``; ``@commlib.trace.spanned()``
+does it for each call of a function. The rank it goes under is the
+thread's: that of the first communicator the thread made or issued a traced
+collective of, else that of the first communicator the process made.
+Before any communicator, or off, a span records nothing, and off it costs
+one check of :data:`ON` (the ``with`` gets a shared idle object).
 
 **Invariant.** Every buffer a collective hands to a transport passes
 through :class:`commlib.collective.stats.CountingTransport`, which adds its
@@ -59,10 +70,11 @@ each event appends one tuple to a list; JSON is made only when writing.
 
 ``python -m commlib.trace merge OUT IN...`` joins the ranks' files (or a
 directory, or a glob) into one; ``python -m commlib.trace summary FILE``
-prints a table per rank.
+prints a table per rank. Both live in :mod:`commlib.trace_files`
+(:func:`merge`, :func:`summarize` are reachable from here too).
 """
 import atexit
-import glob
+import functools
 import itertools
 import json
 import os
@@ -76,6 +88,7 @@ import warnings
 
 from .errors import ArgumentError
 from . import settings
+from .trace_files import expand, main, merge, summarize, summary_text  # noqa: F401  (as before)
 
 #: whether tracing is on; every instrumented place checks it first
 ON = False
@@ -83,9 +96,11 @@ now = time.perf_counter
 _ANCHOR_US = int(time.time() * 1e6) - round(time.perf_counter() * 1e6)
 _lock = threading.Lock()
 _recorders = {}          # rank -> Recorder
-_threads = {}            # threading.get_ident() -> (native id, name)
+_threads = {}            # native id -> name, of every thread that recorded something
+_local = threading.local()   # .tid: this thread's native id; .rank: its rank (see span)
 _flows = itertools.count(1)
 _config = {"template": None, "source": None, "env_read": False, "atexit": False}
+_process = {"rank": None}    # the rank of the first communicator this process made
 # ``python -m commlib.trace`` imports the package (which imports this module)
 # before running this file as __main__; runpy warns about that, harmlessly
 warnings.filterwarnings("ignore", message="'commlib.trace' found in sys.modules",
@@ -112,11 +127,12 @@ def _recorder(rank):
 
 
 def _tid():
-    ident = threading.get_ident()
-    known = _threads.get(ident)
-    if known is None:
-        known = _threads[ident] = (threading.get_native_id(), threading.current_thread().name)
-    return known[0]
+    try:
+        return _local.tid
+    except AttributeError:           # this thread's first event (a thread-local dies with
+        tid = _local.tid = threading.get_native_id()     # its thread: no reused ids)
+        _threads[tid] = threading.current_thread().name
+        return tid
 
 
 def _span(rank, name, cat, t0, t1, args=None):
@@ -147,6 +163,8 @@ def began(session, name, seq, kind, params, arrays, t0, consistency):
     check (when it ran: ``consistency``) took ``t0`` until now."""
     recorder = _recorder(session.rank)
     recorder.size = session.size
+    if getattr(_local, "rank", None) is None:
+        _local.rank = session.rank      # the rank of this thread's spans
     transport = session.routes[kind or "numpy"].name
     if transport is not None:
         recorder.transports.add(transport)
@@ -214,11 +232,81 @@ def queued(rank, name, call, async_op):
     return traced
 
 
+def made(rank):
+    """A communicator of ``rank`` was made on this thread (traced or not)."""
+    if _process["rank"] is None:
+        _process["rank"] = rank
+    if getattr(_local, "rank", None) is None:
+        _local.rank = rank
+
+
 def closed(rank):
     """A communicator of ``rank`` closed: write the rank's file."""
     recorder = _recorders.get(rank)
     if recorder is not None and _config["template"] is not None:
         write_recorder(recorder)
+
+
+# -- the program's own spans -----------------------------------------------------------
+def span(name, **args):
+    """A context manager recording its body as a ``user`` event ``name``
+    with ``args`` on this thread, under this thread's rank (see the module
+    docstring); off, or before any communicator, it records nothing.
+
+    ``with commlib.trace.span("forward/backward", step=i): ...``"""
+    if not ON:
+        return _IDLE
+    rank = getattr(_local, "rank", None)
+    if rank is None:
+        rank = _process["rank"]
+        if rank is None:
+            return _IDLE
+    return Span(rank, name, args or None)
+
+
+def spanned(name=None, **args):
+    """A decorator: each call of the function is a :func:`span` ``name``
+    (default: the function's qualified name) with ``args``."""
+    def decorate(fn):
+        label = name or fn.__qualname__
+
+        @functools.wraps(fn)
+        def wrapper(*a, **k):
+            if not ON:
+                return fn(*a, **k)
+            with span(label, **args):
+                return fn(*a, **k)
+        return wrapper
+    return decorate
+
+
+class Span:
+    """What :func:`span` returns while tracing."""
+    __slots__ = ("rank", "name", "args", "t0")
+
+    def __init__(self, rank, name, args):
+        self.rank, self.name, self.args, self.t0 = rank, name, args, None
+
+    def __enter__(self):
+        self.t0 = now()
+        return self
+
+    def __exit__(self, *exc):
+        _span(self.rank, self.name, "user", self.t0, now(), self.args)
+
+
+class _Idle:
+    """What :func:`span` returns when it records nothing."""
+    __slots__ = ()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return None
+
+
+_IDLE = _Idle()
 
 
 # -- turning it on and off ---------------------------------------------------------------
@@ -309,7 +397,7 @@ def write_all():
 
 def write_recorder(recorder):
     path = path_for(_config["template"], recorder.rank)
-    text = json.dumps(document(recorder))
+    text = json.dumps(document(recorder), default=str)     # a span's args may be anything
     partial = "%s.%d.tmp" % (path, os.getpid())
     with open(partial, "w") as f:
         f.write(text)
@@ -327,7 +415,7 @@ def document(recorder):
                "args": {"name": "rank %d" % rank}},
               {"name": "process_sort_index", "ph": "M", "pid": rank, "tid": 0,
                "args": {"sort_index": rank}}]
-    names = {tid: name for tid, name in _threads.values()}
+    names = dict(_threads)
     for tid in sorted({e[5] for _, e in records}):
         events.append({"name": "thread_name", "ph": "M", "pid": rank, "tid": tid,
                        "args": {"name": names.get(tid, "thread %d" % tid)}})
@@ -358,127 +446,6 @@ def other_data(recorder):
             "clock": "wall-clock anchor (time.time) + time.perf_counter offsets, microseconds"}
 
 
-# -- reading the files back: merge and summary ------------------------------------------
-def expand(inputs):
-    """The trace files named by ``inputs`` (files, directories, globs)."""
-    found = []
-    for item in inputs:
-        if os.path.isdir(item):
-            found += sorted(glob.glob(os.path.join(item, "*.json")))
-        elif any(c in item for c in "*?["):
-            found += sorted(glob.glob(item))
-        else:
-            found.append(item)
-    return found
-
-
-def merge(out, inputs):
-    """Join per-rank files into ``out`` (one process per rank); raises
-    ArgumentError for a rank found twice or ranks missing. Returns the ranks."""
-    files = [f for f in expand(inputs) if os.path.abspath(f) != os.path.abspath(out)]
-    events, ranks, sizes = [], {}, set()
-    for name in files:
-        with open(name) as f:
-            doc = json.load(f)
-        other = doc.get("otherData", {})
-        rank = other.get("rank")
-        if rank is None or "ranks" in other:
-            continue            # not one rank's file (a merged one, say)
-        if rank in ranks:
-            raise ArgumentError("merge: rank %d is in both %s and %s" % (rank, ranks[rank], name))
-        ranks[rank] = name
-        sizes.add(other.get("size"))
-        events += doc["traceEvents"]
-    size = max([s for s in sizes if s is not None] + [len(ranks)])
-    missing = sorted(set(range(size)) - set(ranks))
-    if not ranks or missing:
-        raise ArgumentError("merge: no file of rank(s) %s among %s" % (missing or [0], files))
-    with open(out, "w") as f:
-        json.dump({"traceEvents": events, "displayTimeUnit": "ms",
-                   "otherData": {"ranks": {str(r): ranks[r] for r in sorted(ranks)},
-                                 "size": size}}, f)
-    return sorted(ranks)
-
-
-def summarize(events):
-    """{rank: {column: value}} of complete events (see :data:`COLUMNS`)."""
-    table = {}
-    threads = {}
-    for e in events:
-        if e.get("ph") == "X":
-            threads.setdefault((e["pid"], e["tid"]), []).append(e)
-    for (rank, _), spans in sorted(threads.items()):
-        row = table.setdefault(rank, dict.fromkeys(COLUMNS, 0))
-        spans.sort(key=lambda e: (e["ts"], -e["dur"]))
-        stack = []
-        for e in spans:
-            while stack and e["ts"] >= stack[-1][0]["ts"] + stack[-1][0]["dur"]:
-                stack.pop()
-            _count(row, e, stack)
-            stack.append([e, 0])
-    return table
-
-
-COLUMNS = ("collectives", "collective_ms", "peers_ms", "transport_ms", "compression_ms",
-           "wait_ms", "bytes")
-
-
-def _count(row, e, stack):
-    cat, ms = e.get("cat"), e["dur"] / 1000.0
-    args = e.get("args") or {}
-    if cat == "collective":
-        row["collectives"] += 1
-        row["collective_ms"] += ms
-    elif cat == "transport":
-        row["transport_ms"] += ms
-        row["bytes"] += args.get("bytes", 0)
-        for outer in reversed(stack):           # the bucket it belongs to
-            if outer[0].get("cat") == "bucket":
-                if outer[0].get("args", {}).get("compression"):
-                    row["compression_ms"] -= ms
-                break
-    elif cat == "bucket" and args.get("compression"):
-        row["compression_ms"] += ms
-    elif e["name"] in ("consistency check", "wait for peers"):
-        row["peers_ms"] += ms
-    elif e["name"] == "Work.wait":
-        row["wait_ms"] += ms
-
-
-def summary_text(path):
-    with open(path) as f:
-        table = summarize(json.load(f)["traceEvents"])
-    lines = ["%-5s %11s %13s %9s %12s %14s %9s %14s" % (("rank",) + COLUMNS)]
-    for rank, row in sorted(table.items()):
-        lines.append("%-5s %11d %13.3f %9.3f %12.3f %14.3f %9.3f %14d"
-                     % ((rank,) + tuple(row[c] for c in COLUMNS)))
-    lines.append("ms: time in collectives; peers: consistency checks and polling waits; "
-                 "compression: compressed buckets' time outside their transport calls")
-    return "\n".join(lines)
-
-
-def main(argv=None):
-    import argparse
-    parser = argparse.ArgumentParser(prog="python -m commlib.trace",
-                                     description="Join or summarize commlib trace files.")
-    sub = parser.add_subparsers(dest="command", required=True)
-    joined = sub.add_parser("merge", help="join per-rank files into one (Perfetto opens it)")
-    joined.add_argument("out", help="the merged file to write")
-    joined.add_argument("inputs", nargs="+", help="per-rank files, directories or globs")
-    summed = sub.add_parser("summary", help="a table per rank of a trace file")
-    summed.add_argument("file", help="a per-rank or merged trace file")
-    args = parser.parse_args(argv)
-    try:
-        if args.command == "merge":
-            ranks = merge(args.out, args.inputs)
-            print("merged ranks %s into %s" % (ranks, args.out))
-        else:
-            print(summary_text(args.file))
-    except (ArgumentError, OSError, ValueError, KeyError) as exc:
-        parser.exit(2, "python -m commlib.trace: %s\n" % exc)
-    return 0
-
-
 class _CallableModule(types.ModuleType):
     """This module's type: ``commlib.trace(path)`` is :func:`start`."""
 
@@ -489,4 +456,4 @@ class _CallableModule(types.ModuleType):
 sys.modules[__name__].__class__ = _CallableModule
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(main())        # commlib.trace_files.main

@@ -55,7 +55,10 @@ compares them.
 
 ``--trace DIR`` records the last epoch (see docs/tracing.md): every rank
 writes ``DIR/epoch.rankR.json`` and rank 0 joins them into
-``DIR/epoch.merged.json``, which https://ui.perfetto.dev opens.
+``DIR/epoch.merged.json``, which https://ui.perfetto.dev opens. Each
+step's forward and backward pass is a span ``forward/backward`` and its
+update (waiting for the gradients, clipping, SGD) a span ``update``
+(``commlib.trace.span``, with the step's number), beside commlib's own events.
 """
 import argparse
 import hashlib
@@ -158,13 +161,16 @@ def train_epoch(comm, model, opt, sched, train, sampler, epoch, args):
     totals = xp.zeros(3, xp.float64)        # loss sum, correct, images
     batches = sampler.batches(args.batch_size, drop_last=True)    # as many on every rank
     bar = progress(len(batches), "Epoch %d" % epoch, comm.rank == 0 and sys.stderr.isatty())
-    for idx in batches:
+    span = commlib.trace.span               # marks a part of the step (records only in a trace)
+    for step, idx in enumerate(batches):
         idx = xp.asarray(idx)
-        logits = model.forward(shifted(x[idx], rng, args.shift))
-        loss, correct, dlogits = cnn_model.softmax_cross_entropy(logits, y[idx])
-        model.backward(dlogits, ready=lambda i: opt.grad_ready(ready[i]))   # buckets start early
-        opt.step()                          # wait for the average, clip, update
-        sched.step()                        # the learning rate of the next step
+        with span("forward/backward", step=step):
+            logits = model.forward(shifted(x[idx], rng, args.shift))
+            loss, correct, dlogits = cnn_model.softmax_cross_entropy(logits, y[idx])
+            model.backward(dlogits, ready=lambda i: opt.grad_ready(ready[i]))  # buckets start
+        with span("update", step=step):
+            opt.step()                      # wait for the average, clip, update
+            sched.step()                    # the learning rate of the next step
         totals[0] += loss * len(idx)        # device-side sums: no host sync per step
         totals[1] += correct
         totals[2] += len(idx)

@@ -1,6 +1,7 @@
 """Draw a commlib trace (one rank's file or a merged one, see docs/tracing.md)
 as a picture: one row per rank and thread, spans coloured by kind, nested
-spans drawn thinner inside their parents.
+spans drawn thinner inside their parents; the program's own spans
+(commlib.trace.span) are named where they are wide enough.
 
     python scripts/plot_trace.py MERGED.json OUT.png [--start-ms 40 --width-ms 120]
 """
@@ -15,14 +16,15 @@ import matplotlib.pyplot as plt  # noqa: E402
 
 #: colour per event kind (the events' ``cat``)
 COLOURS = {"collective": "#4c72b0", "check": "#dd8452", "bucket": "#55a868",
-           "transport": "#c44e52", "wait": "#8172b3", "queue": "#937860"}
+           "transport": "#c44e52", "wait": "#8172b3", "queue": "#937860", "user": "#c8c8c8"}
 LABELS = {"collective": "collective", "check": "checks (consistency: waiting for peers)",
           "bucket": "bucket (compression outside transport)", "transport": "transport call",
-          "wait": "waiting (peers, Work.wait)", "queue": "enqueue"}
+          "wait": "waiting (peers, Work.wait)", "queue": "enqueue",
+          "user": "the program's spans (commlib.trace.span)"}
 
 
 def rows_of(events):
-    """{(rank, thread name): [(ts, dur, cat, depth)]} of the complete events."""
+    """{(rank, thread name): [(ts, dur, cat, depth, name)]} of the complete events."""
     names = {(e["pid"], e["tid"]): e["args"]["name"] for e in events
              if e.get("ph") == "M" and e["name"] == "thread_name"}
     threads = {}
@@ -35,7 +37,7 @@ def rows_of(events):
         for e in sorted(spans, key=lambda e: (e["ts"], -e["dur"])):
             while stack and e["ts"] >= stack[-1]:
                 stack.pop()
-            out.append((e["ts"], e["dur"], e.get("cat"), len(stack)))
+            out.append((e["ts"], e["dur"], e.get("cat"), len(stack), e["name"]))
             stack.append(e["ts"] + e["dur"])
         rows[(key[0], names.get(key, str(key[1])))] = out
     return rows
@@ -51,7 +53,7 @@ def plot(events, out, start_ms=None, width_ms=None, title=None):
     fig, ax = plt.subplots(figsize=(10, 0.55 * len(keys) + 1.3), dpi=100)
     seen = set()
     for y, key in enumerate(keys):
-        for ts, dur, cat, depth in rows[key]:
+        for ts, dur, cat, depth, name in rows[key]:
             if ts + dur < lo or ts > hi:
                 continue
             height = 0.8 * 0.72 ** depth
@@ -59,6 +61,11 @@ def plot(events, out, start_ms=None, width_ms=None, title=None):
                            color=COLOURS.get(cat, "#999999"), linewidth=0,
                            label=None if cat in seen else LABELS.get(cat, cat))
             seen.add(cat)
+            shown = (min(ts + dur, hi) - max(ts, lo)) / (hi - lo)
+            if cat == "user" and shown > 0.09:             # wide enough for its name
+                middle = (max(ts, lo) + min(ts + dur, hi)) / 2
+                ax.text((middle - lo) / 1000, y + height / 2 - 0.05, name, ha="center",
+                        va="bottom", fontsize=6.5, clip_on=True)
     ax.set_yticks(range(len(keys)))
     ax.set_yticklabels(["rank %d %s" % k for k in keys], fontsize=8)
     ax.invert_yaxis()

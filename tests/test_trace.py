@@ -1,12 +1,15 @@
 """Tracing (commlib.trace): real MPI jobs of 1-3 ranks write one valid
 Chrome trace per rank whose events nest per thread, name every collective
 with its seq and whose transport bytes add up to ``stats.bytes_sent``;
-merge and summary; off by default; an unwritable path raises at once."""
+the program's own spans land on their thread, with their args, around the
+collectives they hold; merge and summary; off by default (spans too); an
+unwritable path raises at once."""
 import json
 import os
 import re
 import subprocess
 import sys
+import threading
 
 import numpy as np
 import pytest
@@ -57,12 +60,13 @@ def nesting_errors(events):
 
 def enclosing(events, inner, outer):
     """For every event of ``inner`` (complete events), the innermost event of
-    category ``outer`` among ``events`` on the same thread that contains it
-    (or None)."""
+    category ``outer`` among ``events`` on the same thread that contains it,
+    other than itself (or None)."""
     found = []
     for e in inner:
         around = [o for o in events if o.get("cat") == outer and o["tid"] == e["tid"]
-                  and o["ts"] <= e["ts"] and e["ts"] + e["dur"] <= o["ts"] + o["dur"]]
+                  and o is not e and o["ts"] <= e["ts"]
+                  and e["ts"] + e["dur"] <= o["ts"] + o["dur"]]
         found.append(max(around, key=lambda o: o["ts"]) if around else None)
     return found
 
@@ -87,6 +91,37 @@ def check_rank(doc, rank, size, report):
     assert None not in enclosing(events, buckets, "collective")
     assert {b["args"]["compression"] for b in buckets} >= {None, "fp16"}
     assert any(e["ph"] == "f" for e in events) and any(e["name"] == "Work.wait" for e in events)
+    check_spans(events, names, report)
+
+
+def check_spans(events, names, report):
+    """The spans of tests/trace_program.py: on the thread that made them, with
+    their args, each synchronous all-reduce inside a ``reduce`` inside a ``step``."""
+    user = [e for e in events if e.get("cat") == "user"]
+    by_name = {}
+    for e in user:
+        by_name.setdefault(e["name"], []).append(e)
+    assert sorted(by_name) == ["compute", "helper", "reduce", "scale", "step"]
+    main, helper = report["main_tid"], report["helper_tid"]
+    assert {e["tid"] for e in user if e["name"] != "helper"} == {main}
+    assert [e["tid"] for e in by_name["helper"]] == [helper]
+    assert names[helper] == "helper-thread" and by_name["helper"][0]["args"] == {"job": "7"}
+    steps = sorted(by_name["step"], key=lambda e: e["ts"])
+    assert [e["args"]["step"] for e in steps] == list(range(6))
+    assert [e["args"]["compression"] for e in steps][:3] == ["None", "None", "fp16"]
+    assert [e["args"] for e in by_name["scale"]] == [{"factor": 0.5}] * 6
+    assert "args" not in by_name["reduce"][0]
+    collectives = sorted((e for e in events if e.get("cat") == "collective"),
+                         key=lambda e: e["ts"])
+    reduces = enclosing(events, [c for c in collectives if c["tid"] == main][:6], "user")
+    assert [r["name"] for r in reduces] == ["reduce"] * 6
+    assert [s["name"] for s in enclosing(events, reduces, "user")] == ["step"] * 6
+    assert [s["name"] for s in enclosing(events, by_name["scale"], "user")] == ["step"] * 6
+    compute, = by_name["compute"]
+    assert not [c for c in collectives if c["tid"] == main
+                and compute["ts"] <= c["ts"] < compute["ts"] + compute["dur"]]
+    waits = [e for e in events if e["name"] == "Work.wait" and e["ts"] >= compute["ts"]]
+    assert waits and waits[0]["ts"] >= compute["ts"] + compute["dur"]
 
 
 @pytest.fixture(scope="module")
@@ -126,11 +161,16 @@ def test_merge_and_summary(two_ranks):
     assert not nesting_errors(events)
     out = run_cli("summary", merged).stdout
     rows = {int(line.split()[0]): line.split() for line in out.splitlines()[1:3]}
-    assert out.splitlines()[0].split()[:2] == ["rank", "collectives"]
+    header = out.splitlines()[0].split()
+    assert header[:2] == ["rank", "collectives"] and header[-2:] == ["user_ms", "bytes"]
     for rank in (0, 1):
         assert int(rows[rank][1]) == len(reports[rank]["collectives"])
         assert int(rows[rank][-1]) == reports[rank]["bytes_sent"]
         assert float(rows[rank][5]) > 0, "no compression time: %s" % out
+        user = [e for e in events if e.get("cat") == "user" and e["pid"] == rank
+                and e["name"] in ("step", "compute", "helper")]     # the outermost ones
+        assert float(rows[rank][-2]) == pytest.approx(sum(e["dur"] for e in user) / 1000,
+                                                      abs=0.002)
 
 
 def test_merge_refuses_a_missing_rank(two_ranks, tmp_path):
@@ -154,19 +194,63 @@ def test_off_by_default_records_nothing(tmp_path, monkeypatch):
     assert "COMMLIB_TRACE" not in os.environ and not trace.ON
     calls = []
     for name in ("now", "collective", "checked", "began", "bucket", "transport_call", "peer_wait",
-                 "work_wait", "in_flight", "queued", "closed"):
+                 "work_wait", "in_flight", "queued", "closed", "Span", "_span"):
         monkeypatch.setattr(trace, name, lambda *a, _n=name, **k: calls.append(_n))
     monkeypatch.chdir(tmp_path)
 
+    @trace.spanned("reduce", kind="plain")
+    def reduce(comm, grads):
+        comm.all_reduce(grads)
+
     def body(comm):
         grads = [np.ones(s, np.float32) for s in ([64, 3, 7, 7], [1000], [2048, 1000])]
-        comm.all_reduce(grads)
-        comm.all_reduce(grads, compression="fp16")
+        with trace.span("step", step=0) as idle:
+            reduce(comm, grads)
+            comm.all_reduce(grads, compression="fp16")
+        assert idle is trace.span("another")            # one shared object: nothing made
         comm.all_reduce(grads, async_op=True).wait()
         comm.barrier()
         return comm.stats.bytes_sent
     assert all(run_ranks(2, body))
     assert calls == [] and os.listdir(tmp_path) == []
+
+
+def test_spans_of_thread_ranks_go_to_their_rank(tmp_path):
+    """Ranks as threads of one process: a rank's spans, after its first
+    collective, are in its own file, on its thread, around its collectives."""
+    def body(comm):
+        comm.all_reduce([np.ones(10, np.float32)])
+        with trace.span("outer", rank=comm.rank):
+            comm.all_reduce([np.ones(100, np.float32)])
+            scaled(comm)
+        return threading.get_native_id()
+
+    @trace.spanned()
+    def scaled(comm):
+        return comm.rank * 2
+    with commlib.trace(tmp_path / "t.json"):
+        tids = run_ranks(2, body)
+    for rank in (0, 1):
+        with open(tmp_path / ("t.rank%d.json" % rank)) as f:
+            events = json.load(f)["traceEvents"]
+        user = {e["name"]: e for e in events if e.get("cat") == "user"}
+        assert sorted(user) == ["outer", scaled.__qualname__]
+        assert user["outer"]["args"] == {"rank": rank} and "args" not in user[scaled.__qualname__]
+        assert {e["tid"] for e in user.values()} == {tids[rank]}
+        last = max((e for e in events if e.get("cat") == "collective"), key=lambda e: e["ts"])
+        assert enclosing(events, [last, user[scaled.__qualname__]], "user") == [user["outer"]] * 2
+        assert not nesting_errors(events)
+
+
+def test_a_span_before_any_communicator_records_nothing(tmp_path):
+    code = ("import commlib\nfrom commlib import trace\ncommlib.trace(%r)\n"
+            "with trace.span('early') as s:\n    assert not isinstance(s, trace.Span)\n"
+            "commlib.trace(None)\n" % str(tmp_path / "t.json"))
+    env = dict(os.environ, PYTHONPATH=python_path())
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          env=env, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    assert os.listdir(tmp_path) == []
 
 
 def test_unwritable_path_raises_when_tracing_starts(tmp_path):

@@ -39,6 +39,7 @@ class Session:
             raise ArgumentError("Communicator: routes must be a dict with the keys 'numpy' and "
                                 "'cupy', got %r" % (routes,))
         self.rank, self.size = rank, size
+        trace.made(rank)
         self.local_rank, self.local_size = local_rank, local_size
         self.device = device
         #: array kind -> the transport that carries it
