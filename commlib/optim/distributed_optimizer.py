@@ -49,57 +49,57 @@ def _forward(part, method):
 class DistributedOptimizer:
     """Averages gradients over ``comm``'s ranks and updates ``params``.
 
-    The backward pass writes into :attr:`grads` (same shapes and dtypes as
-    :attr:`params`), calls :meth:`grad_ready(i) <grad_ready>` when
-    ``grads[i]`` is final (optional: it only moves communication earlier),
-    then every rank calls :meth:`step` (collective). One update is: average
-    over the ranks, then (each optional) the loss scaler's non-finite check
-    and unscaling, the gradient hooks, clipping by the global norm, and the
-    rule, group by group.
+    The backward pass writes into :attr:`grads` (same shapes and dtypes as :attr:`params`),
+    calls :meth:`grad_ready(i) <grad_ready>` when ``grads[i]`` is final (optional: it only
+    moves communication earlier), then every rank calls :meth:`step` (collective). One update
+    is: average over the ranks, then (each optional) the loss scaler's non-finite check and
+    unscaling, the gradient hooks, clipping by the global norm, and the rule, group by group.
+
+    Every collective method may also raise the errors of ``comm``'s collectives
+    (:mod:`commlib.errors`): ClosedError (``comm`` closed, or left unusable by a failure),
+    CollectiveTimeoutError (a peer hangs or never called it), PeerError (a peer left or died),
+    ConsistencyError (the ranks called differently), TransportError (MPI or NCCL failed).
 
     Args:
         comm: a :class:`commlib.Communicator`.
         params: list of numpy or cupy arrays of floating dtypes (ideally
-            :func:`~commlib.flat_arrays` views), updated in place and kept
-            identical on every rank (start from :meth:`broadcast_parameters`);
-            or, as ``torch.optim``'s, a list of parameter groups: dicts with
-            ``"params"`` (a list of arrays) and any of the rule's
-            hyperparameters (:attr:`Rule.hyper <commlib.optim.rules.Rule.hyper>`:
-            ``lr``, ``momentum``, ``weight_decay``, ...; the rule's own values
-            are the defaults), plus optionally ``"name"``.
+            :func:`~commlib.flat_arrays` views), updated in place and kept identical on every
+            rank (start from :meth:`broadcast_parameters`); or, as ``torch.optim``'s, a list
+            of parameter groups: dicts with ``"params"`` (a list of arrays) and any of the
+            rule's hyperparameters (:attr:`Rule.hyper <commlib.optim.rules.Rule.hyper>`:
+            ``lr``, ``momentum``, ``weight_decay``, ...; the rule's own values are the
+            defaults), plus optionally ``"name"``.
         rule: :class:`~commlib.optim.SGD`, :class:`~commlib.optim.Adam`,
-            :class:`~commlib.optim.AdamW`, :class:`~commlib.optim.LAMB`, or any
-            callable ``rule(params, grads)`` that updates ``params`` in place
-            (then one group without hyperparameters).
-        compression: as ``comm.all_reduce``'s (``"fp16"``, ``"bf16"``,
-            ``TopK``, ``Threshold``), applied to the gradients; a
-            :class:`~commlib.compression.Partial` makes every step a partial
-            update (see :meth:`update_partial`).
+            :class:`~commlib.optim.AdamW`, :class:`~commlib.optim.LAMB`, or any callable
+            ``rule(params, grads)`` that updates ``params`` in place (then one group without
+            hyperparameters).
+        compression: as ``comm.all_reduce``'s (``"fp16"``, ``"bf16"``, ``TopK``,
+            ``Threshold``), applied to the gradients; a :class:`~commlib.compression.Partial`
+            makes every step a partial update (see :meth:`update_partial`).
         bucket_bytes: the gradient buckets' size (default: the transport's).
-        overlap: True: :meth:`grad_ready` starts a bucket's all-reduce as
-            soon as its gradients are ready; ``"auto"`` (default): the same
-            unless it cannot pay on this node (see
-            :func:`commlib.overlap.early_start_pays`); False: every bucket
-            starts in :meth:`step`. The result is bit-identical either way.
+        overlap: True: :meth:`grad_ready` starts a bucket's all-reduce as soon as its
+            gradients are ready; ``"auto"`` (default): the same unless it cannot pay on this
+            node (see :func:`commlib.overlap.early_start_pays`); False: every bucket starts in
+            :meth:`step`. The result is bit-identical either way.
         accumulate: micro-batches per update (see also :meth:`no_sync`).
         clip_norm: None, or the default ``clip_norm`` of :meth:`step`.
-        loss_scaler: a :class:`~commlib.optim.DynamicLossScaler`: the
-            gradients are unscaled after the average, and a step whose
-            averaged gradients hold NaN or inf on any rank is skipped on
-            every rank (the scale backs off).
-        nonfinite: None (default; no check: a NaN on one rank becomes NaN
-            in every rank's parameters), ``"raise"``
-            (:class:`~commlib.errors.NonFiniteError` on every rank naming the
-            ranks and counts, parameters untouched), ``"warn"`` (a
-            RuntimeWarning, then the update) or ``"skip"`` (every rank skips
-            the update; :meth:`step` returns False). With a loss scaler:
-            ``"skip"``. The check costs one small all-gather per update;
-            with compression it is made before any bucket is sent (so a
-            skipped update leaves the error-feedback residuals as they
-            were), and :meth:`grad_ready` then starts nothing early.
+        loss_scaler: a :class:`~commlib.optim.DynamicLossScaler`: the gradients are unscaled
+            after the average, and a step whose averaged gradients hold NaN or inf on any
+            rank is skipped on every rank (the scale backs off).
+        nonfinite: None (default; no check: a NaN on one rank becomes NaN in every rank's
+            parameters), ``"raise"`` (:class:`~commlib.errors.NonFiniteError` on every rank
+            naming the ranks and counts, parameters untouched), ``"warn"`` (a RuntimeWarning,
+            then the update) or ``"skip"`` (every rank skips the update; :meth:`step` returns
+            False). With a loss scaler: ``"skip"``. Unless ``"skip"``, a compression's own
+            check (``nonfinite="raise"``, its default) still raises. The check costs one small
+            all-gather per update; with compression it is made before any bucket is sent (so a
+            skipped update leaves the error-feedback residuals as they were), and
+            :meth:`grad_ready` then starts nothing early.
 
     Raises:
         ArgumentError: a bad argument, naming it and the rank.
+        ArrayTypeError: ``params`` not writeable C-contiguous floating numpy or cupy arrays of
+            one kind (DeviceMismatchError: cupy arrays on another GPU than ``comm``'s).
     """
 
     def __init__(self, comm, params, rule, *, compression=None, bucket_bytes=None,
@@ -155,11 +155,12 @@ class DistributedOptimizer:
     # -- hyperparameters and statistics ------------------------------------------
     @property
     def lr(self):
-        """The learning rate of the first parameter group; setting it sets
-        every group's (between steps).
+        """The learning rate of the first parameter group; setting it sets every group's
+        (between steps).
 
         Raises:
-            ArgumentError: a rule without a learning rate, or a bad value.
+            ArgumentError: on setting: a rule without a learning rate, or a bad value.
+            AttributeError: on reading: a callable rule without an ``lr`` attribute.
         """
         return self._groups.lr
 
@@ -174,39 +175,36 @@ class DistributedOptimizer:
 
     @property
     def skipped_steps(self):
-        """Updates skipped for NaN or inf gradients (``nonfinite="skip"`` or
-        a loss scaler)."""
+        """Updates skipped for NaN or inf gradients (``nonfinite="skip"`` or a loss scaler)."""
         return int(self._guard.skipped)
 
     @property
     def last_grad_norm(self):
-        """The global norm of the averaged gradients before clipping, in the
-        last update that clipped (None before one)."""
+        """The global norm of the averaged gradients before clipping, in the last update that
+        clipped (None before one)."""
         return self._training.last_grad_norm
 
     @property
     def stats(self):
-        """``{"bytes_sent", "comm_seconds", "steps"}``: payload bytes this
-        rank handed to its transports from the first collective of an
-        update to its end (``comm.stats.bytes_sent``, so also any collective
-        issued in between), seconds blocked in the optimizer's collectives,
-        and updates applied."""
+        """``{"bytes_sent", "comm_seconds", "steps"}``: payload bytes this rank handed to its
+        transports from the first collective of an update to its end (``comm.stats.bytes_sent``,
+        so also any collective issued in between), seconds blocked in the optimizer's
+        collectives, and updates applied."""
         return {"bytes_sent": self._meter.bytes, "comm_seconds": self._meter.seconds,
                 "steps": self.steps}
 
     # -- loop helpers ----------------------------------------------------------------
     def zero_grad(self):
-        """Set every gradient in :attr:`grads` to 0 (for a backward pass
-        that adds into them). Not collective; returns None."""
+        """Set every gradient in :attr:`grads` to 0 (for a backward pass that adds into them).
+        Not collective; returns None."""
         for g in self._rule_runs.fused_grads:
             g.fill(0)
 
     def no_sync(self):
-        """Context in which :meth:`step` only accumulates (returns False,
-        no communication): the first step after it averages the mean of
-        all micro-batches since the last update, like DDP's ``no_sync``
-        decided at run time (with ``accumulate=N`` also, whichever comes
-        later). Every rank must use it alike.
+        """Context in which :meth:`step` only accumulates (returns False, no communication):
+        the first step after it averages the mean of all micro-batches since the last update,
+        like DDP's ``no_sync`` decided at run time (with ``accumulate=N`` also, whichever
+        comes later). Every rank must use it alike.
 
         Returns:
             A context manager (yielding this optimizer).
@@ -214,9 +212,12 @@ class DistributedOptimizer:
         return self._accumulation.no_sync(self)
 
     def register_hook(self, fn):
-        """Call ``fn(grads)`` in every update after the average (and the
-        loss scaler's unscaling), before clipping and the rule; ``fn`` may
-        change the arrays in place and must do the same on every rank.
+        """Register a gradient hook, called in every update after the average (and the loss
+        scaler's unscaling), before clipping and the rule.
+
+        Args:
+            fn: called as ``fn(grads)``; may change the arrays in place, and must do the
+                same on every rank.
 
         Returns:
             A handle whose ``remove()`` unregisters ``fn``.
@@ -228,10 +229,12 @@ class DistributedOptimizer:
 
     # -- the training step ---------------------------------------------------------
     def grad_ready(self, i):
-        """``grads[i]`` holds its final value for this micro-batch; on the
-        last micro-batch of an update with ``overlap``, the all-reduce of
-        its bucket starts once the bucket is complete (and the buckets
-        before it have started). Each i once per micro-batch.
+        """Mark ``grads[i]`` final for this micro-batch; on the last micro-batch of an update
+        with ``overlap``, the all-reduce of its bucket starts once the bucket is complete (and
+        the buckets before it have started): then it is collective.
+
+        Args:
+            i: the index of the gradient (an int), each once per micro-batch.
 
         Raises:
             ArgumentError: ``i`` out of range or marked twice.
@@ -242,23 +245,23 @@ class DistributedOptimizer:
         """Finish this micro-batch (collective).
 
         Args:
-            grads: optional list like ``params``, copied into :attr:`grads`
-                first.
-            clip_norm: scale the averaged gradients by
-                ``clip_norm / (norm + 1e-6)`` when their global L2 norm
-                (over every parameter; the same on every rank) exceeds it,
-                like ``torch.nn.utils.clip_grad_norm_``; None: no clipping;
-                default: the constructor's. The norm before clipping is
-                :attr:`last_grad_norm`.
+            grads: optional list like ``params``, copied into :attr:`grads` first.
+            clip_norm: scale the averaged gradients by ``clip_norm / (norm + 1e-6)`` when
+                their global L2 norm (over every parameter; the same on every rank) exceeds
+                it, like ``torch.nn.utils.clip_grad_norm_``; None: no clipping; default: the
+                constructor's. The norm before clipping is :attr:`last_grad_norm`.
 
         Returns:
-            True when an update was applied; False before the last
-            micro-batch of an update (only accumulated), and when the update
-            was skipped for NaN or inf gradients.
+            True when an update was applied; False before the last micro-batch of an update
+            (only accumulated), and when the update was skipped for NaN or inf gradients.
 
         Raises:
-            ArgumentError: bad ``grads`` or ``clip_norm``.
-            NonFiniteError: with ``nonfinite="raise"``, on every rank.
+            ArgumentError: bad ``grads`` (or given after :meth:`grad_ready`) or ``clip_norm``;
+                a clip_norm with a Partial compression.
+            ArrayTypeError: ``grads`` that are no arrays.
+            NonFiniteError: on every rank, with ``nonfinite="raise"``; also, unless
+                ``nonfinite="skip"``, from a compression whose own ``nonfinite`` is
+                ``"raise"`` (its default).
         """
         clip = (self.clip_norm if clip_norm is _DEFAULT
                 else check_clip(clip_norm, self.comm.rank))
@@ -270,19 +273,21 @@ class DistributedOptimizer:
 
     # -- uneven inputs -----------------------------------------------------------------
     def join(self):
-        """Context for ranks with different numbers of batches (Horovod's
-        and DDP's ``join``): inside it every update first counts the ranks
-        that bring gradients (one small all-gather), and the average is the
-        mean over those; a rank that leaves the block keeps taking part in
-        the others' updates with no gradients of its own (applying the same
-        update, so parameters stay identical) until every rank has left it.
-        Then the hyperparameters and schedulers of the rank that took the
-        most steps are copied to every rank. Inside it, :meth:`grad_ready`
-        does not start all-reduces early.
+        """Context for ranks with different numbers of batches (Horovod's and DDP's ``join``):
+        inside it every update first counts the ranks that bring gradients (one small
+        all-gather), and the average is the mean over those; a rank that leaves the block
+        keeps taking part in the others' updates with no gradients of its own (applying the
+        same update, so parameters stay identical) until every rank has left it. Then the
+        hyperparameters and schedulers of the rank that took the most steps are copied to
+        every rank. Inside it, :meth:`grad_ready` does not start all-reduces early.
+
+        Returns:
+            A context manager (yielding this optimizer; collective when the block ends).
 
         Raises:
-            ArgumentError: compression other than none, fp16 or bf16, or
-                leaving in the middle of an accumulation.
+            ArgumentError: on entering: compression other than none, fp16 or bf16, already
+                inside join(), or gradients marked ready in this micro-batch; on leaving in
+                the middle of an accumulation.
         """
         return self._join.block(self, training=self._training, compression=self.compression,
                                 live_state=self.live_state, loaded=self.loaded)
@@ -295,7 +300,17 @@ class DistributedOptimizer:
 
     # -- parameters and checkpoints -------------------------------------------------
     def broadcast_parameters(self, root=0):
-        """Copy ``root``'s parameters into every rank's (collective)."""
+        """Copy ``root``'s parameters into every rank's (collective).
+
+        Args:
+            root: the rank whose parameters every rank takes.
+
+        Returns:
+            :attr:`params`.
+
+        Raises:
+            ArgumentError: ``root`` out of range.
+        """
         try:
             return self._meter.timed(parameters.broadcast_parameters, self.comm, self.params,
                                      root)
@@ -303,8 +318,12 @@ class DistributedOptimizer:
             self._meter.close()
 
     def check_parameters(self):
-        """Raise ConsistencyError naming the ranks whose parameters differ
-        (collective; see :func:`commlib.optim.check_parameters`)."""
+        """Check that every rank holds the same parameters (collective; see
+        :func:`commlib.optim.check_parameters`).
+
+        Raises:
+            ConsistencyError: on every rank, naming the ranks whose parameters differ.
+        """
         parameters.check_parameters(self.comm, self.params)
 
     # the training state and checkpoints: state.TrainingState's

@@ -32,7 +32,10 @@ def _int(value, what, low):
 
 
 class LRScheduler:
-    """Base of the schedules: subclasses define :meth:`lr_at`.
+    """Base of the schedules: subclasses define :meth:`lr_at`. Made on an
+    optimizer, it joins the optimizer's schedulers (whose state its
+    checkpoints keep) and sets every group's lr to the schedule's value at 0.
+    Not collective.
 
     Args:
         optimizer: a :class:`~commlib.optim.DistributedOptimizer` whose
@@ -61,7 +64,18 @@ class LRScheduler:
         return int(self._last)
 
     def lr_at(self, base, t):
-        """The learning rate ``t`` steps in, from ``base``."""
+        """The learning rate ``t`` steps in, from ``base``.
+
+        Args:
+            base: the group's base learning rate (its ``"initial_lr"``).
+            t: the number of :meth:`step` calls (an int >= 0).
+
+        Returns:
+            The learning rate (a number).
+
+        Raises:
+            NotImplementedError: in the base class (subclasses define it).
+        """
         raise NotImplementedError
 
     def step(self):
@@ -74,20 +88,36 @@ class LRScheduler:
             g["lr"] = float(self.lr_at(float(base), t))
 
     def get_last_lr(self):
-        """Every group's current learning rate, as a list."""
+        """Every group's current learning rate.
+
+        Returns:
+            A list of floats, one per parameter group.
+        """
         return [g["lr"] for g in self.optimizer.param_groups]
 
     def state_arrays(self):
+        """The scheduler's state, as the optimizer's checkpoints keep it.
+
+        Returns:
+            ``{"last_epoch": 0-d int64, "base_lrs": float64 per group}``: the
+            live arrays, not copies.
+        """
         return {"last_epoch": self._last, "base_lrs": self.base_lrs}
 
     def state_dict(self):
-        """``{"last_epoch", "base_lrs"}`` as numpy copies (also part of the
-        optimizer's state dict)."""
+        """The scheduler's state (also part of the optimizer's state dict).
+
+        Returns:
+            ``{"last_epoch", "base_lrs"}`` as numpy copies.
+        """
         return {k: np.array(v, copy=True) for k, v in self.state_arrays().items()}
 
     def load_state_dict(self, state_dict):
         """Take :meth:`state_dict`'s values and set the groups' lr from
         them (not collective).
+
+        Args:
+            state_dict: ``{"last_epoch", "base_lrs"}`` from :meth:`state_dict`.
 
         Raises:
             ArgumentError: a key is missing or of another shape.
@@ -113,7 +143,8 @@ class LambdaLR(LRScheduler):
         fn: callable of the int t returning a factor.
 
     Raises:
-        ArgumentError: fn not callable.
+        ArgumentError: fn not callable, or an optimizer whose rule has no
+            learning rate.
     """
 
     def __init__(self, optimizer, fn):
@@ -135,7 +166,8 @@ class StepLR(LRScheduler):
         gamma: >= 0 (default 0.1).
 
     Raises:
-        ArgumentError: a value out of range.
+        ArgumentError: a value out of range, or an optimizer whose rule has
+            no learning rate.
     """
 
     def __init__(self, optimizer, step_size, gamma=0.1):
@@ -155,7 +187,8 @@ class ExponentialLR(LRScheduler):
         gamma: >= 0.
 
     Raises:
-        ArgumentError: a value out of range.
+        ArgumentError: a value out of range, or an optimizer whose rule has
+            no learning rate.
     """
 
     def __init__(self, optimizer, gamma):
@@ -176,7 +209,8 @@ class CosineAnnealingLR(LRScheduler):
         eta_min: >= 0.
 
     Raises:
-        ArgumentError: a value out of range.
+        ArgumentError: a value out of range, or an optimizer whose rule has
+            no learning rate.
     """
 
     def __init__(self, optimizer, T_max, eta_min=0.0):
@@ -201,7 +235,8 @@ class LinearLR(LRScheduler):
         total_iters: int >= 1.
 
     Raises:
-        ArgumentError: a value out of range.
+        ArgumentError: a value out of range, or an optimizer whose rule has
+            no learning rate.
     """
 
     def __init__(self, optimizer, start_factor=1.0 / 3, end_factor=1.0, total_iters=5):
@@ -232,7 +267,8 @@ def LinearWarmup(optimizer, warmup):
         The LinearLR.
 
     Raises:
-        ArgumentError: warmup not an int >= 1.
+        ArgumentError: warmup not an int >= 1, or an optimizer whose rule
+            has no learning rate.
     """
     warmup = _int(warmup, "LinearWarmup: warmup", 1)
     if warmup == 1:
@@ -255,7 +291,8 @@ class SequentialLR(LRScheduler):
         milestones: increasing ints >= 1, one fewer than schedulers.
 
     Raises:
-        ArgumentError: schedulers of another optimizer, or bad milestones.
+        ArgumentError: schedulers not a non-empty list of schedulers, or made
+            on another optimizer; bad milestones.
     """
 
     def __init__(self, optimizer, schedulers, milestones):

@@ -14,7 +14,25 @@ DIGEST_BYTES = 8
 
 def broadcast_parameters(comm, params, root=0):
     """Copy ``root``'s ``params`` (list of numpy or cupy arrays) into every
-    rank's, in place (collective)."""
+    rank's, in place (collective).
+
+    Args:
+        comm: a :class:`commlib.Communicator`.
+        params: list of numpy or cupy arrays, of the same shapes and dtypes
+            on every rank.
+        root: the rank whose arrays every rank takes.
+
+    Returns:
+        ``params`` (the same list).
+
+    Raises:
+        ArgumentError: ``root`` out of range.
+        ArrayTypeError: ``params`` not writeable arrays of one kind.
+        ConsistencyError: the ranks' arrays differ in number, shape or dtype
+            (found by the communicator's consistency check, on by default).
+        ClosedError, CollectiveTimeoutError, PeerError: from the broadcast
+            (``comm`` closed or unusable; a peer hangs, died or left).
+    """
     comm.broadcast(params, root=root)
     return params
 
@@ -35,7 +53,18 @@ def check_parameters(comm, params):
     majority's (ties go to the lowest rank); its ``culprits`` are the ranks
     that differ. Collective: each rank hashes its parameters and the
     ``DIGEST_BYTES``-byte digests are all-gathered (a different number of
-    parameters on some rank is a ConsistencyError of the all-gather)."""
+    parameters on some rank is a ConsistencyError of the all-gather).
+
+    Args:
+        comm: a :class:`commlib.Communicator`.
+        params: list of numpy or cupy arrays (read only).
+
+    Raises:
+        ConsistencyError: on every rank, as above.
+        ArrayTypeError: ``params`` not arrays of one kind.
+        ClosedError, CollectiveTimeoutError, PeerError: from the all-gather
+            (``comm`` closed or unusable; a peer hangs, died or left).
+    """
     params = validation.as_list(params, "params", comm.rank)[0]
     validation.check_arrays(params, rank=comm.rank, writeable=False, what="params")
     mine = (np.concatenate([digest(p) for p in params]) if params

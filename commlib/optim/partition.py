@@ -14,10 +14,21 @@ def partition(n, rank, size, drop_remainder=True):
     """The ``slice`` of items ``0 .. n-1`` that ``rank`` (of ``size`` ranks)
     takes: contiguous shards in rank order.
 
-    ``drop_remainder=True``: every rank gets ``n // size`` items and the last
-    ``n % size`` items are left out (every rank then takes the same number of
-    steps). ``drop_remainder=False``: every item is taken once, the first
-    ``n % size`` ranks get one more.
+    Args:
+        n: the number of items (int >= 0).
+        rank: the rank whose share is wanted (int, ``0 <= rank < size``).
+        size: the number of ranks (int >= 1).
+        drop_remainder: True: every rank gets ``n // size`` items and the
+            last ``n % size`` items are left out (every rank then takes the
+            same number of steps). False: every item is taken once, the
+            first ``n % size`` ranks get one more.
+
+    Returns:
+        A ``slice`` of ``range(n)``.
+
+    Raises:
+        ArgumentError: ``n``, ``rank`` or ``size`` not an int, ``n < 0``, or
+            not ``0 <= rank < size``; naming the rank.
     """
     n, rank, size = (_index(n, "n", rank), _index(rank, "rank", rank),
                      _index(size, "size", rank))

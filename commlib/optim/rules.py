@@ -80,6 +80,14 @@ class Rule:
     Subclasses set :attr:`hyper`, :attr:`buffers`, :attr:`elementwise`,
     define :meth:`update` and validate their own hyperparameters in
     :meth:`check_group`.
+
+    Args:
+        lr: learning rate (>= 0).
+        weight_decay: >= 0.
+
+    Raises:
+        ArgumentError: ``lr`` or ``weight_decay`` not a finite number >= 0,
+            naming it.
     """
 
     #: names of the hyperparameters (attributes, and keys of a parameter group)
@@ -111,8 +119,11 @@ class Rule:
         return int(self.step_count)
 
     def defaults(self):
-        """``{name: value}`` of :attr:`hyper`: this rule's own settings, the
-        defaults of a parameter group."""
+        """This rule's own settings, the defaults of a parameter group.
+
+        Returns:
+            ``{name: value}`` of every name of :attr:`hyper`.
+        """
         return {k: getattr(self, k) for k in self.hyper}
 
     def check_group(self, group, where="", rank=None):
@@ -136,23 +147,46 @@ class Rule:
                                              % (where, name), rank=rank)}
 
     def state(self, params):
-        """The rule's state for ``params`` as ``{name: array}``: the live
-        arrays (writing into them changes the state), ``"<buffer>.<i>"`` for
-        array i's buffers, plus the rule's counters as 0-d numpy arrays."""
+        """The rule's state for ``params`` (its buffers allocated, zero-filled,
+        at the first call).
+
+        Args:
+            params: the list of arrays the rule updates.
+
+        Returns:
+            ``{name: array}``: the live arrays (writing into them changes the
+            state), ``"<buffer>.<i>"`` for array i's buffers, plus the rule's
+            counters (:meth:`counters`) as 0-d numpy arrays.
+
+        Raises:
+            ArgumentError: called with another number of arrays than before
+                (as :meth:`buffers_for`).
+        """
         out = dict(self.counters())
         for name, arrays in self.buffers_for(params).items():
             out.update(("%s.%d" % (name, i), b) for i, b in enumerate(arrays))
         return out
 
     def counters(self):
-        """``{name: 0-d numpy array}`` of the counters a checkpoint keeps
-        (the rules whose update depends on the step count keep ``t``)."""
+        """The counters a checkpoint keeps (the rules whose update depends on
+        the step count keep ``t``).
+
+        Returns:
+            ``{name: 0-d numpy array}``, the live arrays (empty for SGD).
+        """
         return {}
 
     def buffers_for(self, params):
-        """``{buffer name: [one array like each of params]}``, allocated
-        (zero-filled) at the first call; a rule keeps the state of one list
-        of arrays (one rule object per optimizer).
+        """The per-parameter buffers, allocated (zero-filled) at the first
+        call; a rule keeps the state of one list of arrays (one rule object
+        per optimizer).
+
+        Args:
+            params: the list of arrays the rule updates.
+
+        Returns:
+            ``{buffer name: [one array like each of params]}`` (the live
+            arrays; empty for a rule without buffers).
 
         Raises:
             ArgumentError: called with another number of arrays than before.
@@ -169,7 +203,11 @@ class Rule:
 
     def begin_step(self):
         """Count one more update (called once per update, before the
-        :meth:`update` calls of its groups). Returns the new count t."""
+        :meth:`update` calls of its groups).
+
+        Returns:
+            The new count t (an int, from 1).
+        """
         self.step_count += 1
         return int(self.step_count)
 
@@ -181,6 +219,9 @@ class Rule:
             buffers: ``{buffer name: [array like each of params]}``.
             group: the validated hyperparameters (:meth:`check_group`).
             t: the update's number, from 1.
+
+        Raises:
+            NotImplementedError: in the base class (subclasses define it).
         """
         raise NotImplementedError
 
@@ -234,6 +275,23 @@ class SGD(Rule):
         self.buffers = ("momentum",) if self.momentum else ()
 
     def check_group(self, group, where="", rank=None):
+        """Validate the hyperparameters of ``group``, as
+        :meth:`Rule.check_group`; a group with momentum > 0 gives the rule
+        momentum buffers when it had none (only before its first update).
+
+        Args:
+            group: ``{name: value}`` holding every name of :attr:`hyper`.
+            where: prefix of the messages (e.g. ``"param_groups[1]: "``).
+            rank: named in the messages when given.
+
+        Returns:
+            ``{name: validated value}``.
+
+        Raises:
+            ArgumentError: a value out of range; ``nesterov`` without
+                momentum > 0 and dampening 0; momentum > 0 in a group of a
+                rule created without momentum, after its first update.
+        """
         out = super().check_group(group, where, rank)
         out["momentum"] = check_number(group["momentum"], where + "SGD: momentum", rank=rank)
         out["dampening"] = check_number(group["dampening"], where + "SGD: dampening",

@@ -38,7 +38,8 @@ class DistributedSampler:
         drop_last, pad: the remainder, as above.
 
     Raises:
-        ArgumentError: a bad value, naming it.
+        ArgumentError: a bad value, naming it; ``comm`` together with
+            ``rank`` or ``size``, or neither; not ``0 <= rank < size``.
     """
 
     def __init__(self, n, comm=None, *, rank=None, size=None, shuffle=True, seed=0,
@@ -70,13 +71,20 @@ class DistributedSampler:
         """Use the permutation of ``epoch`` (call it at the start of each
         epoch, with the same value on every rank).
 
+        Args:
+            epoch: an int >= 0.
+
         Raises:
             ArgumentError: not an int >= 0.
         """
         self.epoch = _int(epoch, "epoch", 0, self.rank)
 
     def indices(self):
-        """This rank's items of the current epoch (int64 numpy array)."""
+        """This rank's items of the current epoch.
+
+        Returns:
+            An int64 numpy array of item indices (``len(self)`` of them).
+        """
         order = (np.random.default_rng([self.seed, self.epoch]).permutation(self.n)
                  if self.shuffle else np.arange(self.n))
         if self.drop_last:

@@ -72,12 +72,26 @@ class DynamicLossScaler:
         return int(self._tracker)
 
     def scale_loss(self, value):
-        """``value * scale`` (a number or an array of the loss or of its
-        gradient), in ``value``'s own type."""
+        """Scale the loss (or the gradient of the loss that starts the
+        backward pass).
+
+        Args:
+            value: a number or an array of the loss or of its gradient.
+
+        Returns:
+            ``value * scale``, in ``value``'s own type.
+        """
         return value * self.scale
 
     def update(self, found_inf):
-        """After an update (found_inf: it was skipped)."""
+        """Count an update (the optimizer calls it after each): back off, or
+        grow after ``growth_interval`` taken updates in a row.
+
+        Args:
+            found_inf: True when the update was skipped for NaN or inf (the
+                scale is multiplied by ``backoff_factor``, not below
+                ``min_scale``), False when it was taken.
+        """
         if found_inf:
             self._scale[...] = max(float(self._scale) * self.backoff_factor, self.min_scale)
             self._tracker[...] = 0
@@ -88,15 +102,27 @@ class DynamicLossScaler:
                 self._tracker[...] = 0
 
     def state_arrays(self):
+        """The scaler's state, as the optimizer's checkpoints keep it.
+
+        Returns:
+            ``{"scale": 0-d float64, "growth_tracker": 0-d int64}``: the live
+            arrays, not copies.
+        """
         return {"scale": self._scale, "growth_tracker": self._tracker}
 
     def state_dict(self):
-        """``{"scale", "growth_tracker"}`` as numpy copies (also part of
-        the optimizer's state dict)."""
+        """The scaler's state (also part of the optimizer's state dict).
+
+        Returns:
+            ``{"scale", "growth_tracker"}`` as numpy copies.
+        """
         return {k: np.array(v, copy=True) for k, v in self.state_arrays().items()}
 
     def load_state_dict(self, state_dict):
         """Take :meth:`state_dict`'s values (not collective).
+
+        Args:
+            state_dict: ``{"scale", "growth_tracker"}`` from :meth:`state_dict`.
 
         Raises:
             ArgumentError: a key is missing.

@@ -7,7 +7,9 @@ from ..compression import Partial, Threshold, TopK
 
 class SingaUpdates:
     """The update variants; the optimizer's methods of the same names call
-    these.
+    these. Each is collective: it may also raise the errors of the
+    communicator's collectives (see
+    :class:`~commlib.optim.DistributedOptimizer`).
 
     Args:
         training: the optimizer's
@@ -26,22 +28,36 @@ class SingaUpdates:
         compression and clip_norm).
 
         Args:
-            grads: as :meth:`step`'s.
+            grads: as :meth:`step`'s (None: the backward pass wrote into
+                ``grads``).
 
         Returns:
-            As :meth:`step`.
+            As :meth:`step`: True when an update was applied.
+
+        Raises:
+            ArgumentError: as :meth:`step`'s.
+            ArrayTypeError: as :meth:`step`'s.
+            NonFiniteError: as :meth:`step`'s.
         """
         return self.training.step(grads, self.compression, self.clip_norm)
 
     def update_half(self, grads=None):
         """SINGA's ``backward_and_update_half``: the gradients are averaged in
-        float16 (``compression="fp16"``).
+        float16 (``compression="fp16"``), clipped to the constructor's
+        clip_norm.
 
         Args:
             grads: as :meth:`step`'s.
 
         Returns:
             As :meth:`step`.
+
+        Raises:
+            ArgumentError: as :meth:`step`'s; also after :meth:`grad_ready`
+                started this update's all-reduce with another compression.
+            ArrayTypeError: as :meth:`step`'s.
+            NonFiniteError: as :meth:`step`'s; fp16's own check raises on
+                NaN or inf unless ``nonfinite="skip"``.
         """
         fp16 = compression_module.resolve("fp16", self.rank)
         return self.training.step(grads, fp16, self.clip_norm)
@@ -53,18 +69,23 @@ class SingaUpdates:
         (:class:`~commlib.compression.Partial`; default: the constructor's
         Partial, else 0.1). Ranks' parameters differ between windows:
         average them all (``comm.all_reduce(params, op="avg")``) before
-        evaluating or saving.
+        evaluating or saving. Partial updates cannot be clipped by a global
+        norm: the constructor's clip_norm is not applied here, and the
+        ``nonfinite`` check is not made.
 
         Args:
             grads: as :meth:`step`'s.
-            fraction: the share of each bucket averaged per call.
+            fraction: the share of each bucket averaged per call, a number in
+                (0, 1]; None: the constructor's Partial's, else 0.1.
 
         Returns:
-            As :meth:`step`.
+            As :meth:`step` (True on the last micro-batch of an update).
 
         Raises:
-            ArgumentError: a bad fraction, or a clip_norm set (partial updates
-                cannot be clipped by a global norm).
+            ArgumentError: a bad fraction; bad ``grads`` (as :meth:`step`'s);
+                inside :meth:`join`; after :meth:`grad_ready` started this
+                update's all-reduce with another compression.
+            ArrayTypeError: as :meth:`step`'s.
         """
         if fraction is None:
             strategy = (self.compression if isinstance(self.compression, Partial)
@@ -83,12 +104,21 @@ class SingaUpdates:
 
         Args:
             grads: as :meth:`step`'s.
-            spars: the fraction (top-K) or the threshold.
+            spars: the fraction (top-K; in (0, 1]) or the threshold (a finite
+                number >= 0).
             topK: top-K (True) or threshold (False).
             corr: error feedback.
 
         Returns:
             As :meth:`step`.
+
+        Raises:
+            ArgumentError: a bad ``spars``; bad ``grads`` (as :meth:`step`'s);
+                inside :meth:`join`; after :meth:`grad_ready` started this
+                update's all-reduce with another compression.
+            ArrayTypeError: as :meth:`step`'s.
+            NonFiniteError: as :meth:`step`'s; the sparsifier's own check
+                raises on NaN or inf unless ``nonfinite="skip"``.
         """
         kind = TopK if topK else Threshold
         return self.training.step(grads, kind(spars, error_feedback=corr), self.clip_norm)

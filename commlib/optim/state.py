@@ -91,7 +91,17 @@ def load_state_dict(opt, state_dict, root=0):
 def save(path, opt):
     """Write ``opt.state_dict()`` to the ``.npz`` file ``path`` (exactly
     that name; written to ``path + ".tmp"`` and renamed, so a crash leaves
-    the previous file whole). Not collective: call it on one rank."""
+    the previous file whole). Not collective: call it on one rank.
+
+    Args:
+        path: the file's path (str or path-like).
+        opt: a :class:`~commlib.optim.DistributedOptimizer`.
+
+    Raises:
+        ArgumentError: in the middle of an update (as
+            :meth:`~commlib.optim.DistributedOptimizer.state_dict`).
+        OSError: the file cannot be written.
+    """
     path = os.fspath(path)
     with open(path + ".tmp", "wb") as f:
         np.savez(f, **opt.state_dict())
@@ -100,7 +110,21 @@ def save(path, opt):
 
 def load(path, opt, root=0):
     """Collective: ``root`` reads the ``.npz`` file ``path`` (written by
-    :func:`save`) and every rank's ``opt`` takes its state."""
+    :func:`save`) and every rank's ``opt`` takes its state (as
+    :meth:`~commlib.optim.DistributedOptimizer.load_state_dict`).
+
+    Args:
+        path: the file's path, read on ``root`` only.
+        opt: a :class:`~commlib.optim.DistributedOptimizer`.
+        root: the rank that reads the file.
+
+    Raises:
+        ArgumentError: on every rank (``culprits``: ``root``), when ``root``
+            cannot read the file (missing, not an ``.npz``, pickled arrays)
+            or its state does not fit ``opt``; ``opt`` is left as it was.
+        ClosedError, CollectiveTimeoutError, PeerError: from the collectives
+            (see :class:`~commlib.optim.DistributedOptimizer`).
+    """
     def read():
         with np.load(path, allow_pickle=False) as f:
             return {k: f[k] for k in f.files}
@@ -138,8 +162,12 @@ class TrainingState:
         when it has one), ``"groups.<k>.<hyperparameter>"`` (float64; copies:
         :meth:`load_state_dict` sets the groups from them),
         ``"scheduler.<j>.<name>"`` for each scheduler made on this optimizer
-        and ``"scaler.<name>"`` for the loss scaler. The arrays themselves,
-        not copies, except the groups'."""
+        and ``"scaler.<name>"`` for the loss scaler. Not collective.
+
+        Returns:
+            ``{name: array}``: the arrays themselves, not copies, except the
+            groups'.
+        """
         out = {"steps": self.steps, "skipped_steps": self.skipped}
         out.update(("params.%d" % i, p) for i, p in enumerate(self.params))
         out.update(self.rule_runs.state_arrays())
@@ -152,13 +180,19 @@ class TrainingState:
 
     def loaded(self, live):
         """After ``live`` (from :meth:`live_state`) was overwritten: set the
-        groups' hyperparameters from it and the rule's step count."""
+        groups' hyperparameters from it and the rule's step count.
+
+        Args:
+            live: the dict :meth:`live_state` returned, its arrays
+                overwritten (the ``groups.*`` ones it has are read).
+        """
         self.groups.load(live)
         self.rule_runs.loaded(self.steps)
 
     def state_dict(self):
         """numpy copies of :meth:`live_state` (not compression residuals);
-        only between updates (not in the middle of an accumulation).
+        only between updates (not in the middle of an accumulation). Not
+        collective.
 
         Returns:
             ``{name: numpy array}``.
@@ -175,7 +209,14 @@ class TrainingState:
         state without ``groups.*`` or ``skipped_steps`` (an older one)
         leaves those as they are.
 
+        Args:
+            state_dict: ``{name: array}`` from :meth:`state_dict` (or
+                :func:`load`'s file), used on ``root`` only.
+            root: the rank whose ``state_dict`` every rank takes.
+
         Raises:
-            ArgumentError: on every rank, when root's state does not fit.
+            ArgumentError: on every rank (``culprits``: ``root``), when root's
+                state does not fit (not a dict, names, shapes or dtypes
+                differ); nothing is changed.
         """
         load_state_dict(self, state_dict, root)
