@@ -70,8 +70,9 @@ class SingaUpdates:
         Partial, else 0.1). Ranks' parameters differ between windows:
         average them all (``comm.all_reduce(params, op="avg")``) before
         evaluating or saving. Partial updates cannot be clipped by a global
-        norm: the constructor's clip_norm is not applied here, and the
-        ``nonfinite`` check is not made.
+        norm (each rank applies its own gradients): with a clip_norm set in
+        the constructor it raises, as :meth:`step` with a Partial
+        compression does; the ``nonfinite`` check is not made.
 
         Args:
             grads: as :meth:`step`'s.
@@ -83,7 +84,7 @@ class SingaUpdates:
 
         Raises:
             ArgumentError: a bad fraction; bad ``grads`` (as :meth:`step`'s);
-                inside :meth:`join`; after :meth:`grad_ready` started this
+                a clip_norm set in the constructor; inside :meth:`join`; after :meth:`grad_ready` started this
                 update's all-reduce with another compression.
             ArrayTypeError: as :meth:`step`'s.
         """
@@ -92,7 +93,7 @@ class SingaUpdates:
                         else Partial(0.1))
         else:
             strategy = Partial(fraction)
-        return self.training.step(grads, strategy)
+        return self.training.step(grads, strategy, self.clip_norm)
 
     def update_sparse(self, grads, spars, topK=True, corr=True):
         """SINGA's ``backward_and_sparse_update``: with ``topK`` the

@@ -178,6 +178,7 @@ def join_step(opt):
      ["loss_scaler", "nonfinite", "'raise'"]),
     (lambda c: opt_of(c, compression=commlib.compression.Partial(0.5)).step(clip_norm=1.0),
      ["clip_norm", "partial"]),
+    (lambda c: opt_of(c, clip_norm=1.0).update_partial(fraction=0.5), ["clip_norm", "partial"]),
     (lambda c: opt_of(c).register_hook(3), ["register_hook", "callable"]),
     (lambda c: join_step(opt_of(c, compression=commlib.compression.TopK(0.1))),
      ["join", "topk"]),
