@@ -3,6 +3,7 @@ and the buffers they keep between calls."""
 import numpy as np
 
 from ..ops import hostcast, hostcopy
+from ..ops import pack as _pack
 from ..ops.arrays import array_module
 
 
@@ -17,20 +18,30 @@ def buffer(workspace, name, xp, size, dtype, zero=False):
 
 def gather(arrays, workspace):
     """The bucket as one float32 vector: the single array's flat view, or
-    its arrays copied back to back into ``workspace["flat"]``."""
+    its arrays copied back to back into ``workspace["flat"]`` (numpy: the
+    compiled copy loop; cupy: one launch of the batched pack kernel, not a
+    copy per array)."""
     if len(arrays) == 1:
         return arrays[0].reshape(-1)
     xp = array_module(arrays[0])
     flat = buffer(workspace, "flat", xp, sum(a.size for a in arrays), np.float32)
-    hostcopy.gather_any(arrays, flat)
+    if xp is np:
+        hostcopy.gather_any(arrays, flat)
+    else:
+        _pack.pack(arrays, flat)
     return flat
 
 
 def scatter(flat, arrays):
     """Copy ``flat`` back into the arrays (nothing to do for a single array,
-    whose flat view it is)."""
-    if len(arrays) > 1:
+    whose flat view it is): numpy through the compiled copy loop, cupy in
+    one launch of the batched unpack kernel."""
+    if len(arrays) <= 1:
+        return
+    if type(flat) is np.ndarray:
         hostcopy.scatter_any(flat, arrays)
+    else:
+        _pack.unpack(flat, arrays)
 
 
 #: arrays of fewer elements than this on average are cast through one flat

@@ -365,6 +365,9 @@ class HostCupy:
             def get(self):
                 return np.array(self)
 
+            def set(self, arr):
+                self[...] = np.asarray(arr).reshape(self.shape)
+
         ndarray.__module__ = "cupy"
 
         def empty(shape, dtype=np.float32):

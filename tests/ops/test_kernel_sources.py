@@ -220,6 +220,37 @@ def test_gpu_tests_pass_on_the_host_build(host_cupy):
     assert "skipped" not in res.stdout.splitlines()[-1], tail
 
 
+#: what every rank of the compression run below must have launched: the
+#: casting and raw packs (fp16/bf16, and top-K's gather and scatter of a
+#: bucket of several arrays), every top-K pass, threshold and scatter-add
+COMPRESSION_KERNELS = {"pack_f32_f16", "unpack_f16_f32", "pack_f32_bf16", "unpack_bf16_f32",
+                       "pack_raw4", "unpack_raw4", "topk_sample", "topk_hist1",
+                       "topk_filter", "topk_refine", "topk_compact", "threshold_select",
+                       "scatter_add"}
+
+
+@needs_host_build
+@pytest.mark.parametrize("n", [2, 3])
+def test_compression_with_cupy_arrays_on_the_host_build(host_cupy, n):
+    # the compression strategies' cupy paths (commlib/compression over the
+    # kernels of kernels/) at n real MPI ranks, the arrays and kernels those
+    # of the host build, checked against numpy by compression_checks
+    from mpirun import assert_each_rank, python_path, run_mpi
+    stand_in = host_cupy["PYTHONPATH"].split(os.pathsep)[0]
+    code = ("import cupy, compression_checks\nfrom mpi4py import MPI\n"
+            "compression_checks.main('cupy')\n"
+            "print('rank %d launched: %s.' % (MPI.COMM_WORLD.rank, ' '.join(sorted("
+            "{launch[0] for launch in cupy._host.launches}))))\n")
+    proc = run_mpi(n, code, timeout=240,
+                   env={"PYTHONPATH": stand_in + os.pathsep + python_path()})
+    assert_each_rank(proc.stdout, r"compression rank (?P<rank>\d+) ok", n)
+    launched = {int(m.group(1)): set(m.group(2).split())
+                for m in re.finditer(r"rank (\d+) launched: ([\w ]*)\.", proc.stdout)}
+    assert sorted(launched) == list(range(n)), proc.stdout[-2000:]
+    for rank, names in launched.items():
+        assert COMPRESSION_KERNELS <= names, (rank, sorted(COMPRESSION_KERNELS - names))
+
+
 def _benchmark(args, env, tmp_path):
     res = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "kernels.py"), *args,
                           "--out", str(tmp_path)], cwd=ROOT, env=env, capture_output=True,
