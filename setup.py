@@ -57,7 +57,7 @@ setup(
     install_requires=["numpy>=1.22"],
     extras_require={
         "mpi": ["mpi4py>=4.0", "mpich"],
-        "test": ["pytest>=7", "hypothesis>=6", "mpi4py>=4.0", "mpich", "ml_dtypes", "matplotlib",
+        "test": ["pytest>=7", "pytest-xdist>=3", "hypothesis>=6", "mpi4py>=4.0", "mpich", "ml_dtypes", "matplotlib",
                  # arrays of other frameworks (tests/test_interop.py); the CPU build
                  # of torch is the one the CI machines install
                  "torch==2.13.0", "jax",

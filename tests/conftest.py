@@ -17,6 +17,9 @@ sys.path[1:1] = [str(d) for d in IMPORT_DIRS if str(d) not in sys.path]
 
 def pytest_configure(config):
     config.addinivalue_line("markers", "gpu: needs cupy and a CUDA GPU")
+    # pytest-xdist's --dist loadgroup runs a group's tests in one worker:
+    # "nvrtc" shares one NVRTC build per library (tests/ops/nvrtc_builds.py)
+    config.addinivalue_line("markers", "xdist_group(name): run in one pytest-xdist worker")
 
 
 def pytest_collection_modifyitems(config, items):

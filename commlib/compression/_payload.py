@@ -67,15 +67,24 @@ def encode(xp, indices, values, nonfinite, slots=None):
     problem, detail = _problem(xp, indices, values)
     entries = min(int(getattr(indices, "size", 0)), MAX_LEN)
     slots = entries if slots is None else slots
-    record = xp.zeros(HEADER + 2 * slots, dtype=np.int32)
-    record[0] = entries
-    record[1] = nonfinite
-    record[2] = problem
-    record[3] = detail
-    if not problem:
-        m = min(entries, slots)
+    record = xp.empty(HEADER + 2 * slots, dtype=np.int32)
+    on_device = is_cupy(nonfinite)
+    # the header in one copy (and the device's count in one more), not a
+    # write per word
+    header = np.array([entries, 0 if on_device else nonfinite, problem, detail], np.int32)
+    if xp is np:
+        record[:HEADER] = header
+    else:
+        record[:HEADER].set(header)
+    if on_device:
+        record[1] = nonfinite
+    m = 0 if problem else min(entries, slots)
+    if m:
         record[HEADER:HEADER + m] = indices[:m]
         record[HEADER + slots:HEADER + slots + m] = values[:m].view(np.int32)
+    if m < slots:          # missing entries are zeros
+        record[HEADER + m:HEADER + slots] = 0
+        record[HEADER + slots + m:] = 0
     return record
 
 
@@ -96,7 +105,7 @@ def check_headers(headers, n, slots=None):
     return found
 
 
-def check_entries(indices, values, counts, n):
+def check_entries(indices, values, counts, n, summary=None):
     """Problems of the gathered entries as ``{rank: text}``: the ranks' sets
     back to back (``indices`` int32, ``values`` float32, numpy or cupy),
     ``counts`` entries each (host ints), for a bucket of ``n`` values.
@@ -104,24 +113,20 @@ def check_entries(indices, values, counts, n):
     Index range, padding and finite values are checked on the arrays'
     device, and so are duplicates while each set ascends up to its trailing
     padding (as top-K and threshold select; other orders are sorted): one
-    host read, two after a sort. Problems are described from a host copy.
+    host read (none when ``summary``, the host ints of
+    :func:`entry_summary`, was read already), two after a sort. Problems are
+    described from a host copy.
     """
     xp = array_module(indices)
-    m = indices.size
-    if not m:
+    if not indices.size:
         return {}
-    pad = (indices == -1) & (values == 0)
-    # as uint32, negative indices are >= 2**31 > n
-    bad = ~((indices.view(np.uint32) < n) | pad) | ~xp.isfinite(values)
-    # entry j+1 out of order: a real index not above entry j, or after padding
-    unordered = ((indices[1:] <= indices[:-1]) | pad[:-1]) & ~pad[1:]
-    firsts = [e - 1 for e in np.cumsum(counts)[:-1].tolist() if 0 < e < m]
-    if firsts:
-        unordered[firsts] = False       # each set's first entry follows another set
-    summary = xp.stack([xp.count_nonzero(bad), xp.count_nonzero(unordered)])
-    n_bad, n_unordered = (int(v) for v in (summary if xp is np else summary.get()))
+    if summary is None:
+        summary = entry_summary(indices, values, counts, n)
+        summary = summary if xp is np else summary.get()
+    n_bad, n_unordered = (int(v) for v in summary)
     if not n_bad and n_unordered:
         # one key per entry, by rank then index; padding maps to n
+        pad = (indices == -1) & (values == 0)
         rank_of = xp.repeat(xp.arange(len(counts), dtype=np.int64), [int(c) for c in counts])
         keys = xp.sort(rank_of * (n + 1) + xp.where(pad, n, indices.astype(np.int64)))
         n_bad = int(xp.count_nonzero((keys[1:] == keys[:-1]) & (keys[1:] % (n + 1) != n)))
@@ -130,6 +135,27 @@ def check_entries(indices, values, counts, n):
     if xp is not np:
         indices, values = indices.get(), values.get()
     return _describe_entries(indices, values, counts, n)
+
+
+def entry_summary(indices, values, counts, n):
+    """``[bad, unordered]`` (int64, on the arrays' device, not read): how
+    many entries are bad (an index outside ``[0, n)`` other than the padding
+    ``-1`` with value 0, or a non-finite value) and how many follow an entry
+    of their rank's set out of ascending order (see :func:`check_entries`).
+    ``counts``: each rank's number of entries (host ints)."""
+    xp = array_module(indices)
+    m = indices.size
+    if not m:
+        return xp.zeros(2, dtype=np.int64)
+    pad = (indices == -1) & (values == 0)
+    # as uint32, negative indices are >= 2**31 > n
+    bad = ~((indices.view(np.uint32) < n) | pad) | ~xp.isfinite(values)
+    # entry j+1 out of order: a real index not above entry j, or after padding
+    unordered = ((indices[1:] <= indices[:-1]) | pad[:-1]) & ~pad[1:]
+    firsts = [e - 1 for e in np.cumsum(counts)[:-1].tolist() if 0 < e < m]
+    if firsts:
+        unordered[firsts] = False       # each set's first entry follows another set
+    return xp.stack([xp.count_nonzero(bad), xp.count_nonzero(unordered)]).astype(np.int64)
 
 
 def _describe_entries(indices, values, counts, n):
@@ -187,32 +213,46 @@ def exchange(bucket, record, slots, n, context, tail, on_headers):
     """
     xp = array_module(record)
     size = bucket.size
+    summary = None
     if slots is not None:
         width = HEADER + 2 * slots
         table = xp.empty((size, width), dtype=np.int32)
         bucket.all_gather(record, table.reshape(-1))
-        headers = table[:, :HEADER]
+        indices = xp.ascontiguousarray(table[:, HEADER:HEADER + slots]).reshape(-1)
+        values = xp.ascontiguousarray(table[:, HEADER + slots:]).reshape(-1).view(np.float32)
+        # every rank must send ``slots`` entries (the headers tell, checked
+        # below): the entries' summary is computed before the headers are
+        # read, and both come to the host in one read
+        headers, summary = _read_together(table[:, :HEADER], entry_summary(
+            indices, values, [slots] * size, n))
     else:
         headers = xp.empty((size, HEADER), dtype=np.int32)
         bucket.all_gather(record[:HEADER], headers.reshape(-1))
-    headers = headers if xp is np else xp.ascontiguousarray(headers).get()
+        headers = headers if xp is np else xp.ascontiguousarray(headers).get()
     found = check_headers(headers, n, slots)
     if found:
         raise fail(context, found, tail)
     on_headers([int(c) for c in headers[:, 1]])
     counts = [int(c) for c in headers[:, 0]]
-    if slots is not None:
-        indices = xp.ascontiguousarray(table[:, HEADER:HEADER + slots]).reshape(-1)
-        values = xp.ascontiguousarray(table[:, HEADER + slots:]).reshape(-1)
-    else:
+    if slots is None:
         gathered = xp.empty(2 * sum(counts), dtype=np.int32)
         if gathered.size:
             bucket.all_gatherv(record[HEADER:], gathered, [2 * c for c in counts])
         starts = np.concatenate(([0], np.cumsum([2 * c for c in counts]))).tolist()
         indices = xp.concatenate([gathered[s:s + c] for s, c in zip(starts, counts)])
         values = xp.concatenate([gathered[s + c:s + 2 * c] for s, c in zip(starts, counts)])
-    values = values.view(np.float32)
-    found = check_entries(indices, values, counts, n)
+        values = values.view(np.float32)
+    found = check_entries(indices, values, counts, n, summary)
     if found:
         raise fail(context, found, tail)
     return indices, values, counts
+
+
+def _read_together(headers, summary):
+    """The gathered ``headers`` (int32, one row per rank) and the entries'
+    ``summary`` (int64) as host arrays, in one read from a GPU."""
+    xp = array_module(headers)
+    if xp is np:
+        return headers, summary
+    both = xp.concatenate((headers.reshape(-1).astype(np.int64), summary)).get()
+    return both[:headers.size].reshape(headers.shape), both[headers.size:]

@@ -32,6 +32,10 @@ SOURCES = ("cast.cu", "pack.cu", "threshold.cu", "topk.cu", "sparse.cu")
 ARCHS = ("sm_80", "sm_90")
 THREADS = 256  # every wrapper launches 256-thread blocks
 
+# under pytest-xdist (--dist loadgroup) in the worker that runs
+# test_kernel_sources's NVRTC builds, which these tests share
+pytestmark = pytest.mark.xdist_group("nvrtc")
+
 
 def find_tool(name):
     """Path of a CUDA tool: PATH, beside the real nvcc, or a pip ``nvidia-*``

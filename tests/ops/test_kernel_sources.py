@@ -87,6 +87,7 @@ def nvrtc_libraries():
 NVRTC_LIBS = nvrtc_libraries()
 
 
+@pytest.mark.xdist_group("nvrtc")      # shares the NVRTC builds of test_kernel_machine_code
 @pytest.mark.parametrize("major", NVRTC_MAJORS + ("13.0",))
 @pytest.mark.parametrize("source", SOURCES, ids=[p.name for p in SOURCES])
 def test_nvrtc_compiles_like_the_loader(source, major):

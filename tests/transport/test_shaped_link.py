@@ -15,6 +15,10 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "benchmarks"))
 import shaped_link  # noqa: E402
 
+# the tests compare the machine's namespaces before and after: under
+# pytest-xdist (--dist loadgroup) they run in one worker, not side by side
+pytestmark = pytest.mark.xdist_group("netns")
+
 
 def _usable():
     try:
