@@ -33,28 +33,39 @@ def fused(session, *, items, kind, key, prepared, writeable, step, strategy=None
         prepared = cache.prepare(key, items, plan, kind, writeable)
         prepared.digest = consistency.layout_digest(items)
     tables = session.workspaces if state is None else state.workspaces
+    # a strategy may return a bucket's completion instead of finishing it:
+    # completions run in bucket order once every bucket has been issued
+    # (see Compression.reduce)
+    completions = []
     for i, buf in prepared.buckets():
-        unit(transport, items, prepared, where=i, index=i, buf=buf, step=step,
-             strategy=strategy, op=op, scale=scale, wait=wait, tables=tables)
+        completions.append(unit(transport, items, prepared, where=i, index=i, buf=buf,
+                                step=step, strategy=strategy, op=op, scale=scale, wait=wait,
+                                tables=tables))
     for position, flat in zip(prepared.plan.direct, prepared.direct(items)):
-        unit(transport, items, prepared, where=("direct", position), index=None, buf=flat,
-             step=step, strategy=strategy, op=op, scale=scale, wait=wait, tables=tables)
+        completions.append(unit(transport, items, prepared, where=("direct", position),
+                                index=None, buf=flat, step=step, strategy=strategy, op=op,
+                                scale=scale, wait=wait, tables=tables))
+    for complete in completions:
+        if complete is not None:
+            complete()
 
 
 def unit(transport, items, prepared, *, where, index, buf, step, strategy, op, scale, wait,
          tables):
     """One bucket (``index``) or in-place array (``index`` None) of a fused
     collective; ``where`` names it within the plan for the compression
-    state, kept in ``tables``. While tracing, recorded as a ``bucket`` event
-    around the transport calls it makes."""
+    state, kept in ``tables``. Returns the strategy's completion of the
+    bucket (a callable), or None when nothing is left to do. While tracing,
+    recorded as a ``bucket`` event around the transport calls it makes."""
     start = trace.now() if trace.ON else 0.0
     compressed = strategy is not None and strategy.applies_to(buf.dtype)
     try:
         if compressed:
-            strategy.reduce(Bucket(transport, prepared.arrays(items, index, buf), op, scale, wait,
-                                   state=workspace(prepared, strategy, where, tables)))
-        else:
-            step(transport, buf, index, prepared)
+            return strategy.reduce(Bucket(transport, prepared.arrays(items, index, buf), op,
+                                          scale, wait,
+                                          state=workspace(prepared, strategy, where, tables)))
+        step(transport, buf, index, prepared)
+        return None
     finally:
         if start:
             trace.bucket(transport.rank, start, index if index is not None else "direct %d" % where[1],

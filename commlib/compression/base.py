@@ -10,10 +10,13 @@ through the bucket's three methods (``all_reduce``, ``all_gather``,
 leave, exactly like every other collective. It must leave the reduced,
 scaled result in ``bucket.arrays``, the same on every rank, and raise
 before writing anything if it fails (a :class:`~commlib.errors.CommlibError`
-raised alike on every rank keeps the communicator usable). This is the
-counterpart of PyTorch DDP's communication hook, ``hook(state, bucket)``,
-with the state in ``bucket.state``; a strategy written by a user is one
-small file (``tests/compression/user_compression.py`` is one).
+raised alike on every rank keeps the communicator usable). It may return
+the bucket's completion, a callable that the communicator calls once the
+call's later buckets are issued (DDP's returned future; see
+:meth:`Compression.reduce`). This is the counterpart of PyTorch DDP's
+communication hook, ``hook(state, bucket) -> Future``, with the state in
+``bucket.state``; a strategy written by a user is one small file
+(``tests/compression/user_compression.py`` is one).
 """
 
 
@@ -168,8 +171,23 @@ class Compression:
         :class:`Bucket`'s methods. The result must be the same on every
         rank, and nothing may be written before a failure.
 
+        The work may be split in two, like a DDP hook's returned future:
+        ``reduce`` queues what it can (on a GPU: kernels and collectives,
+        without reading anything back) and returns a callable of no
+        arguments, the bucket's completion, which finishes it (reads,
+        checks, writes the arrays). The communicator calls the completions
+        of a call's buckets in bucket order once every bucket of the call
+        has been issued, so a GPU works on later buckets while the host
+        waits for an earlier one. A completion may communicate through the
+        bucket, and the same rules hold for it: alike on every rank, and
+        nothing written before a failure.
+
         Args:
             bucket: the :class:`Bucket` to reduce.
+
+        Returns:
+            None when the bucket is done, or its completion (a callable of
+            no arguments, see above).
 
         Raises:
             NotImplementedError: in the base class; every strategy defines it.

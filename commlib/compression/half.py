@@ -27,6 +27,8 @@ written and warned about (``"warn"``). Only then do the ranks all-gather how
 many non-finite values each sent (counted while casting), for ``counts``
 and ``culprits``; none when only the sum overflowed.
 """
+import functools
+
 import numpy as np
 
 from ..errors import ArgumentError
@@ -95,6 +97,14 @@ class HalfPrecision(Compression):
             bucket: the :class:`~commlib.compression.base.Bucket` (float32
                 arrays), reduced in place.
 
+        Returns:
+            None for numpy arrays (the bucket is done). For cupy arrays the
+            bucket's completion, a callable: the cast, the all-reduce and
+            the count of NaN and inf are queued on the GPU, and the
+            completion reads the count, checks it and casts the result back
+            (the communicator calls it once the call's later buckets are
+            queued, see :meth:`~commlib.compression.base.Compression.reduce`).
+
         Raises:
             NonFiniteError: with ``nonfinite="raise"``, on every rank, when
                 the reduced result holds NaN or inf (``counts``: the
@@ -114,14 +124,27 @@ class HalfPrecision(Compression):
             sent = xp.zeros((), dtype=np.int64)
             _pack.pack(arrays, wire, scale=scale, nonfinite=sent)
             self._all_reduce(bucket, wire)
-            warning = self._settle(bucket, wire, sent)
-            _pack.unpack(wire, arrays)
-        else:   # numpy: the arrays cast into their parts of the wire and back
-            sent = _flat.cast_parts(arrays, wire, workspace,
-                                    np.float32(1) if scale is None else np.float32(scale))
-            self._all_reduce(bucket, wire)
-            warning = self._settle(bucket, wire, sent)
-            _flat.cast_parts(arrays, wire, workspace, into_wire=False)
+            bits = wire.view(np.uint16)
+            found = xp.count_nonzero((bits & self._exponent) == self._exponent)  # not read yet
+            # the check reads the GPU: done once the call's later buckets are
+            # queued, so that the GPU works on them meanwhile
+            return functools.partial(self._complete_on_device, bucket, wire, sent, found)
+        # numpy: the arrays cast into their parts of the wire and back
+        sent = _flat.cast_parts(arrays, wire, workspace,
+                                np.float32(1) if scale is None else np.float32(scale))
+        self._all_reduce(bucket, wire)
+        warning = self._settle(bucket, wire, sent, hostcast.count_nonfinite(wire, self.fmt))
+        _flat.cast_parts(arrays, wire, workspace, into_wire=False)
+        if warning:
+            _nonfinite.warn(warning)
+        return None
+
+    def _complete_on_device(self, bucket, wire, sent, found):
+        """The end of a cupy bucket's :meth:`reduce`: read the reduced
+        result's count of NaN and inf (``found``, a 0-d device array), then
+        check and write it back."""
+        warning = self._settle(bucket, wire, sent, int(found))
+        _pack.unpack(wire, bucket.arrays)
         if warning:
             _nonfinite.warn(warning)
 
@@ -135,19 +158,14 @@ class HalfPrecision(Compression):
         with np.errstate(over="ignore", invalid="ignore"):    # the wire buffer is commlib's
             bucket.all_reduce(wire, fmt=fmt, owned=True)
 
-    def _settle(self, bucket, wire, sent):
-        """Count the NaN and inf in the reduced ``wire`` (one host read on
-        GPUs). If there are any, all-gather every rank's count of non-finite
-        values sent (``sent``: int or 0-d device array), then raise
+    def _settle(self, bucket, wire, sent, total):
+        """``total``: the number of NaN and inf in the reduced ``wire``. If
+        there are any, all-gather every rank's count of non-finite values
+        sent (``sent``: int or 0-d device array), then raise
         NonFiniteError (``"raise"``) or return the warning's text."""
-        xp = array_module(wire)
-        if xp is np:
-            total = hostcast.count_nonfinite(wire, self.fmt)
-        else:
-            bits = wire.view(np.uint16)
-            total = int(xp.count_nonzero((bits & self._exponent) == self._exponent))
         if not total:
             return None
+        xp = array_module(wire)
         counts = xp.empty(bucket.size, dtype=np.int64)
         bucket.all_gather(xp.asarray(sent, dtype=np.int64).reshape(1), counts)
         counts = (counts if xp is np else counts.get()).tolist()

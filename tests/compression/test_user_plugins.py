@@ -9,7 +9,7 @@ import pytest
 import commlib
 from inprocess import run_ranks
 from mpirun import assert_each_rank, run_mpi
-from user_compression import Int8, expected
+from user_compression import Int8, Int8Deferred, expected
 
 SHAPES = [(5,), (3, 7), (1,), (0,), (129,)]
 
@@ -40,6 +40,34 @@ def test_user_strategy_in_ranks_of_this_process(n, op):
             assert np.array_equal(results[rank][step], want), (n, op, step, rank)
 
 
+@pytest.mark.parametrize("n", [1, 2, 3])
+def test_user_strategy_returning_completions(n):
+    # a strategy that returns each bucket's completion (DDP's future): every
+    # bucket of the call is issued before the first completes, completions
+    # run in bucket order, and the result is the strategy's
+    def body(comm):
+        log = []
+        arrays, direct = inputs(comm.rank, 3), inputs(comm.rank, 3)
+        comm.all_reduce(arrays, op="avg", compression=Int8Deferred(log))
+        comm.all_reduce(direct, op="avg", compression=Int8())
+        return [np.concatenate([a.reshape(-1) for a in x]) for x in (arrays, direct)], log
+    # 64-byte buckets: the list's 151 floats make several, each with a scale
+    # of its own (so the reference is Int8 on the same buckets, which the
+    # tests above check against numpy)
+    results = run_ranks(n, body, bucket_bytes=64)
+    flats = [np.concatenate([a.reshape(-1) for a in inputs(r, 3)]) for r in range(n)]
+    peak = max(float(np.abs(f).max()) for f in flats)
+    for rank, ((got, want), log) in enumerate(results):
+        assert np.array_equal(got, want), (n, rank)
+        # and it is the average, within the 8-bit codes' rounding (half a
+        # step of at most peak / 127 per rank)
+        assert np.allclose(got, np.mean(flats, axis=0), rtol=0, atol=peak / 127), (n, rank)
+        buckets = len(log) // 2
+        assert buckets >= 3, log
+        assert log == ([("issue", i) for i in range(buckets)]
+                       + [("complete", i) for i in range(buckets)]), (rank, log)
+
+
 def test_user_strategy_argument_check_runs_before_communication():
     def body(comm):
         arrays = inputs(comm.rank, 0)
@@ -54,7 +82,7 @@ CODE = """
 import sys
 import numpy as np
 import commlib
-from user_compression import Int8, expected
+from user_compression import Int8, Int8Deferred, expected
 from test_user_plugins import inputs
 comm = commlib.init()
 arrays = inputs(comm.rank, 5)

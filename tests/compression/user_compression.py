@@ -47,6 +47,42 @@ class Int8(Compression):
         bucket.state["calls"] = bucket.state.get("calls", 0) + 1
 
 
+class Int8Deferred(Int8):
+    """Int8 in the form of a DDP hook that returns a future: ``reduce``
+    gathers the codes and returns the bucket's completion, which sums them
+    and writes the arrays. ``log`` (a list) records ``("issue", i)`` and
+    ``("complete", i)`` for the i-th bucket this object reduced."""
+
+    name = "user-int8-deferred"
+
+    def __init__(self, log):
+        self.log = log
+
+    def reduce(self, bucket):
+        flat = np.concatenate([a.reshape(-1) for a in bucket.arrays])
+        step, codes = self.encode(flat)
+        payload = np.empty(8 + flat.size, np.uint8)
+        payload[:8] = np.frombuffer(np.float64(step).tobytes(), np.uint8)
+        payload[8:] = codes.view(np.uint8)
+        table = np.empty(bucket.size * payload.size, np.uint8)
+        bucket.all_gather(payload, table)
+        index = sum(1 for event, _ in self.log if event == "issue")
+        self.log.append(("issue", index))
+
+        def complete():
+            total = np.zeros(flat.size, np.float64)
+            for row in table.reshape(bucket.size, payload.size):
+                total += row[8:].view(np.int8) * row[:8].view(np.float64)[0]
+            if bucket.scale is not None:
+                total *= bucket.scale
+            start = 0
+            for a in bucket.arrays:
+                a.reshape(-1)[...] = total[start:start + a.size]
+                start += a.size
+            self.log.append(("complete", index))
+        return complete
+
+
 def expected(per_rank_flat, scale):
     """What Int8 gives, computed apart: each rank's codes and step, summed
     in rank order in float64, scaled, as float32."""

@@ -32,10 +32,6 @@ SOURCES = ("cast.cu", "pack.cu", "threshold.cu", "topk.cu", "sparse.cu")
 ARCHS = ("sm_80", "sm_90")
 THREADS = 256  # every wrapper launches 256-thread blocks
 
-# under pytest-xdist (--dist loadgroup) in the worker that runs
-# test_kernel_sources's NVRTC builds, which these tests share
-pytestmark = pytest.mark.xdist_group("nvrtc")
-
 
 def find_tool(name):
     """Path of a CUDA tool: PATH, beside the real nvcc, or a pip ``nvidia-*``
@@ -57,10 +53,13 @@ def find_tool(name):
 NVCC = shutil.which("nvcc")
 CUOBJDUMP = find_tool("cuobjdump")
 NVDISASM = find_tool("nvdisasm")  # cuobjdump -sass runs it
-pytestmark = pytest.mark.skipif(
+# under pytest-xdist (--dist loadgroup) in the worker that runs
+# test_kernel_sources's NVRTC builds, which these tests share
+pytestmark = [pytest.mark.skipif(
     NVCC is None or CUOBJDUMP is None or NVDISASM is None,
     reason="needs nvcc, cuobjdump and nvdisasm "
-           "(pip install nvidia-cuda-cuobjdump nvidia-cuda-nvdisasm)")
+           "(pip install nvidia-cuda-cuobjdump nvidia-cuda-nvdisasm)"),
+    pytest.mark.xdist_group("nvrtc")]
 
 # kernels whose loads and stores must be 128-bit ("ld", "st" or both)
 WIDE = dict({name: "ldst" for name in cast_mod.KERNEL_NAMES},

@@ -221,35 +221,41 @@ def test_gpu_tests_pass_on_the_host_build(host_cupy):
     assert "skipped" not in res.stdout.splitlines()[-1], tail
 
 
-#: what every rank of the compression run below must have launched: the
+#: what every rank of the compression runs below must have launched: the
 #: casting and raw packs (fp16/bf16, and top-K's gather and scatter of a
 #: bucket of several arrays), every top-K pass, threshold and scatter-add
-COMPRESSION_KERNELS = {"pack_f32_f16", "unpack_f16_f32", "pack_f32_bf16", "unpack_bf16_f32",
-                       "pack_raw4", "unpack_raw4", "topk_sample", "topk_hist1",
-                       "topk_filter", "topk_refine", "topk_compact", "threshold_select",
-                       "scatter_add"}
+HALF_KERNELS = {"pack_f32_f16", "unpack_f16_f32", "pack_f32_bf16", "unpack_bf16_f32"}
+SPARSE_KERNELS = {"pack_raw4", "unpack_raw4", "topk_sample", "topk_hist1", "topk_filter",
+                  "topk_refine", "topk_compact", "threshold_select", "scatter_add"}
 
 
 @needs_host_build
-@pytest.mark.parametrize("n", [2, 3])
-def test_compression_with_cupy_arrays_on_the_host_build(host_cupy, n):
+@pytest.mark.parametrize("n,program,args,kernels", [
+    (2, "compression_checks", ["cupy"], HALF_KERNELS | SPARSE_KERNELS),
+    (3, "compression_checks", ["cupy"], HALF_KERNELS | SPARSE_KERNELS),
+    (3, "compression_fault_checks", ["nonfinite", "cupy"], HALF_KERNELS | SPARSE_KERNELS),
+    (3, "compression_fault_checks", ["tampered", "cupy"], SPARSE_KERNELS - {"unpack_raw4"}),
+], ids=["checks-2", "checks-3", "nonfinite-3", "tampered-3"])
+def test_compression_with_cupy_arrays_on_the_host_build(host_cupy, n, program, args, kernels):
     # the compression strategies' cupy paths (commlib/compression over the
     # kernels of kernels/) at n real MPI ranks, the arrays and kernels those
-    # of the host build, checked against numpy by compression_checks
+    # of the host build: results against numpy, and non-finite values and
+    # tampered payloads raising alike on every rank with nothing written
+    # (tests/compression's programs, which a GPU runs at one rank)
     from mpirun import assert_each_rank, python_path, run_mpi
     stand_in = host_cupy["PYTHONPATH"].split(os.pathsep)[0]
-    code = ("import cupy, compression_checks\nfrom mpi4py import MPI\n"
-            "compression_checks.main('cupy')\n"
-            "print('rank %d launched: %s.' % (MPI.COMM_WORLD.rank, ' '.join(sorted("
-            "{launch[0] for launch in cupy._host.launches}))))\n")
-    proc = run_mpi(n, code, timeout=240,
+    code = ("import sys, cupy, %s\nfrom mpi4py import MPI\n"
+            "%s.main(*sys.argv[1:])\n"
+            "print('rank %%d launched: %%s.' %% (MPI.COMM_WORLD.rank, ' '.join(sorted("
+            "{launch[0] for launch in cupy._host.launches}))))\n" % (program, program))
+    proc = run_mpi(n, code, args=args, timeout=240,
                    env={"PYTHONPATH": stand_in + os.pathsep + python_path()})
-    assert_each_rank(proc.stdout, r"compression rank (?P<rank>\d+) ok", n)
+    assert_each_rank(proc.stdout, r"(compression|faults \w+) rank (?P<rank>\d+) ok", n)
     launched = {int(m.group(1)): set(m.group(2).split())
                 for m in re.finditer(r"rank (\d+) launched: ([\w ]*)\.", proc.stdout)}
     assert sorted(launched) == list(range(n)), proc.stdout[-2000:]
     for rank, names in launched.items():
-        assert COMPRESSION_KERNELS <= names, (rank, sorted(COMPRESSION_KERNELS - names))
+        assert kernels <= names, (rank, sorted(kernels - names))
 
 
 def _benchmark(args, env, tmp_path):

@@ -15,10 +15,6 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "benchmarks"))
 import shaped_link  # noqa: E402
 
-# the tests compare the machine's namespaces before and after: under
-# pytest-xdist (--dist loadgroup) they run in one worker, not side by side
-pytestmark = pytest.mark.xdist_group("netns")
-
 
 def _usable():
     try:
@@ -36,7 +32,10 @@ def _namespaces():
 
 
 REASON = _usable()
-pytestmark = pytest.mark.skipif(REASON is not None, reason="no shaped link here: %s" % REASON)
+# the tests compare the machine's namespaces before and after: under
+# pytest-xdist (--dist loadgroup) they run in one worker, not side by side
+pytestmark = [pytest.mark.skipif(REASON is not None, reason="no shaped link here: %s" % REASON),
+              pytest.mark.xdist_group("netns")]
 NAME = "commlib-%d" % os.getpid()
 
 
