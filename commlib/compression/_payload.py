@@ -197,7 +197,8 @@ def fail(context, found, tail):
 
 def exchange(bucket, record, slots, n, context, tail, on_headers):
     """All-gather every rank's :func:`encode` record over ``bucket`` (a
-    :class:`~commlib.compression.base.Bucket`) and validate it.
+    :class:`~commlib.compression.base.Bucket`) and validate it:
+    :func:`receive` of :func:`send`.
 
     slots: the number of entries in every record (one all-gather), or None
     when counts vary (headers all-gathered first, then the entries by count,
@@ -211,36 +212,50 @@ def exchange(bucket, record, slots, n, context, tail, on_headers):
     where; ``tail``: what was left alone) on every rank when any record is
     malformed.
     """
+    return receive(bucket, record, send(bucket, record, slots), slots, n, context, tail,
+                   on_headers)
+
+
+def send(bucket, record, slots):
+    """The first half of :func:`exchange`, which reads nothing back from a
+    GPU: all-gathers the whole records (``slots`` not None), or their
+    headers. Returns what :func:`receive` takes as ``gathered``."""
     xp = array_module(record)
-    size = bucket.size
+    width = HEADER if slots is None else HEADER + 2 * slots
+    gathered = xp.empty((bucket.size, width), dtype=np.int32)
+    bucket.all_gather(record if slots is not None else record[:HEADER], gathered.reshape(-1))
+    return gathered
+
+
+def receive(bucket, record, gathered, slots, n, context, tail, on_headers):
+    """The second half of :func:`exchange` (same arguments; ``gathered``
+    from :func:`send` with these ``record`` and ``slots``): reads and checks
+    the headers, all-gathers the entries by count when counts vary, checks
+    the entries; returns or raises as :func:`exchange` does."""
+    xp = array_module(record)
     summary = None
     if slots is not None:
-        width = HEADER + 2 * slots
-        table = xp.empty((size, width), dtype=np.int32)
-        bucket.all_gather(record, table.reshape(-1))
-        indices = xp.ascontiguousarray(table[:, HEADER:HEADER + slots]).reshape(-1)
-        values = xp.ascontiguousarray(table[:, HEADER + slots:]).reshape(-1).view(np.float32)
+        indices = xp.ascontiguousarray(gathered[:, HEADER:HEADER + slots]).reshape(-1)
+        values = xp.ascontiguousarray(gathered[:, HEADER + slots:]).reshape(-1).view(np.float32)
         # every rank must send ``slots`` entries (the headers tell, checked
         # below): the entries' summary is computed before the headers are
         # read, and both come to the host in one read
-        headers, summary = _read_together(table[:, :HEADER], entry_summary(
-            indices, values, [slots] * size, n))
+        headers, summary = _read_together(gathered[:, :HEADER], entry_summary(
+            indices, values, [slots] * bucket.size, n))
     else:
-        headers = xp.empty((size, HEADER), dtype=np.int32)
-        bucket.all_gather(record[:HEADER], headers.reshape(-1))
-        headers = headers if xp is np else xp.ascontiguousarray(headers).get()
+        headers = gathered if xp is np else gathered.get()
     found = check_headers(headers, n, slots)
     if found:
         raise fail(context, found, tail)
     on_headers([int(c) for c in headers[:, 1]])
     counts = [int(c) for c in headers[:, 0]]
     if slots is None:
-        gathered = xp.empty(2 * sum(counts), dtype=np.int32)
-        if gathered.size:
-            bucket.all_gatherv(record[HEADER:], gathered, [2 * c for c in counts])
+        both = xp.empty(2 * sum(counts), dtype=np.int32)
+        if both.size:
+            bucket.all_gatherv(record[HEADER:], both, [2 * c for c in counts])
         starts = np.concatenate(([0], np.cumsum([2 * c for c in counts]))).tolist()
-        indices = xp.concatenate([gathered[s:s + c] for s, c in zip(starts, counts)])
-        values = xp.concatenate([gathered[s + c:s + 2 * c] for s, c in zip(starts, counts)])
+        indices = xp.concatenate([both[s:s + c] for s, c in zip(starts, counts)])
+        values = xp.concatenate([both[s + c:s + 2 * c] for s, c in zip(starts, counts)])
         values = values.view(np.float32)
     found = check_entries(indices, values, counts, n, summary)
     if found:

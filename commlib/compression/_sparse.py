@@ -1,5 +1,7 @@
 """What the sparsifying strategies (top-K, threshold) share: their base
 class, which exchanges (index, value) sets and sums them."""
+import functools
+
 import numpy as np
 
 from ..errors import ArgumentError
@@ -130,6 +132,15 @@ class Sparsifier(Compression):
                 arrays, op ``"sum"``), reduced in place, times ``scale`` if
                 given; its ``state`` keeps the residual between calls.
 
+        Returns:
+            None for numpy arrays (the bucket is done). For cupy arrays the
+            bucket's completion, a callable: the selection and the
+            all-gather of the records (of their headers when counts vary)
+            are queued, and the completion reads and validates them, sums
+            them into the arrays and updates the residual (see
+            :meth:`~commlib.compression.base.Compression.reduce`); the
+            errors below may come from either.
+
         Raises:
             NonFiniteError: with ``nonfinite="raise"``, on every rank, when
                 any rank's ``acc`` held NaN or +-inf (before the entries
@@ -150,6 +161,23 @@ class Sparsifier(Compression):
         nonfinite, indices, values = self._accumulate(residual, flat, acc)
         slots = self.count_for(n)
         record = _payload.encode(xp, indices, values, nonfinite, slots)
+        gathered = _payload.send(bucket, record, slots)
+        complete = functools.partial(
+            self._complete, bucket, flat=flat, acc=acc, residual=residual, sent=(indices, values),
+            record=record, gathered=gathered, slots=slots)
+        if xp is np:
+            complete()
+            return None
+        # the rest reads the GPU: done once the call's later buckets are
+        # queued (see Compression.reduce)
+        return complete
+
+    def _complete(self, bucket, *, flat, acc, residual, sent, record, gathered, slots):
+        """The second half of :meth:`reduce`: validate the gathered records
+        (:func:`._payload.receive`), sum them into ``flat`` and the arrays,
+        and take what was ``sent`` (this rank's indices and values) off the
+        residual."""
+        arrays, workspace, n = bucket.arrays, bucket.state, flat.size
         context = "rank %d: compression %s" % (bucket.rank, self.name)
         where = describe(n, len(arrays))
         dropped = []
@@ -163,14 +191,14 @@ class Sparsifier(Compression):
                        _nonfinite.ranks(counts), where), counts)
             dropped[:] = counts
 
-        all_indices, all_values, counts = _payload.exchange(
-            bucket, record, slots, n, context,
+        all_indices, all_values, counts = _payload.receive(
+            bucket, record, gathered, slots, n, context,
             "in %s; nothing was written: arrays and residuals are unchanged" % where,
             on_headers)
-        _sum_into(flat, all_indices, all_values, scale, counts)
+        _sum_into(flat, all_indices, all_values, bucket.scale, counts)
         if residual is not None:    # what was sent is no longer owed
-            add = hostselect.scatter_add if xp is np else scatter_add
-            add(acc, indices, values, alpha=-1.0)
+            add = hostselect.scatter_add if array_module(flat) is np else scatter_add
+            add(acc, *sent, alpha=-1.0)
             workspace["residual"], workspace["acc"] = acc, residual
         scatter(flat, arrays)
         if any(dropped):
