@@ -25,6 +25,8 @@ As a module: ``run_shaped(cmd, "1gbit")`` returns a :class:`ShapedRun`
 measures a 64 MiB all-reduce through the link against the theoretical time.
 """
 import argparse
+import contextlib
+import functools
 import os
 import re
 import shutil
@@ -143,9 +145,10 @@ def run_shaped(cmd, rate, ranks=2, mtu=9000, env=None, timeout=None, capture=Fal
         before = _lo_bytes(name)
         pipe = subprocess.PIPE if capture else None
         start = time.perf_counter()
-        proc = subprocess.Popen(["ip", "netns", "exec", name] + [str(c) for c in cmd],
-                                env=full_env, stdout=pipe, stderr=pipe, text=True,
-                                start_new_session=True)
+        with _interrupts_held() as unblock:    # the child unblocks them before exec
+            proc = subprocess.Popen(["ip", "netns", "exec", name] + [str(c) for c in cmd],
+                                    env=full_env, stdout=pipe, stderr=pipe, text=True,
+                                    start_new_session=True, preexec_fn=unblock)
         try:
             out, err = proc.communicate(timeout=timeout)
         except subprocess.TimeoutExpired:
@@ -159,6 +162,23 @@ def run_shaped(cmd, rate, ranks=2, mtu=9000, env=None, timeout=None, capture=Fal
             _kill_group(proc)
             proc.wait()
         delete_namespace(name)
+
+
+_INTERRUPTS = {signal.SIGINT, signal.SIGTERM}
+
+
+@contextlib.contextmanager
+def _interrupts_held():
+    """Hold Ctrl-C and SIGTERM back in the body (which makes a child): one
+    that arrived while the child was being made would leave it running,
+    unknown to the cleanup and holding the caller's pipes. Held back, it
+    raises when the body is done, the child known. Yields the function that
+    unblocks them (for the child, as ``preexec_fn``)."""
+    held = signal.pthread_sigmask(signal.SIG_BLOCK, _INTERRUPTS)
+    try:
+        yield functools.partial(signal.pthread_sigmask, signal.SIG_SETMASK, held)
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, held)
 
 
 def _kill_group(proc):

@@ -133,10 +133,11 @@ stage() {
     printf '%s\t%s\t%s\n' "$name" "$status" "$(awk "BEGIN { printf \"%.1f\", $t1 - $t0 }")" >> "$DEST/stages.tsv"
 }
 
-# limits: 15 + 30 + 60 + 60 + 150 + 90 + 75 + 25 + 40 + 90 = 635 s; with 3 s to
-# kill each stage that overruns and 10 s of nvidia-smi, 675 s at worst (the
-# build takes seconds where it is not needed: run the script with a
-# command limit of 600 s and the build well inside it)
+# limits: 15 + 30 + 60 + 60 + 150 + 90 + 60 + 75 + 25 + 40 + 90 = 695 s; with
+# 3 s to kill each stage that overruns and 10 s of nvidia-smi, 738 s at worst
+# (most stages take a fraction of their limit: the build takes seconds where
+# it is not needed, gpu-step about 30 s; run the script with a command limit
+# of 600 s)
 stage env 15 0 "$PY" -c "
 import platform, sys; print('python', sys.version.split()[0], platform.platform())
 import numpy; print('numpy', numpy.__version__)
@@ -153,6 +154,7 @@ stage build 60 1 "$PY" setup.py -q build_ext --inplace
 stage nvrtc 60 1 "$PY" tests/gpu/gpu_checks.py compile
 stage pytest-gpu 150 1 -
 stage benchmark 90 1 "$PY" benchmarks/kernels.py --sizes 1M,25M --repeats 10 --out "$DEST"
+stage gpu-step 60 1 "$PY" benchmarks/gpu_step.py --repeats 20 --time-limit 50 --out "$DEST"
 stage sanitizer 75 1 -
 stage streams 25 1 "$PY" tests/gpu/gpu_checks.py streams
 stage large-n 40 1 "$PY" tests/gpu/gpu_checks.py large

@@ -49,9 +49,10 @@ class Int8(Compression):
 
 class Int8Deferred(Int8):
     """Int8 in the form of a DDP hook that returns a future: ``reduce``
-    gathers the codes and returns the bucket's completion, which sums them
-    and writes the arrays. ``log`` (a list) records ``("issue", i)`` and
-    ``("complete", i)`` for the i-th bucket this object reduced."""
+    communicates and reduces into copies of the arrays, and returns the
+    bucket's completion, which writes them. ``log`` (a list) records
+    ``("issue", i)`` and ``("complete", i)`` for the i-th bucket this object
+    reduced."""
 
     name = "user-int8-deferred"
 
@@ -59,26 +60,18 @@ class Int8Deferred(Int8):
         self.log = log
 
     def reduce(self, bucket):
-        flat = np.concatenate([a.reshape(-1) for a in bucket.arrays])
-        step, codes = self.encode(flat)
-        payload = np.empty(8 + flat.size, np.uint8)
-        payload[:8] = np.frombuffer(np.float64(step).tobytes(), np.uint8)
-        payload[8:] = codes.view(np.uint8)
-        table = np.empty(bucket.size * payload.size, np.uint8)
-        bucket.all_gather(payload, table)
         index = sum(1 for event, _ in self.log if event == "issue")
+        arrays = bucket.arrays
+        staged = bucket.arrays = [a.copy() for a in arrays]
+        try:
+            super().reduce(bucket)
+        finally:
+            bucket.arrays = arrays
         self.log.append(("issue", index))
 
         def complete():
-            total = np.zeros(flat.size, np.float64)
-            for row in table.reshape(bucket.size, payload.size):
-                total += row[8:].view(np.int8) * row[:8].view(np.float64)[0]
-            if bucket.scale is not None:
-                total *= bucket.scale
-            start = 0
-            for a in bucket.arrays:
-                a.reshape(-1)[...] = total[start:start + a.size]
-                start += a.size
+            for a, result in zip(arrays, staged):
+                a[...] = result
             self.log.append(("complete", index))
         return complete
 

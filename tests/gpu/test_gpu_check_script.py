@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 
 SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "gpu_check.sh"
-GPU_STAGES = ["build", "nvrtc", "pytest-gpu", "benchmark", "sanitizer", "streams", "large-n",
-              "example"]
+GPU_STAGES = ["build", "nvrtc", "pytest-gpu", "benchmark", "gpu-step", "sanitizer", "streams",
+              "large-n", "example"]
 pytestmark = pytest.mark.skipif(shutil.which("bash") is None, reason="needs bash")
 
 
@@ -78,7 +78,8 @@ case "$*" in
         prev=""; for a in "$@"; do [ "$prev" = --json ] && json=$a; prev=$a; done
         echo "{\\"workers\\": ${STUB_WORKERS:-2}, \\"identical\\": true}" > "$json"
         exit 0 ;;
-    "tests/gpu/gpu_checks.py"*|"benchmarks/kernels.py"*|"setup.py"*) exit 0 ;;
+    "tests/gpu/gpu_checks.py"*|"benchmarks/kernels.py"*|"benchmarks/gpu_step.py"*|"setup.py"*)
+        exit 0 ;;
 esac
 exec "$REAL_PYTHON" "$@"
 """
@@ -113,7 +114,8 @@ def test_every_stage_starts_and_passes_with_a_stand_in_gpu(tmp_path):
     assert all(v == "PASS" for v in status.values()), status
     for expected in ("python setup.py -q build_ext --inplace",
                      "python -m pytest -m gpu", "python tests/gpu/gpu_checks.py compile",
-                     "python benchmarks/kernels.py", "python tests/gpu/gpu_checks.py streams",
+                     "python benchmarks/kernels.py", "python benchmarks/gpu_step.py",
+                     "python tests/gpu/gpu_checks.py streams",
                      "python tests/gpu/gpu_checks.py large", "python -m commlib.info --run 2",
                      "compute-sanitizer --tool memcheck", "compute-sanitizer --tool racecheck",
                      "compute-sanitizer --tool synccheck",

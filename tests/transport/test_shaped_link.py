@@ -107,6 +107,27 @@ def test_ctrl_c_deletes_the_namespace():
     assert not shaped_link.namespace_exists(name)
 
 
+def test_ctrl_c_while_the_command_starts_ends_it(monkeypatch):
+    # a Ctrl-C that lands while the command's process is being made (here:
+    # sent from inside Popen, right after the child exists) still ends that
+    # child and deletes the namespace
+    import signal
+    made = []
+    real_popen = subprocess.Popen
+
+    def popen_then_ctrl_c(cmd, *args, **kwargs):
+        proc = real_popen(cmd, *args, **kwargs)
+        if list(cmd[-2:]) == ["sleep", "60"]:             # the command, not an `ip` call
+            made.append(proc)
+            os.kill(os.getpid(), signal.SIGINT)
+        return proc
+    monkeypatch.setattr(shaped_link.subprocess, "Popen", popen_then_ctrl_c)
+    with pytest.raises(KeyboardInterrupt):
+        shaped_link.run_shaped(["sleep", "60"], "1gbit", timeout=60)
+    assert len(made) == 1 and made[0].poll() is not None     # killed and reaped
+    assert not shaped_link.namespace_exists(NAME)
+
+
 def test_break_even_table_over_shm_and_a_shaped_link(tmp_path):
     """benchmarks/break_even.py end to end on the MNIST CNN: every strategy
     on both links, wire bytes as the strategies promise, dense faster
