@@ -181,10 +181,14 @@ def began(session, name, seq, kind, params, arrays, t0, consistency):
         "arrays": len(arrays), "op": op, "compression": compression, "transport": transport}
 
 
-def bucket(rank, t0, index, nbytes, compression):
-    """A bucket (``index``; ``"direct N"`` for an array reduced in place) ran from ``t0``."""
-    _span(rank, "bucket", "bucket", t0, now(),
-          {"index": index, "bytes": int(nbytes), "compression": compression})
+def bucket(rank, t0, index, nbytes, compression, phase=None):
+    """A bucket (``index``; ``"direct N"`` for an array reduced in place) ran
+    from ``t0``; ``phase="completion"``: a compressed bucket's completion
+    (see :meth:`commlib.compression.Compression.reduce`)."""
+    args = {"index": index, "bytes": int(nbytes), "compression": compression}
+    if phase is not None:
+        args["phase"] = phase
+    _span(rank, "bucket" if phase is None else "bucket " + phase, "bucket", t0, now(), args)
 
 
 def transport_call(rank, transport, call, nbytes, fn, args, kwargs):

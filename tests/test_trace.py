@@ -282,3 +282,33 @@ def test_context_manager_writes_thread_ranks_and_the_path_rule(tmp_path):
         assert sum(e["args"]["bytes"] for e in events if e.get("cat") == "transport") == \
             sent[rank]
         assert not nesting_errors(events)
+
+
+def test_completions_are_bucket_events_inside_their_collective(tmp_path):
+    """A strategy that returns its buckets' completions (here the 8-bit user
+    strategy in that form): each completion is a ``bucket completion``
+    event, after every bucket of its collective was issued and inside that
+    collective; bytes still add up to the transport calls'."""
+    from user_compression import Int8Deferred
+
+    def body(comm):
+        grads = [np.full(s, comm.rank + 1.0, np.float32) for s in (7, 40, 3, 25)]
+        comm.all_reduce(grads, compression=Int8Deferred([]))
+        return comm.stats.bytes_sent
+    with commlib.trace(tmp_path / "t.json"):
+        sent = run_ranks(2, body, bucket_bytes=64)
+    for rank in (0, 1):
+        with open(tmp_path / ("t.rank%d.json" % rank)) as f:
+            events = json.load(f)["traceEvents"]
+        buckets = [e for e in events if e.get("cat") == "bucket"
+                   and e["args"]["compression"] == "user-int8-deferred"]
+        issued = [e for e in buckets if "phase" not in e["args"]]
+        done = [e for e in buckets if e["args"].get("phase") == "completion"]
+        assert len(issued) >= 3 and len(done) == len(issued), buckets
+        assert [e["name"] for e in done] == ["bucket completion"] * len(done)
+        assert [e["args"]["index"] for e in done] == [e["args"]["index"] for e in issued]
+        assert min(e["ts"] for e in done) >= max(e["ts"] + e["dur"] for e in issued)
+        assert None not in enclosing(events, done, "collective")
+        assert sum(e["args"]["bytes"] for e in events if e.get("cat") == "transport") == \
+            sent[rank]
+        assert not nesting_errors(events)

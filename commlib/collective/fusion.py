@@ -2,6 +2,8 @@
 arrays (:mod:`commlib.collective.bucketing`), each handed to a step of the collective
 or, for an all-reduce with compression, to the strategy as a
 :class:`~commlib.compression.base.Bucket` with its state."""
+import functools
+
 from . import bucketing, consistency
 from ..compression.base import Bucket
 from .. import trace
@@ -59,17 +61,32 @@ def unit(transport, items, prepared, *, where, index, buf, step, strategy, op, s
     recorded as a ``bucket`` event around the transport calls it makes."""
     start = trace.now() if trace.ON else 0.0
     compressed = strategy is not None and strategy.applies_to(buf.dtype)
+    label = index if index is not None else "direct %d" % where[1]
     try:
         if compressed:
-            return strategy.reduce(Bucket(transport, prepared.arrays(items, index, buf), op,
-                                          scale, wait,
-                                          state=workspace(prepared, strategy, where, tables)))
+            complete = strategy.reduce(Bucket(transport, prepared.arrays(items, index, buf), op,
+                                              scale, wait,
+                                              state=workspace(prepared, strategy, where, tables)))
+            return None if complete is None else functools.partial(
+                completion, complete, rank=transport.rank, label=label, name=strategy.name)
         step(transport, buf, index, prepared)
         return None
     finally:
         if start:
-            trace.bucket(transport.rank, start, index if index is not None else "direct %d" % where[1],
-                         buf.nbytes, strategy.name if compressed else None)
+            trace.bucket(transport.rank, start, label, buf.nbytes,
+                         strategy.name if compressed else None)
+
+
+def completion(complete, *, rank, label, name):
+    """Call a compressed bucket's ``complete()`` (strategy ``name``); while
+    tracing, recorded as a ``bucket`` event of its own (``label``, phase
+    ``"completion"``, no bytes: the bucket's event counted them)."""
+    start = trace.now() if trace.ON else 0.0
+    try:
+        complete()
+    finally:
+        if start:
+            trace.bucket(rank, start, label, 0, name, phase="completion")
 
 
 def workspace(prepared, strategy, where, tables):
