@@ -339,7 +339,10 @@ class HostCupy:
     launching through ``kernels`` under ``schedule``. Kernels the build does
     not have raise NotImplementedError when called, or do nothing with
     ``lenient``. Each launch is logged in ``launches`` as (name, grid,
-    block, args)."""
+    block, args), and each host read of an array (``get``, ``int``,
+    ``float``, ``bool``, ``item``, ``tolist``, use as an index: what makes
+    real cupy wait for the GPU) in ``reads`` as (file, line) of the code
+    that read."""
 
     def __init__(self, kernels, schedule=SCHEDULES[0], sm_count=2, lenient=False):
         self.kernels = kernels
@@ -347,8 +350,15 @@ class HostCupy:
         self.sm_count = sm_count
         self.lenient = lenient
         self.launches = []
+        self.reads = []           # (file, line) of every host read of a device array
         self.after_launch = None  # called as after_launch(name, args) after each launch
         self.module = self._make_module()
+
+    def read(self):
+        """Log a host read of a device array: the file and line of the
+        caller of the stand-in's method (commlib's code, for its reads)."""
+        frame = sys._getframe(2)
+        self.reads.append((frame.f_code.co_filename, frame.f_lineno))
 
     def _make_module(self):
         host = self
@@ -363,10 +373,42 @@ class HostCupy:
                 return _Device(0)
 
             def get(self):
+                host.read()
                 return np.array(self)
 
             def set(self, arr):
                 self[...] = np.asarray(arr).reshape(self.shape)
+
+            def __setitem__(self, key, value):
+                # a device value goes device to device, as in cupy: not a read
+                if isinstance(value, ndarray):
+                    value = value.view(np.ndarray)
+                super().__setitem__(key, value)
+
+            # what reads a GPU array on the host (a synchronisation), logged
+            def __int__(self):
+                host.read()
+                return int(np.asarray(self))
+
+            def __float__(self):
+                host.read()
+                return float(np.asarray(self))
+
+            def __bool__(self):
+                host.read()
+                return bool(np.asarray(self))
+
+            def __index__(self):
+                host.read()
+                return np.asarray(self).__index__()
+
+            def item(self, *args):
+                host.read()
+                return np.asarray(self).item(*args)
+
+            def tolist(self):
+                host.read()
+                return np.asarray(self).tolist()
 
         ndarray.__module__ = "cupy"
 
@@ -474,6 +516,8 @@ class HostCupy:
                              "permutation", "choice")}), **{n: rng(n) for n in
                                                               ("rand", "randn", "randint")}),
             get_default_memory_pool=lambda: types.SimpleNamespace(free_all_blocks=lambda: None),
+            # a 0-d device array, as cupy's (numpy's is an int: no read to see)
+            count_nonzero=lambda a, axis=None: asarray(np.asarray(np.count_nonzero(a, axis=axis))),
             __getattr__=device_functions(np))
         self.props = props
         return mod

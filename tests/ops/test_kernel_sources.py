@@ -258,6 +258,60 @@ def test_compression_with_cupy_arrays_on_the_host_build(host_cupy, n, program, a
         assert kernels <= names, (rank, sorted(kernels - names))
 
 
+# every rank: the host reads that the compression strategies' own code
+# (commlib/compression, commlib/ops) makes in one steady-state call, per unit
+# (bucket or array reduced in place) of the list, with where they are
+READS_CODE = """
+import os
+import numpy as np
+import cupy
+import commlib
+from commlib.collective import bucketing
+from commlib.compression import FP16, TopK, Threshold
+from mpi4py import MPI
+rank = MPI.COMM_WORLD.rank
+comm = commlib.Communicator.from_mpi(backend="mpi", bucket_bytes=4096)
+rng = np.random.default_rng(rank)
+arrays = [cupy.asarray(rng.standard_normal(n).astype(np.float32))
+          for n in (700, 900, 300, 2000, 500, 301)]
+plan = bucketing.plan_for(arrays, 4096)
+units = len(plan.buckets) + len(plan.direct)
+own = tuple(os.path.join(os.path.dirname(commlib.__file__), d) + os.sep
+            for d in ("compression", "ops"))
+for strategy in (FP16(), TopK(0.05), Threshold(1.5)):
+    for _ in range(2):
+        comm.all_reduce(arrays, compression=strategy)
+    del cupy._host.reads[:]
+    comm.all_reduce(arrays, compression=strategy)
+    mine = [(os.path.basename(f), line) for f, line in cupy._host.reads if f.startswith(own)]
+    print("rank %d %s: %d units, %d reads at %s." % (
+        rank, strategy.name.split("(")[0], units, len(mine), sorted(set(mine))))
+comm.close()
+"""
+
+#: host reads per unit in a steady-state call (each one makes a GPU call wait):
+#: fp16 its reduced result's non-finite count; top-K the gathered headers and
+#: the entries' check, together; threshold its count while selecting, then
+#: the headers, then the entries' check
+READS_PER_UNIT = {"fp16": 1, "topk": 1, "threshold": 3}
+
+
+@needs_host_build
+def test_compressed_calls_read_the_gpu_once_per_bucket(host_cupy):
+    from mpirun import python_path, run_mpi
+    stand_in = host_cupy["PYTHONPATH"].split(os.pathsep)[0]
+    proc = run_mpi(2, READS_CODE, timeout=240,
+                   env={"PYTHONPATH": stand_in + os.pathsep + python_path()})
+    found = {(int(m.group(1)), m.group(2)): (int(m.group(3)), int(m.group(4)), m.group(5))
+             for m in re.finditer(r"rank (\d) (\w+): (\d+) units, (\d+) reads at (\[.*?\])\.",
+                                  proc.stdout)}
+    assert sorted(found) == [(r, s) for r in (0, 1) for s in sorted(READS_PER_UNIT)], \
+        proc.stdout[-3000:]
+    for (rank, name), (units, reads, where) in found.items():
+        assert units >= 4, (rank, name, units)
+        assert reads == READS_PER_UNIT[name] * units, (rank, name, units, reads, where)
+
+
 def _benchmark(args, env, tmp_path):
     res = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "kernels.py"), *args,
                           "--out", str(tmp_path)], cwd=ROOT, env=env, capture_output=True,
