@@ -61,20 +61,25 @@ def unit(transport, items, prepared, *, where, index, buf, step, strategy, op, s
     recorded as a ``bucket`` event around the transport calls it makes."""
     start = trace.now() if trace.ON else 0.0
     compressed = strategy is not None and strategy.applies_to(buf.dtype)
-    label = index if index is not None else "direct %d" % where[1]
     try:
         if compressed:
             complete = strategy.reduce(Bucket(transport, prepared.arrays(items, index, buf), op,
                                               scale, wait,
                                               state=workspace(prepared, strategy, where, tables)))
             return None if complete is None else functools.partial(
-                completion, complete, rank=transport.rank, label=label, name=strategy.name)
+                completion, complete, rank=transport.rank, label=label_of(index, where),
+                name=strategy.name)
         step(transport, buf, index, prepared)
         return None
     finally:
         if start:
-            trace.bucket(transport.rank, start, label, buf.nbytes,
+            trace.bucket(transport.rank, start, label_of(index, where), buf.nbytes,
                          strategy.name if compressed else None)
+
+
+def label_of(index, where):
+    """A unit's name in a trace: its bucket index, or ``"direct N"``."""
+    return index if index is not None else "direct %d" % where[1]
 
 
 def completion(complete, *, rank, label, name):
