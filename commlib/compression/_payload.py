@@ -195,31 +195,13 @@ def fail(context, found, tail):
     return PayloadError("%s: %s %s" % (context, text, tail), culprits=sorted(found))
 
 
-def exchange(bucket, record, slots, n, context, tail, on_headers):
-    """All-gather every rank's :func:`encode` record over ``bucket`` (a
-    :class:`~commlib.compression.base.Bucket`) and validate it:
-    :func:`receive` of :func:`send`.
-
-    slots: the number of entries in every record (one all-gather), or None
-    when counts vary (headers all-gathered first, then the entries by count,
-    all-gather-v). ``n``: the bucket's length. ``on_headers(nonfinite)`` runs
-    with every rank's non-finite count (host ints) once the headers are
-    valid, before any entries are read; it may raise.
-
-    Returns ``(indices, values, counts)``: every rank's entries back to back
-    in rank order (int32 / float32 arrays of the record's kind) and each
-    rank's number of entries. Raises PayloadError (``context``: who and
-    where; ``tail``: what was left alone) on every rank when any record is
-    malformed.
-    """
-    return receive(bucket, record, send(bucket, record, slots), slots, n, context, tail,
-                   on_headers)
-
-
 def send(bucket, record, slots):
-    """The first half of :func:`exchange`, which reads nothing back from a
-    GPU: all-gathers the whole records (``slots`` not None), or their
-    headers. Returns what :func:`receive` takes as ``gathered``."""
+    """The first half of the exchange of every rank's :func:`encode` record
+    over ``bucket`` (a :class:`~commlib.compression.base.Bucket`), which
+    reads nothing back from a GPU: all-gathers the whole records (``slots``,
+    the number of entries in every record, not None: one all-gather), or
+    only their headers (``slots`` None: counts vary). Returns what
+    :func:`receive` takes as ``gathered``."""
     xp = array_module(record)
     width = HEADER if slots is None else HEADER + 2 * slots
     gathered = xp.empty((bucket.size, width), dtype=np.int32)
@@ -228,10 +210,21 @@ def send(bucket, record, slots):
 
 
 def receive(bucket, record, gathered, slots, n, context, tail, on_headers):
-    """The second half of :func:`exchange` (same arguments; ``gathered``
-    from :func:`send` with these ``record`` and ``slots``): reads and checks
-    the headers, all-gathers the entries by count when counts vary, checks
-    the entries; returns or raises as :func:`exchange` does."""
+    """The second half of the exchange (``gathered`` from :func:`send` with
+    these ``record`` and ``slots``): reads and checks the headers, then,
+    when counts vary, all-gathers-v the entries by count, and checks the
+    entries.
+
+    ``n``: the bucket's length. ``on_headers(nonfinite)`` runs with every
+    rank's non-finite count (host ints) once the headers are valid, before
+    any entries are checked; it may raise.
+
+    Returns ``(indices, values, counts)``: every rank's entries back to back
+    in rank order (int32 / float32 arrays of the record's kind) and each
+    rank's number of entries. Raises PayloadError (``context``: who and
+    where; ``tail``: what was left alone) on every rank when any record is
+    malformed.
+    """
     xp = array_module(record)
     summary = None
     if slots is not None:
