@@ -13,6 +13,7 @@ import collections
 import concurrent.futures
 import ctypes
 import hashlib
+import operator
 import re
 import shutil
 import subprocess
@@ -385,31 +386,16 @@ class HostCupy:
                     value = value.view(np.ndarray)
                 super().__setitem__(key, value)
 
-            # what reads a GPU array on the host (a synchronisation), logged
-            def __int__(self):
+        # what reads a GPU array on the host (a synchronisation), logged
+        def reading(convert):
+            def method(self, *args):
                 host.read()
-                return int(np.asarray(self))
-
-            def __float__(self):
-                host.read()
-                return float(np.asarray(self))
-
-            def __bool__(self):
-                host.read()
-                return bool(np.asarray(self))
-
-            def __index__(self):
-                host.read()
-                return np.asarray(self).__index__()
-
-            def item(self, *args):
-                host.read()
-                return np.asarray(self).item(*args)
-
-            def tolist(self):
-                host.read()
-                return np.asarray(self).tolist()
-
+                return convert(np.asarray(self), *args)
+            return method
+        for name, convert in (("__int__", int), ("__float__", float), ("__bool__", bool),
+                              ("__index__", operator.index), ("item", np.ndarray.item),
+                              ("tolist", np.ndarray.tolist)):
+            setattr(ndarray, name, reading(convert))
         ndarray.__module__ = "cupy"
 
         def empty(shape, dtype=np.float32):

@@ -221,6 +221,15 @@ def test_gpu_tests_pass_on_the_host_build(host_cupy):
     assert "skipped" not in res.stdout.splitlines()[-1], tail
 
 
+def run_on_the_host_build(host_cupy, n, code, args=()):
+    """``run_mpi(n, code, args)`` with ``import cupy`` giving the host build's
+    stand-in in every rank (the ``host_cupy`` fixture's)."""
+    from mpirun import python_path, run_mpi
+    stand_in = host_cupy["PYTHONPATH"].split(os.pathsep)[0]
+    return run_mpi(n, code, args=args, timeout=240,
+                   env={"PYTHONPATH": stand_in + os.pathsep + python_path()})
+
+
 #: what every rank of the compression runs below must have launched: the
 #: casting and raw packs (fp16/bf16, and top-K's gather and scatter of a
 #: bucket of several arrays), every top-K pass, threshold and scatter-add
@@ -242,14 +251,12 @@ def test_compression_with_cupy_arrays_on_the_host_build(host_cupy, n, program, a
     # of the host build: results against numpy, and non-finite values and
     # tampered payloads raising alike on every rank with nothing written
     # (tests/compression's programs, which a GPU runs at one rank)
-    from mpirun import assert_each_rank, python_path, run_mpi
-    stand_in = host_cupy["PYTHONPATH"].split(os.pathsep)[0]
+    from mpirun import assert_each_rank
     code = ("import sys, cupy, %s\nfrom mpi4py import MPI\n"
             "%s.main(*sys.argv[1:])\n"
             "print('rank %%d launched: %%s.' %% (MPI.COMM_WORLD.rank, ' '.join(sorted("
             "{launch[0] for launch in cupy._host.launches}))))\n" % (program, program))
-    proc = run_mpi(n, code, args=args, timeout=240,
-                   env={"PYTHONPATH": stand_in + os.pathsep + python_path()})
+    proc = run_on_the_host_build(host_cupy, n, code, args)
     assert_each_rank(proc.stdout, r"(compression|faults \w+) rank (?P<rank>\d+) ok", n)
     launched = {int(m.group(1)): set(m.group(2).split())
                 for m in re.finditer(r"rank (\d+) launched: ([\w ]*)\.", proc.stdout)}
@@ -298,10 +305,7 @@ READS_PER_UNIT = {"fp16": 1, "topk": 1, "threshold": 3}
 
 @needs_host_build
 def test_compressed_calls_read_the_gpu_once_per_bucket(host_cupy):
-    from mpirun import python_path, run_mpi
-    stand_in = host_cupy["PYTHONPATH"].split(os.pathsep)[0]
-    proc = run_mpi(2, READS_CODE, timeout=240,
-                   env={"PYTHONPATH": stand_in + os.pathsep + python_path()})
+    proc = run_on_the_host_build(host_cupy, 2, READS_CODE)
     found = {(int(m.group(1)), m.group(2)): (int(m.group(3)), int(m.group(4)), m.group(5))
              for m in re.finditer(r"rank (\d) (\w+): (\d+) units, (\d+) reads at (\[.*?\])\.",
                                   proc.stdout)}
