@@ -103,12 +103,14 @@ def _lo_bytes(netns):
 
 def make_namespace(name, rate, ranks=2, mtu=9000):
     """Create namespace ``name`` with lo up (MTU ``mtu``) and shaped to
-    ``rate * ranks`` bits/s. Raises ShapedLinkUnavailable with the reason."""
+    ``rate * ranks`` bits/s; an empty namespace of that name left by a killed
+    run is replaced. Raises ShapedLinkUnavailable with the reason."""
     for tool in ("ip", "tc"):
         if shutil.which(tool) is None:
             raise ShapedLinkUnavailable("`%s` not found (install iproute2)" % tool)
     bucket = parse_rate(rate) * ranks
     burst = max(64 * 1024, bucket // 8 // 1000, mtu + 1024)
+    _remove_leftover(name)
     _ip("ip", "netns", "add", name)
     try:
         _ip("ip", "link", "set", "lo", "mtu", str(mtu), "up", netns=name)
@@ -117,6 +119,20 @@ def make_namespace(name, rate, ranks=2, mtu=9000):
     except BaseException:
         delete_namespace(name)
         raise
+
+
+def _remove_leftover(name):
+    """Delete namespace ``name`` if a killed run left it behind: names carry
+    the maker's pid, so one that exists with no process in it belongs to a
+    dead process whose pid came round again. One with processes in it is
+    refused (ShapedLinkUnavailable naming them), not taken over."""
+    if not namespace_exists(name):
+        return
+    pids = _ip("ip", "netns", "pids", name).stdout.split()
+    if pids:
+        raise ShapedLinkUnavailable("namespace %s already exists and processes %s run in it"
+                                    % (name, ", ".join(pids)))
+    delete_namespace(name)
 
 
 def delete_namespace(name):

@@ -65,6 +65,38 @@ def test_timeout_kills_the_command_and_deletes_the_namespace():
     assert not shaped_link.namespace_exists(NAME)
 
 
+def test_a_namespace_left_by_a_killed_run_is_replaced():
+    # a run killed with SIGKILL leaves commlib-<its pid>; when the pid comes
+    # round again, the next run replaces the empty namespace
+    shaped_link.make_namespace(NAME, "1gbit")
+    try:
+        run = shaped_link.run_shaped(["true"], "1gbit", timeout=60)
+    finally:
+        shaped_link.delete_namespace(NAME)
+    assert run.returncode == 0
+    assert not shaped_link.namespace_exists(NAME)
+
+
+def test_a_namespace_with_processes_in_it_is_refused():
+    shaped_link.make_namespace(NAME, "1gbit")
+    squatter = subprocess.Popen(["ip", "netns", "exec", NAME, "sleep", "60"])
+    try:
+        deadline = time.monotonic() + 30
+        while not subprocess.run(["ip", "netns", "pids", NAME], capture_output=True,
+                                 text=True, timeout=30).stdout.split():
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        with pytest.raises(shaped_link.ShapedLinkUnavailable,
+                           match=r"%s already exists and processes %d run in it"
+                           % (NAME, squatter.pid)):
+            shaped_link.run_shaped(["true"], "1gbit", timeout=60)
+        assert squatter.poll() is None                     # left alone
+    finally:
+        squatter.kill()
+        squatter.wait()
+        shaped_link.delete_namespace(NAME)
+
+
 def test_command_line_refuses_byte_units_and_runs_a_command():
     script = str(ROOT / "benchmarks" / "shaped_link.py")
     bad = subprocess.run([sys.executable, script, "--rate", "1gbps", "--", "true"],
@@ -148,7 +180,8 @@ def test_break_even_table_over_shm_and_a_shaped_link(tmp_path):
     rows = json.loads(out.read_text())["rows"]
     got = {(r["link"], r["strategy"]): r for r in rows}
     strategies = ["none", "fp16", "bf16", "topk-1%", "topk-0.1%", "threshold-1%", "partial-10%"]
-    assert set(got) == {(link, s) for link in ("shm", "200mbit") for s in strategies}
+    assert set(got) == {(link, s) for link in ("shm", "200mbit") for s in strategies}, \
+        proc.stdout                                        # says why a link was skipped
     dense = got["shm", "none"]["wire_bytes"]
     assert dense == 4 * 431080                             # the CNN's float32 parameters
     for link in ("shm", "200mbit"):
