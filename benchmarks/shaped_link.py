@@ -26,7 +26,6 @@ measures a 64 MiB all-reduce through the link against the theoretical time.
 """
 import argparse
 import contextlib
-import functools
 import os
 import re
 import shutil
@@ -35,6 +34,7 @@ import subprocess
 import sys
 import tempfile
 import textwrap
+import threading
 import time
 from dataclasses import dataclass
 
@@ -161,10 +161,10 @@ def run_shaped(cmd, rate, ranks=2, mtu=9000, env=None, timeout=None, capture=Fal
         before = _lo_bytes(name)
         pipe = subprocess.PIPE if capture else None
         start = time.perf_counter()
-        with _interrupts_held() as unblock:    # the child unblocks them before exec
+        with _interrupts_held():
             proc = subprocess.Popen(["ip", "netns", "exec", name] + [str(c) for c in cmd],
                                     env=full_env, stdout=pipe, stderr=pipe, text=True,
-                                    start_new_session=True, preexec_fn=unblock)
+                                    start_new_session=True)
         try:
             out, err = proc.communicate(timeout=timeout)
         except subprocess.TimeoutExpired:
@@ -180,7 +180,7 @@ def run_shaped(cmd, rate, ranks=2, mtu=9000, env=None, timeout=None, capture=Fal
         delete_namespace(name)
 
 
-_INTERRUPTS = {signal.SIGINT, signal.SIGTERM}
+_INTERRUPTS = (signal.SIGINT, signal.SIGTERM)
 
 
 @contextlib.contextmanager
@@ -188,13 +188,32 @@ def _interrupts_held():
     """Hold Ctrl-C and SIGTERM back in the body (which makes a child): one
     that arrived while the child was being made would leave it running,
     unknown to the cleanup and holding the caller's pipes. Held back, it
-    raises when the body is done, the child known. Yields the function that
-    unblocks them (for the child, as ``preexec_fn``)."""
-    held = signal.pthread_sigmask(signal.SIG_BLOCK, _INTERRUPTS)
+    acts (KeyboardInterrupt, or the handler the caller had) when the body is
+    done, the child known.
+
+    The signals are held by Python handlers that only note them, not by a
+    signal mask: a mask holds them back from this thread alone, and the
+    kernel then hands a process-directed signal to another thread, after
+    which Python raises in this one anywhere. Only the main thread receives
+    Python's signals, and only it can change handlers: elsewhere nothing is
+    held, and nothing needs to be. Ignored signals stay ignored. The child
+    gets the default handlers back at ``exec``."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    noted = []
+    previous = {}
+    for sig in _INTERRUPTS:
+        handler = signal.getsignal(sig)
+        if handler not in (signal.SIG_IGN, None):
+            previous[sig] = signal.signal(sig, lambda number, frame: noted.append(number))
     try:
-        yield functools.partial(signal.pthread_sigmask, signal.SIG_SETMASK, held)
+        yield
     finally:
-        signal.pthread_sigmask(signal.SIG_SETMASK, held)
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+        for sig in dict.fromkeys(noted):           # each held signal acts once, in order
+            signal.raise_signal(sig)
 
 
 def _kill_group(proc):

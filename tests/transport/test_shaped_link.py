@@ -160,6 +160,32 @@ def test_ctrl_c_while_the_command_starts_ends_it(monkeypatch):
     assert not shaped_link.namespace_exists(NAME)
 
 
+def test_ctrl_c_taken_by_another_thread_while_the_command_starts_ends_it(monkeypatch):
+    # the kernel hands a process-directed Ctrl-C to any thread that does not
+    # block it (pytest-xdist's workers have several); Python then raises in
+    # the main thread wherever it is. Sent here to another thread from inside
+    # Popen, right after the child exists: the child still ends.
+    import signal
+    import threading
+    made = []
+    real_popen = subprocess.Popen
+    other = threading.Thread(target=time.sleep, args=(30,), daemon=True)
+    other.start()
+
+    def popen_then_ctrl_c_elsewhere(cmd, *args, **kwargs):
+        proc = real_popen(cmd, *args, **kwargs)
+        if list(cmd[-2:]) == ["sleep", "60"]:
+            made.append(proc)
+            signal.pthread_kill(other.ident, signal.SIGINT)
+            time.sleep(0.2)                       # Python runs the handler meanwhile
+        return proc
+    monkeypatch.setattr(shaped_link.subprocess, "Popen", popen_then_ctrl_c_elsewhere)
+    with pytest.raises(KeyboardInterrupt):
+        shaped_link.run_shaped(["sleep", "60"], "1gbit", timeout=60)
+    assert len(made) == 1 and made[0].poll() is not None     # killed and reaped
+    assert not shaped_link.namespace_exists(NAME)
+
+
 def test_break_even_table_over_shm_and_a_shaped_link(tmp_path):
     """benchmarks/break_even.py end to end on the MNIST CNN: every strategy
     on both links, wire bytes as the strategies promise, dense faster
