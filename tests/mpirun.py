@@ -119,12 +119,30 @@ def check_world(reports, n, what="the job"):
                     % (what, n, got, sorted({r.get("library") for r in reports})))
 
 
-def run_mpi(n, code, timeout=60, env=None, args=(), expect_fail=False):
+def keep_survivors():
+    """Arguments that stop the mpiexec of :func:`mpiexec` from ending the
+    other ranks when one leaves without ``MPI_Finalize``.
+
+    Hydra (MPICH) SIGKILLs the rest of the job when a rank exits without
+    finalizing, and whether mpiexec then exits 0 or 9 depends on which exit
+    it hears of first: a test whose rank leaves early on purpose would pass
+    or fail by chance. ``-disable-auto-cleanup`` lets each rank end by itself.
+    Open MPI's mpirun has no such switch (it ends such a job as failed);
+    the tests that need this run under hydra.
+    """
+    from commlib.startup import mpi_library
+    return ["-disable-auto-cleanup"] if _chosen().family == mpi_library.MPICH else []
+
+
+def run_mpi(n, code, timeout=60, env=None, args=(), expect_fail=False, survivors=False):
     """Run ``code`` (Python source) on ``n`` ranks; returns the CompletedProcess.
 
     Fails the test when the job times out, when its exit status is not what
     ``expect_fail`` says, or when ranks 0..n-1 of a world of size n did not
-    each start (see :data:`PROLOGUE`).
+    each start (see :data:`PROLOGUE`). With ``survivors``, a rank that
+    leaves without ``MPI_Finalize`` does not end the others (see
+    :func:`keep_survivors`): for programs whose ranks ``os._exit`` at
+    different times on purpose.
     """
     tmp = Path(os.environ.get("PYTEST_TMPDIR", tempfile.gettempdir()))
     script = tmp / ("commlib_mpi_%d_%d.py" % (os.getpid(), abs(hash(code))))
@@ -136,6 +154,8 @@ def run_mpi(n, code, timeout=60, env=None, args=(), expect_fail=False):
     full_env[ENV_REPORTS] = reports
     launcher = mpiexec(required=n > 1)
     # one rank without mpiexec runs as an MPI singleton
+    if launcher and survivors:
+        launcher = launcher + keep_survivors()
     cmd = (launcher + ["-n", str(n)] if launcher else []) + [sys.executable, str(script), *args]
     try:
         proc = run_bounded(cmd, timeout, env=full_env)

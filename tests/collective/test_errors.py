@@ -33,20 +33,23 @@ def test_consistency_check_enabled_by_environment():
 
 
 def test_watchdog_turns_a_missing_peer_into_an_error():
-    proc = run_mpi(2, CODE, args=["watchdog_env"], timeout=60,
+    proc = run_mpi(2, CODE, args=["watchdog_env"], timeout=60, survivors=True,
                    env={"COMMLIB_WATCHDOG_ENABLE": "1", "COMMLIB_WATCHDOG_TIMEOUT": "1"})
     assert "watchdog all_reduce ok" in proc.stdout
+    assert "watchdog rank 1 stayed out for 4 s" in proc.stdout
 
 
 def test_watchdog_on_the_shared_memory_path():
-    proc = run_mpi(2, CODE, args=["watchdog_shm"], timeout=60,
+    proc = run_mpi(2, CODE, args=["watchdog_shm"], timeout=60, survivors=True,
                    env={"COMMLIB_WATCHDOG_ENABLE": "1", "COMMLIB_WATCHDOG_TIMEOUT": "1"})
     assert "watchdog all_reduce ok" in proc.stdout
+    assert "watchdog rank 1 stayed out for 4 s" in proc.stdout
 
 
 def test_barrier_timeout():
-    proc = run_mpi(2, CODE, args=["barrier_timeout"], timeout=60)
+    proc = run_mpi(2, CODE, args=["barrier_timeout"], timeout=60, survivors=True)
     assert "watchdog barrier ok" in proc.stdout
+    assert "watchdog rank 1 stayed out for 4 s" in proc.stdout
 
 
 def test_uncaught_exception_on_one_rank_ends_the_job():
