@@ -13,7 +13,7 @@
 // chunk never straddles two arrays. chunk must be a multiple of 16 and below
 // 2^31 - 256 (in-chunk indices are 32-bit).
 //
-// Kernels (table, nseg, chunk, bucket, scale, counter):
+// Kernels (table, nseg, chunk, bucket, scale, counter, skip):
 //   pack_<a>_<b>         bucket[off + i] = round_b(scale * float(array[i]))
 //   unpack_<b>_<a>       array[i]        = round_a(scale * float(bucket[off + i]))
 //   unpack_<b>_<a>_acc   array[i]        = round_a(float(array[i]) + scale * float(bucket[off + i]))
@@ -21,6 +21,9 @@
 //     non-finite counting (into *counter, may be null) as kernels/cast.cu.
 //   pack_raw<w>, unpack_raw<w>   bit copy in units of w in {1, 2, 4, 8} bytes;
 //     offsets and counts are in units; scale and counter are ignored.
+//   skip (may be null): when *skip is not 0 the kernel writes nothing and
+//     counts nothing, so that a decision made on the device (a count of NaN
+//     and inf in the data to unpack) guards the write without a host read.
 // Launch with a 1-D grid of 256-thread blocks; any grid size works. Every
 // kernel fits 8 blocks per SM where 2048 threads do (__launch_bounds__(256,
 // CL_FULL_SM_BLOCKS): at most 32 registers).
@@ -40,8 +43,9 @@ CL_HD cl_i64 segment_of(const cl_i64* first, cl_i64 nseg, cl_i64 c) {
 // format and D the destination format; TO_BUCKET selects the direction.
 template <class S, class D, bool ACC, bool TO_BUCKET>
 CL_HD void segments_thread(const cl_i64* table, cl_i64 nseg, cl_i64 chunk, const void* bucket,
-                           float scale, cl_u64* counter, cl_i64 block, cl_i64 nblocks, cl_i64 t,
-                           cl_i64 nt) {
+                           float scale, cl_u64* counter, const cl_i64* skip, cl_i64 block,
+                           cl_i64 nblocks, cl_i64 t, cl_i64 nt) {
+  if (skip != nullptr && *skip != 0) return;  // the same in every thread
   typedef typename S::T ST;
   typedef typename D::T DT;
   const cl_i64* base = table;
@@ -74,19 +78,20 @@ CL_HD void segments_thread(const cl_i64* table, cl_i64 nseg, cl_i64 chunk, const
 }
 
 // Each kernel NAME comes with NAME_thread(table, nseg, chunk, bucket, scale,
-// counter, block, nblocks, t, nt), the work of thread t (of nt) of block
+// counter, skip, block, nblocks, t, nt), the work of thread t (of nt) of block
 // `block` (of nblocks), callable from host code too.
 #define CL_SEGMENTS_KERNEL(NAME, S, D, ACC, TO_BUCKET)                                     \
   CL_HD void NAME##_thread(const cl_i64* table, cl_i64 nseg, cl_i64 chunk,                 \
-                           const void* bucket, float scale, cl_u64* counter, cl_i64 block,  \
-                           cl_i64 nblocks, cl_i64 t, cl_i64 nt) {                          \
-    segments_thread<S, D, ACC, TO_BUCKET>(table, nseg, chunk, bucket, scale, counter,      \
+                           const void* bucket, float scale, cl_u64* counter,              \
+                           const cl_i64* skip, cl_i64 block, cl_i64 nblocks, cl_i64 t,      \
+                           cl_i64 nt) {                                                     \
+    segments_thread<S, D, ACC, TO_BUCKET>(table, nseg, chunk, bucket, scale, counter, skip,\
                                           block, nblocks, t, nt);                          \
   }                                                                                        \
   extern "C" __global__ void __launch_bounds__(256, CL_FULL_SM_BLOCKS)                    \
       NAME(const cl_i64* __restrict__ table, cl_i64 nseg, cl_i64 chunk, const void* bucket, \
-           float scale, cl_u64* counter) {                                                 \
-    NAME##_thread(table, nseg, chunk, bucket, scale, counter, blockIdx.x, gridDim.x,       \
+           float scale, cl_u64* counter, const cl_i64* skip) {                             \
+    NAME##_thread(table, nseg, chunk, bucket, scale, counter, skip, blockIdx.x, gridDim.x, \
                   threadIdx.x, blockDim.x);                                                \
   }
 

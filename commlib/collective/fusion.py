@@ -2,10 +2,9 @@
 arrays (:mod:`commlib.collective.bucketing`), each handed to a step of the collective
 or, for an all-reduce with compression, to the strategy as a
 :class:`~commlib.compression.base.Bucket` with its state."""
-import functools
-
 from . import bucketing, consistency
-from ..compression.base import Bucket
+from ..compression.base import Bucket, Completion
+from ..ops.arrays import to_host
 from .. import trace
 
 
@@ -47,9 +46,12 @@ def fused(session, *, items, kind, key, prepared, writeable, step, strategy=None
         completions.append(unit(transport, items, prepared, where=("direct", position),
                                 index=None, buf=flat, step=step, strategy=strategy, op=op,
                                 scale=scale, wait=wait, tables=tables))
-    for complete in completions:
-        if complete is not None:
-            complete()
+    pending = [c for c in completions if c is not None]
+    if pending:
+        # the values every completion reads, in one transfer
+        values = to_host([getattr(complete, "reads", ()) for complete, _ in pending])
+        for (complete, label), got in zip(pending, values):
+            completion(complete, got, rank=transport.rank, label=label, name=strategy.name)
 
 
 def unit(transport, items, prepared, *, where, index, buf, step, strategy, op, scale, wait,
@@ -57,7 +59,8 @@ def unit(transport, items, prepared, *, where, index, buf, step, strategy, op, s
     """One bucket (``index``) or in-place array (``index`` None) of a fused
     collective; ``where`` names it within the plan for the compression
     state, kept in ``tables``. Returns the strategy's completion of the
-    bucket (a callable), or None when nothing is left to do. While tracing,
+    bucket and the unit's name in a trace (:func:`label_of`), or None when
+    nothing is left to do. While tracing,
     recorded as a ``bucket`` event around the transport calls it makes."""
     start = trace.now() if trace.ON else 0.0
     compressed = strategy is not None and strategy.applies_to(buf.dtype)
@@ -66,9 +69,7 @@ def unit(transport, items, prepared, *, where, index, buf, step, strategy, op, s
             complete = strategy.reduce(Bucket(transport, prepared.arrays(items, index, buf), op,
                                               scale, wait,
                                               state=workspace(prepared, strategy, where, tables)))
-            return None if complete is None else functools.partial(
-                completion, complete, rank=transport.rank, label=label_of(index, where),
-                name=strategy.name)
+            return None if complete is None else (complete, label_of(index, where))
         step(transport, buf, index, prepared)
         return None
     finally:
@@ -82,13 +83,18 @@ def label_of(index, where):
     return index if index is not None else "direct %d" % where[1]
 
 
-def completion(complete, *, rank, label, name):
-    """Call a compressed bucket's ``complete()`` (strategy ``name``); while
+def completion(complete, values, *, rank, label, name):
+    """Finish a compressed bucket (strategy ``name``): ``complete.finish(*values)``
+    for a :class:`~commlib.compression.base.Completion` (``values``: its
+    reads on the host), ``complete()`` for any other callable; while
     tracing, recorded as a ``bucket`` event of its own (``label``, phase
     ``"completion"``, no bytes: the bucket's event counted them)."""
     start = trace.now() if trace.ON else 0.0
     try:
-        complete()
+        if isinstance(complete, Completion):
+            complete.finish(*values)
+        else:
+            complete()
     finally:
         if start:
             trace.bucket(rank, start, label, 0, name, phase="completion")

@@ -20,7 +20,7 @@ The sparse strategies validate every rank's payload before writing and raise
 one is malformed (:mod:`._payload`).
 """
 from ..errors import ArgumentError
-from .base import Bucket, Compression
+from .base import Bucket, Completion, Compression
 from .half import BF16, FP16, HalfPrecision
 from .partial import Partial
 from .threshold import Threshold
@@ -55,5 +55,5 @@ def resolve(compression, rank):
     return found
 
 
-__all__ = ["Bucket", "Compression", "HalfPrecision", "FP16", "BF16", "TopK", "Threshold", "Partial",
-           "BY_NAME", "resolve"]
+__all__ = ["Bucket", "Completion", "Compression", "HalfPrecision", "FP16", "BF16", "TopK",
+           "Threshold", "Partial", "BY_NAME", "resolve"]

@@ -195,29 +195,53 @@ def fail(context, found, tail):
     return PayloadError("%s: %s %s" % (context, text, tail), culprits=sorted(found))
 
 
-def send(bucket, record, slots):
+class Exchange:
+    """What :func:`send` queued: ``gathered`` (every rank's record, or
+    header when counts vary; one row per rank), the entries' ``indices``
+    and ``values`` (every rank's, back to back; None when counts vary) and
+    ``reads``, the one integer array :func:`receive` needs on the host:
+    the headers and the entries' summary (:func:`entry_summary`) together,
+    as int64, or the headers alone when counts vary."""
+
+    __slots__ = ("gathered", "indices", "values", "reads")
+
+    def __init__(self, gathered, indices, values, reads):
+        self.gathered, self.indices, self.values, self.reads = gathered, indices, values, reads
+
+
+def send(bucket, record, slots, n):
     """The first half of the exchange of every rank's :func:`encode` record
     over ``bucket`` (a :class:`~commlib.compression.base.Bucket`), which
     reads nothing back from a GPU: all-gathers the whole records (``slots``,
-    the number of entries in every record, not None: one all-gather), or
-    only their headers (``slots`` None: counts vary). Returns what
-    :func:`receive` takes as ``gathered``."""
+    the number of entries in every record, not None: one all-gather) and
+    queues the entries' check (``n``: the bucket's length), or all-gathers
+    only their headers (``slots`` None: counts vary). Returns the
+    :class:`Exchange` that :func:`receive` takes."""
     xp = array_module(record)
     width = HEADER if slots is None else HEADER + 2 * slots
     gathered = xp.empty((bucket.size, width), dtype=np.int32)
     bucket.all_gather(record if slots is not None else record[:HEADER], gathered.reshape(-1))
-    return gathered
+    if slots is None:
+        return Exchange(gathered, None, None, gathered)
+    indices = xp.ascontiguousarray(gathered[:, HEADER:HEADER + slots]).reshape(-1)
+    values = xp.ascontiguousarray(gathered[:, HEADER + slots:]).reshape(-1).view(np.float32)
+    # every rank must send ``slots`` entries (the headers tell, checked by
+    # receive): the entries' summary is computed before the headers are
+    # read, and both come to the host in one read
+    summary = entry_summary(indices, values, [slots] * bucket.size, n)
+    reads = xp.concatenate((gathered[:, :HEADER].reshape(-1).astype(np.int64), summary))
+    return Exchange(gathered, indices, values, reads)
 
 
-def receive(bucket, record, gathered, slots, n, context, tail, on_headers):
-    """The second half of the exchange (``gathered`` from :func:`send` with
-    these ``record`` and ``slots``): reads and checks the headers, then,
-    when counts vary, all-gathers-v the entries by count, and checks the
-    entries.
+def receive(bucket, record, exchange, host, slots, n, context, tail, on_headers):
+    """The second half of the exchange (``exchange`` from :func:`send` with
+    these ``record``, ``slots`` and ``n``; ``host``: the host copy of its
+    ``reads``): checks the headers, then, when counts vary, all-gathers-v
+    the entries by count, and checks the entries.
 
-    ``n``: the bucket's length. ``on_headers(nonfinite)`` runs with every
-    rank's non-finite count (host ints) once the headers are valid, before
-    any entries are checked; it may raise.
+    ``on_headers(nonfinite)`` runs with every rank's non-finite count (host
+    ints) once the headers are valid, before any entries are checked; it
+    may raise.
 
     Returns ``(indices, values, counts)``: every rank's entries back to back
     in rank order (int32 / float32 arrays of the record's kind) and each
@@ -227,16 +251,13 @@ def receive(bucket, record, gathered, slots, n, context, tail, on_headers):
     """
     xp = array_module(record)
     summary = None
+    host = np.asarray(host)
     if slots is not None:
-        indices = xp.ascontiguousarray(gathered[:, HEADER:HEADER + slots]).reshape(-1)
-        values = xp.ascontiguousarray(gathered[:, HEADER + slots:]).reshape(-1).view(np.float32)
-        # every rank must send ``slots`` entries (the headers tell, checked
-        # below): the entries' summary is computed before the headers are
-        # read, and both come to the host in one read
-        headers, summary = _read_together(gathered[:, :HEADER], entry_summary(
-            indices, values, [slots] * bucket.size, n))
+        headers = host[:bucket.size * HEADER].reshape(bucket.size, HEADER)
+        summary = host[bucket.size * HEADER:]
+        indices, values = exchange.indices, exchange.values
     else:
-        headers = gathered if xp is np else gathered.get()
+        headers = host
     found = check_headers(headers, n, slots)
     if found:
         raise fail(context, found, tail)
@@ -254,13 +275,3 @@ def receive(bucket, record, gathered, slots, n, context, tail, on_headers):
     if found:
         raise fail(context, found, tail)
     return indices, values, counts
-
-
-def _read_together(headers, summary):
-    """The gathered ``headers`` (int32, one row per rank) and the entries'
-    ``summary`` (int64) as host arrays, in one read from a GPU."""
-    xp = array_module(headers)
-    if xp is np:
-        return headers, summary
-    both = xp.concatenate((headers.reshape(-1).astype(np.int64), summary)).get()
-    return both[:headers.size].reshape(headers.shape), both[headers.size:]

@@ -11,7 +11,7 @@ from ..ops.sparse import scatter_add
 from . import _payload
 from . import nonfinite as _nonfinite
 from ._flat import buffer, describe, gather, scatter
-from .base import Compression
+from .base import Completion, Compression
 
 
 class Sparsifier(Compression):
@@ -134,10 +134,12 @@ class Sparsifier(Compression):
 
         Returns:
             None for numpy arrays (the bucket is done). For cupy arrays the
-            bucket's completion, a callable: the selection and the
-            all-gather of the records (of their headers when counts vary)
-            are queued, and the completion reads and validates them, sums
-            them into the arrays and updates the residual (see
+            bucket's :class:`~commlib.compression.base.Completion`: the
+            selection, the all-gather of the records (of their headers
+            when counts vary) and the entries' check are queued, and the
+            completion, given the headers and the check on the host (read
+            with the call's other reads), validates them, sums the entries
+            into the arrays and updates the residual (see
             :meth:`~commlib.compression.base.Compression.reduce`); the
             errors below may come from either.
 
@@ -161,19 +163,20 @@ class Sparsifier(Compression):
         nonfinite, indices, values = self._accumulate(residual, flat, acc)
         slots = self.count_for(n)
         record = _payload.encode(xp, indices, values, nonfinite, slots)
-        gathered = _payload.send(bucket, record, slots)
-        complete = functools.partial(
+        exchange = _payload.send(bucket, record, slots, n)
+        finish = functools.partial(
             self._complete, bucket, flat=flat, acc=acc, residual=residual, sent=(indices, values),
-            record=record, gathered=gathered, slots=slots)
+            record=record, exchange=exchange, slots=slots)
         if xp is np:
-            complete()
+            finish(exchange.reads)
             return None
-        # the rest reads the GPU: done once the call's later buckets are
-        # queued (see Compression.reduce)
-        return complete
+        # the rest needs the headers on the host: read with the call's other
+        # reads once its later buckets are queued (see Compression.reduce)
+        return Completion((exchange.reads,), finish)
 
-    def _complete(self, bucket, *, flat, acc, residual, sent, record, gathered, slots):
-        """The second half of :meth:`reduce`: validate the gathered records
+    def _complete(self, bucket, host, *, flat, acc, residual, sent, record, exchange, slots):
+        """The second half of :meth:`reduce`, ``host`` being the host copy
+        of ``exchange.reads``: validate the gathered records
         (:func:`._payload.receive`), sum them into ``flat`` and the arrays,
         and take what was ``sent`` (this rank's indices and values) off the
         residual."""
@@ -192,7 +195,7 @@ class Sparsifier(Compression):
             dropped[:] = counts
 
         all_indices, all_values, counts = _payload.receive(
-            bucket, record, gathered, slots, n, context,
+            bucket, record, exchange, host, slots, n, context,
             "in %s; nothing was written: arrays and residuals are unchanged" % where,
             on_headers)
         _sum_into(flat, all_indices, all_values, bucket.scale, counts)

@@ -18,6 +18,7 @@ communication hook, ``hook(state, bucket) -> Future``, with the state in
 ``bucket.state``; a strategy written by a user is one small file
 (``tests/compression/user_compression.py`` is one).
 """
+from ..ops.arrays import to_host
 
 
 class Bucket:
@@ -118,6 +119,35 @@ class Bucket:
         self._transport.all_gatherv(send, out, counts, self._wait)
 
 
+class Completion:
+    """A bucket's completion that needs values computed on the GPU.
+
+    ``reads`` are the integer device arrays (counts, headers, flags) the
+    completion needs on the host; ``finish`` is called with their host
+    copies, numpy arrays of the same shapes and dtypes, in order. The
+    communicator reads the ``reads`` of every completion of a call in one
+    transfer (:func:`commlib.ops.arrays.to_host`) once every bucket has been
+    issued, then calls the ``finish`` functions in bucket order. With numpy
+    arrays ``reads`` are numpy arrays, passed as they are.
+
+    Called with no arguments, a Completion reads its own values and
+    finishes: it is a completion like any other callable.
+
+    Args:
+        reads: a sequence of integer numpy or cupy arrays.
+        finish: a callable taking one host array per entry of ``reads``.
+    """
+
+    __slots__ = ("reads", "finish")
+
+    def __init__(self, reads, finish):
+        self.reads, self.finish = tuple(reads), finish
+
+    def __call__(self):
+        (values,) = to_host([self.reads])
+        self.finish(*values)
+
+
 class Compression:
     """How a bucket of arrays is all-reduced in compressed form.
 
@@ -173,21 +203,24 @@ class Compression:
 
         The work may be split in two, like a DDP hook's returned future:
         ``reduce`` queues what it can (on a GPU: kernels and collectives,
-        without reading anything back) and returns a callable of no
-        arguments, the bucket's completion, which finishes it (reads,
-        checks, writes the arrays). The communicator calls the completions
-        of a call's buckets in bucket order once every bucket of the call
-        has been issued, so a GPU works on later buckets while the host
-        waits for an earlier one. A completion may communicate through the
-        bucket, and the same rules hold for it: alike on every rank, and
-        nothing written before a failure.
+        without reading anything back) and returns the bucket's
+        completion, which finishes it (reads, checks, writes the arrays):
+        a callable of no arguments, or a :class:`Completion` naming the
+        device values it needs. The communicator calls the completions of
+        a call's buckets in bucket order once every bucket of the call has
+        been issued, so a GPU works on later buckets while the host waits
+        for an earlier one; the values of every :class:`Completion` of the
+        call come to the host first, in one transfer, so that the call
+        waits for the GPU once rather than once per bucket. A completion
+        may communicate through the bucket, and the same rules hold for
+        it: alike on every rank, and nothing written before a failure.
 
         Args:
             bucket: the :class:`Bucket` to reduce.
 
         Returns:
             None when the bucket is done, or its completion (a callable of
-            no arguments, see above).
+            no arguments, or a :class:`Completion`; see above).
 
         Raises:
             NotImplementedError: in the base class; every strategy defines it.

@@ -21,9 +21,11 @@ shared-memory reducer. Other dtypes are not compressed.
 ``nonfinite`` (see :mod:`.nonfinite`) looks at the reduced half-precision
 result, whose bits are the same on every rank, so every rank decides alike:
 NaN or inf in it (a rank's NaN or inf, a value beyond float16's range after
-the division, or a float16 sum that overflowed) raises NonFiniteError on
-every rank before anything is written back (``"raise"``, the default), or is
-written and warned about (``"warn"``). Only then do the ranks all-gather how
+the division, or a float16 sum that overflowed) keeps the bucket from being
+written back (on a GPU the cast back reads the count itself: no host read)
+and raises NonFiniteError on every rank once every bucket of the call is
+issued (``"raise"``, the default; the call's finite buckets are written), or
+is written and warned about (``"warn"``). Only then do the ranks all-gather how
 many non-finite values each sent (counted while casting), for ``counts``
 and ``culprits``; none when only the sum overflowed.
 """
@@ -38,7 +40,7 @@ from ..ops.arrays import array_module
 from ..ops.cast import storage_dtype
 from . import _flat
 from . import nonfinite as _nonfinite
-from .base import Compression
+from .base import Completion, Compression
 
 
 class HalfPrecision(Compression):
@@ -98,18 +100,23 @@ class HalfPrecision(Compression):
                 arrays), reduced in place.
 
         Returns:
-            None for numpy arrays (the bucket is done). For cupy arrays the
-            bucket's completion, a callable: the cast, the all-reduce and
-            the count of NaN and inf are queued on the GPU, and the
-            completion reads the count, checks it and casts the result back
-            (the communicator calls it once the call's later buckets are
-            queued, see :meth:`~commlib.compression.base.Compression.reduce`).
+            The bucket's :class:`~commlib.compression.base.Completion`. The
+            cast, the all-reduce, the count of NaN and inf and the cast
+            back are done (on a GPU: queued, without a host read) before it
+            returns, the cast back guarded by the count (with ``"raise"``
+            nothing is written when the count is not 0). The completion
+            takes the count on the host (with the call's other reads, once
+            every bucket of the call is issued, see
+            :meth:`~commlib.compression.base.Compression.reduce`) and raises
+            or warns.
 
         Raises:
-            NonFiniteError: with ``nonfinite="raise"``, on every rank, when
-                the reduced result holds NaN or inf (``counts``: the
-                non-finite values each rank sent; none when only the sum
-                overflowed); nothing was written: the arrays are unchanged.
+            NonFiniteError: (from the completion) with ``nonfinite="raise"``,
+                on every rank, when the reduced result holds NaN or inf
+                (``counts``: the non-finite values each rank sent; none when
+                only the sum overflowed); nothing of this bucket was
+                written: its arrays are unchanged. The call's other buckets
+                whose results are finite have been written.
             CollectiveTimeoutError, PeerError, TransportError, ClosedError:
                 from the bucket's communication (see
                 :meth:`~commlib.compression.base.Bucket.all_reduce`).
@@ -120,31 +127,32 @@ class HalfPrecision(Compression):
         xp = array_module(arrays[0])
         size = sum(a.size for a in arrays)
         wire = _flat.buffer(workspace, "wire", xp, size, self._storage)
+        guarded = self.nonfinite == "raise"
         if xp is not np:             # one pack / unpack launch, casting on the way
             sent = xp.zeros((), dtype=np.int64)
             _pack.pack(arrays, wire, scale=scale, nonfinite=sent)
             self._all_reduce(bucket, wire)
             bits = wire.view(np.uint16)
-            found = xp.count_nonzero((bits & self._exponent) == self._exponent)  # not read yet
-            # the check reads the GPU: done once the call's later buckets are
-            # queued, so that the GPU works on them meanwhile
-            return functools.partial(self._complete_on_device, bucket, wire, sent, found)
-        # numpy: the arrays cast into their parts of the wire and back
-        sent = _flat.cast_parts(arrays, wire, workspace,
-                                np.float32(1) if scale is None else np.float32(scale))
-        self._all_reduce(bucket, wire)
-        warning = self._settle(bucket, wire, sent, hostcast.count_nonfinite(wire, self.fmt))
-        _flat.cast_parts(arrays, wire, workspace, into_wire=False)
-        if warning:
-            _nonfinite.warn(warning)
-        return None
+            found = xp.count_nonzero((bits & self._exponent) == self._exponent).astype(
+                np.int64, copy=False)                                     # not read
+            # the GPU decides whether the result is written, so nothing waits
+            # for the host here
+            _pack.unpack(wire, arrays, unless=found if guarded else None)
+        else:                        # the arrays cast into their parts of the wire and back
+            sent = _flat.cast_parts(arrays, wire, workspace,
+                                    np.float32(1) if scale is None else np.float32(scale))
+            self._all_reduce(bucket, wire)
+            found = np.array(hostcast.count_nonfinite(wire, self.fmt), np.int64)
+            if not (found and guarded):
+                _flat.cast_parts(arrays, wire, workspace, into_wire=False)
+        return Completion((found,), functools.partial(self._settle_read, bucket, wire, sent))
 
-    def _complete_on_device(self, bucket, wire, sent, found):
-        """The end of a cupy bucket's :meth:`reduce`: read the reduced
-        result's count of NaN and inf (``found``, a 0-d device array), then
-        check and write it back."""
+    def _settle_read(self, bucket, wire, sent, found):
+        """The end of :meth:`reduce`, once the reduced result's count of NaN
+        and inf (``found``) is on the host: raise or warn as :meth:`_settle`
+        says (the result has been written, or, with ``"raise"`` and a count,
+        not)."""
         warning = self._settle(bucket, wire, sent, int(found))
-        _pack.unpack(wire, bucket.arrays)
         if warning:
             _nonfinite.warn(warning)
 

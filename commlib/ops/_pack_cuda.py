@@ -86,7 +86,7 @@ def build_table(segments, chunk):
 
 _tables = collections.OrderedDict()     # (device, chunk, segments) -> (table, nchunks)
 _prepared = IdentityCache(TABLE_CACHE_SIZE)   # one entry per recently seen list, see _prepare
-_dummy_counters = {}
+_dummies = {}                           # (device, role) -> 0-d int64, see _dummy
 
 
 class _Prepared:
@@ -113,11 +113,14 @@ def _device_table(device_id, segments, chunk):
     return table, nchunks
 
 
-def _dummy_counter(device_id):
-    c = _dummy_counters.get(device_id)
+def _dummy(device_id, role):
+    """A 0-d int64 device array standing in for an argument not given:
+    ``role`` "counter" (kernels add to it; never read) or "never" (a skip
+    flag that stays 0: kernels only read it)."""
+    c = _dummies.get((device_id, role))
     if c is None:
         import cupy
-        c = _dummy_counters[device_id] = cupy.zeros((), dtype=np.int64)
+        c = _dummies[device_id, role] = cupy.zeros((), dtype=np.int64)
     return c
 
 
@@ -179,25 +182,29 @@ def _prepare(direction, arrays, bucket, scale, accumulate, counting, what):
     return p
 
 
-def _launch(p, bucket, scale, counter):
+def _launch(p, bucket, scale, counter, unless):
     import cupy
     scale32 = np.float32(1) if scale is None else check_scale(scale)
     if cupy.cuda.runtime.getDevice() != p.device:
         with cupy.cuda.Device(p.device):
-            return _launch(p, bucket, scale, counter)
+            return _launch(p, bucket, scale, counter, unless)
     if counter is None:
-        counter = _dummy_counter(p.device)
+        counter = _dummy(p.device, "counter")
+    skip = _dummy(p.device, "never") if unless is None else unless
     for kernel, grid, block, table, nseg, chunk in p.launches:
-        kernel(grid, block, (table, nseg, chunk, bucket, scale32, counter))
+        kernel(grid, block, (table, nseg, chunk, bucket, scale32, counter, skip))
 
 
-def pack_cuda(arrays, out, scale=None, nonfinite=None):
+def pack_cuda(arrays, out, scale=None, nonfinite=None, unless=None):
     """CUDA pack (see :func:`commlib.ops.pack.pack`); returns ``out``."""
     import cupy
     counter = check_counter(nonfinite, True)
+    unless = check_counter(unless, True, "unless")
     p = _prepare("pack", arrays, out, scale, False, counter is not None, "out")
     if p.mode != "generic":
-        _launch(p, out, scale, counter)
+        _launch(p, out, scale, counter, unless)
+        return out
+    if unless is not None and unless:      # a host read: only the rare generic mode
         return out
     dst = out[:p.total]
     lo = 0
@@ -213,14 +220,17 @@ def pack_cuda(arrays, out, scale=None, nonfinite=None):
     return out
 
 
-def unpack_cuda(buf, arrays, scale=None, accumulate=False, nonfinite=None):
+def unpack_cuda(buf, arrays, scale=None, accumulate=False, nonfinite=None, unless=None):
     """CUDA unpack (see :func:`commlib.ops.pack.unpack`); returns ``arrays``."""
     import cupy
     arrays_list = list(arrays)
     counter = check_counter(nonfinite, True)
+    unless = check_counter(unless, True, "unless")
     p = _prepare("unpack", arrays_list, buf, scale, accumulate, counter is not None, "buf")
     if p.mode != "generic":
-        _launch(p, buf, scale, counter)
+        _launch(p, buf, scale, counter, unless)
+        return arrays
+    if unless is not None and unless:      # a host read: only the rare generic mode
         return arrays
     lo = 0
     for a in arrays_list:

@@ -189,17 +189,18 @@ def check_scale(scale):
     return s
 
 
-def check_counter(counter, gpu):
-    """Validate an optional non-finite counter: None or a 0-d int64 array of
-    the right kind (cupy when ``gpu``)."""
+def check_counter(counter, gpu, what="nonfinite"):
+    """Validate an optional counter or flag: None or a 0-d int64 array of
+    the right kind (cupy when ``gpu``); ``what`` names the argument in the
+    message."""
     if counter is None:
         return None
     if not (isinstance(counter, np.ndarray) or is_cupy(counter)) or is_cupy(counter) != gpu:
-        raise ArrayTypeError("nonfinite: expected a 0-d int64 %s array, got %s"
-                             % ("cupy" if gpu else "numpy", type(counter).__name__))
+        raise ArrayTypeError("%s: expected a 0-d int64 %s array, got %s"
+                             % (what, "cupy" if gpu else "numpy", type(counter).__name__))
     if counter.shape != () or counter.dtype != np.int64:
-        raise ArrayTypeError("nonfinite: expected a 0-d int64 array, got shape %s dtype %s"
-                             % (counter.shape, counter.dtype))
+        raise ArrayTypeError("%s: expected a 0-d int64 array, got shape %s dtype %s"
+                             % (what, counter.shape, counter.dtype))
     return counter
 
 

@@ -5,7 +5,10 @@ of the 1-D ``out``; ``unpack(buf, arrays)`` copies the slices back. With cupy
 inputs this is one launch of ``kernels/pack.cu`` per distinct array dtype (a
 cached table of device pointers and offsets), not one copy per array.
 Optional ``scale`` multiplies while copying and a different bucket dtype
-casts (e.g. float32 gradients into a float16 bucket).
+casts (e.g. float32 gradients into a float16 bucket). Optional ``unless``,
+a 0-d int64 array, guards the copy: when it holds a non-zero value nothing
+is written. On a GPU the kernel reads it, so a count computed on the device
+(of NaN and inf in a reduced result, say) decides without a host read.
 
 Three modes, chosen by :func:`commlib.ops.cast.copy_mode` the same way on both paths:
 
@@ -31,7 +34,7 @@ def offsets_of(arrays):
     return np.concatenate(([0], np.cumsum(sizes, dtype=np.int64)))
 
 
-def pack(arrays, out, scale=None, *, nonfinite=None):
+def pack(arrays, out, scale=None, *, nonfinite=None, unless=None):
     """Copy ``arrays`` (flattened, in order) into the 1-D ``out``.
 
     arrays: sequence of numpy (or cupy, with a cupy ``out``) arrays.
@@ -40,14 +43,18 @@ def pack(arrays, out, scale=None, *, nonfinite=None):
     scale: float or None; multiplies every value.
     nonfinite: optional 0-d int64 array (same kind as ``out``); the number of
         non-finite values written is added to it.
+    unless: optional 0-d int64 array (same kind as ``out``): when it is not
+        0, nothing is written or counted.
     Returns ``out``.
     """
     arrays = list(arrays)
     if is_cupy(out):
         from ._pack_cuda import pack_cuda
-        return pack_cuda(arrays, out, scale, nonfinite=nonfinite)
+        return pack_cuda(arrays, out, scale, nonfinite=nonfinite, unless=unless)
     total = _check_numpy(arrays, out, "out")
     counter = check_counter(nonfinite, False)
+    if check_counter(unless, False, "unless") is not None and unless:
+        return out
     dst = out[:total]
     mode = copy_mode([a.dtype for a in arrays], out.dtype, scale, False, counter is not None)
     if mode == "raw":
@@ -76,21 +83,25 @@ def pack(arrays, out, scale=None, *, nonfinite=None):
     return out
 
 
-def unpack(buf, arrays, scale=None, accumulate=False, *, nonfinite=None):
+def unpack(buf, arrays, scale=None, accumulate=False, *, nonfinite=None, unless=None):
     """Copy consecutive slices of the 1-D ``buf`` back into ``arrays``.
 
     scale: float or None; multiplies while copying.
     accumulate: add into the arrays instead of overwriting them.
     nonfinite: optional 0-d int64 array (same kind as ``buf``); the number of
         non-finite values written is added to it.
+    unless: optional 0-d int64 array (same kind as ``buf``): when it is not
+        0, nothing is written or counted.
     Returns ``arrays``.
     """
     if is_cupy(buf):
         from ._pack_cuda import unpack_cuda
-        return unpack_cuda(buf, arrays, scale, accumulate, nonfinite=nonfinite)
+        return unpack_cuda(buf, arrays, scale, accumulate, nonfinite=nonfinite, unless=unless)
     arrays_list = list(arrays)
     _check_numpy(arrays_list, buf, "buf")
     counter = check_counter(nonfinite, False)
+    if check_counter(unless, False, "unless") is not None and unless:
+        return arrays
     mode = copy_mode([a.dtype for a in arrays_list], buf.dtype, scale, accumulate,
                      counter is not None)
     scale32 = None

@@ -216,6 +216,29 @@ def check_half(comm, xp, to_host, strategy_cls, mode, op, layout):
         assert s.got().tobytes() == sum(grads).tobytes()
 
 
+def check_half_units(comm, xp, to_host, strategy_cls):
+    """A call of three units (each array above the bucket size), NaN in the
+    middle one on the last rank, ``"raise"``: every rank raises naming it,
+    the middle array is unchanged and the other two hold their exact sums
+    (each unit is written unless its own result holds NaN or inf)."""
+    n = 20000                                            # 80 KB: a unit of its own
+    rng = np.random.default_rng(70)
+    grads = [[rng.integers(-8, 9, n).astype(np.float32) for _ in range(3)]
+             for _ in range(comm.size)]
+    grads[comm.size - 1][1][123] = NAN
+    arrays = [xp.array(g) for g in grads[comm.rank]]         # copies: grads stay the inputs
+    before = to_host(arrays[1]).tobytes()
+    counts = [0] * (comm.size - 1) + [1]
+    exc = expect_raise(errors.NonFiniteError,
+                       lambda: comm.all_reduce(arrays, op="sum", compression=strategy_cls()),
+                       "nothing was written", *ranks_text(counts))
+    assert exc.counts == tuple(counts), exc.counts
+    assert to_host(arrays[1]).tobytes() == before, "the failed unit was written"
+    for i in (0, 2):
+        want = sum(g[i] for g in grads)
+        assert to_host(arrays[i]).tobytes() == want.tobytes(), "unit %d not written" % i
+
+
 # --- tampered payloads -------------------------------------------------------------
 
 def _set(a, j, value):
@@ -328,6 +351,7 @@ def main(which, device):
                 for mode in ("raise", "warn"):
                     check_half(comm, xp, to_host, cls, mode, "sum", layout)
                 check_half(comm, xp, to_host, cls, "raise", "avg", layout)
+            check_half_units(comm, xp, to_host, cls)
     else:
         for tag, cls, args, select in SPARSE:
             for layout in LAYOUTS:

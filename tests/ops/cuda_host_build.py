@@ -538,7 +538,7 @@ class HostCupy:
         monkeypatch.setattr(_pack_cuda, "_tables", collections.OrderedDict())
         monkeypatch.setattr(_pack_cuda, "_prepared", type(_pack_cuda._prepared)(
             _pack_cuda.TABLE_CACHE_SIZE))
-        monkeypatch.setattr(_pack_cuda, "_dummy_counters", {})
+        monkeypatch.setattr(_pack_cuda, "_dummies", {})
         return self.module
 
 

@@ -13,6 +13,7 @@ and every load and store is checked against the launch's arrays.
 import numpy as np
 import pytest
 
+import commlib.errors
 import cuda_host_build as chb
 from cuda_host_build import SCHEDULES, KernelFault
 from commlib.ops import cast as cast_mod, pack as pack_mod, sparse as sparse_mod
@@ -402,14 +403,23 @@ def check_pack(gpu, afmt, bfmt, scale, accumulate, flat_off, bucket_off, seed):
     where = (afmt, bfmt, scale, accumulate, flat_off, bucket_off, gpu.schedule.name)
     counter = gpu.module.zeros((), np.int64)
     want_count = np.zeros((), np.int64)
-    pack_mod.pack(garrays, gbucket, scale, nonfinite=counter)
+    # a non-zero guard: nothing written, nothing counted, on both paths
+    stop = gpu.module.asarray(np.array(seed + 1, np.int64))
+    before_bucket, before_flat = np.array(gbucket), np.array(gflat)
+    pack_mod.pack(garrays, gbucket, scale, nonfinite=counter, unless=stop)
+    pack_mod.unpack(gbucket, garrays, scale, accumulate, nonfinite=counter, unless=stop)
+    pack_mod.pack(arrays, bucket, scale, nonfinite=want_count, unless=np.array(1, np.int64))
+    assert same_bits(gbucket, before_bucket) and same_bits(gflat, before_flat), where
+    assert int(counter) == 0 and same_bits(bucket, before_bucket), where
+    go = gpu.module.zeros((), np.int64)          # a zero guard: as without one
+    pack_mod.pack(garrays, gbucket, scale, nonfinite=counter, unless=go)
     pack_mod.pack(arrays, bucket, scale, nonfinite=want_count)
     assert int(counter) == int(want_count), where
     assert same_bits(gbucket, bucket), where
     # and back into the arrays (bucket values now the packed ones)
     counter[...] = 0
     want_count[...] = 0
-    pack_mod.unpack(gbucket, garrays, scale, accumulate, nonfinite=counter)
+    pack_mod.unpack(gbucket, garrays, scale, accumulate, nonfinite=counter, unless=go)
     pack_mod.unpack(bucket, arrays, scale, accumulate, nonfinite=want_count)
     assert int(counter) == int(want_count), where
     assert same_bits(gflat, flat), where
@@ -676,8 +686,34 @@ def test_every_output_byte_is_stored_once(kernels):
     regions += chb._pack_segments(launch.kernel, table, len(launch.segments))
     kernels.launch(launch.kernel, min(nchunks, 3), 256,
                    [table, np.int64(len(launch.segments)), np.int64(launch.chunk), bucket,
-                    np.float32(0.5), np.zeros((), np.uint64)], SCHEDULES[3], regions)
+                    np.float32(0.5), np.zeros((), np.uint64), np.zeros((), np.int64)],
+                   SCHEDULES[3], regions)
     assert np.all(counts == 1)
     want = np.zeros(total, np.float32)
     pack_mod.pack(arrays, want, 0.5)
     assert same_bits(bucket[:total], want)
+
+
+def test_to_host_reads_every_device_array_in_one_read(gpu):
+    from commlib.ops.arrays import to_host
+    from commlib.compression import Completion
+    xp = gpu.module
+    host = [np.array(7, np.int64), np.arange(8, dtype=np.int32).reshape(2, 4) - 3,
+            np.array([1, 2**40], np.int64), np.array([5], np.uint8)]
+    kept = np.array([9, 9], np.int32)                  # a numpy array passes through
+    groups = [(xp.asarray(host[0]),), (xp.asarray(host[1]), kept), (),
+              (xp.asarray(host[2]), xp.asarray(host[3]))]
+    del gpu.reads[:]
+    got = to_host(groups)
+    assert len(gpu.reads) == 1, gpu.reads
+    assert [len(g) for g in got] == [1, 2, 0, 2] and got[1][1] is kept
+    for want, a in zip(host, [got[0][0], got[1][0], got[3][0], got[3][1]]):
+        assert type(a) is np.ndarray and a.dtype == want.dtype and a.shape == want.shape
+        assert np.array_equal(a, want)
+    # a Completion called on its own reads its values and finishes
+    seen = []
+    Completion((xp.asarray(host[1]), xp.asarray(host[0])), lambda *v: seen.append(v))()
+    assert np.array_equal(seen[0][0], host[1]) and int(seen[0][1]) == 7
+    with pytest.raises(commlib.errors.ArrayTypeError, match="expected integer arrays, got "
+                       "dtype float32"):
+        to_host([(xp.zeros(3, np.float32),)])

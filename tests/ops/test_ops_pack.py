@@ -106,6 +106,35 @@ def test_cast_unpack_equals_per_array_cast(afmt, bfmt, accumulate):
     assert int(counter) == total
 
 
+@pytest.mark.parametrize("mode", ["raw", "cast", "generic"])
+def test_a_non_zero_guard_writes_and_counts_nothing(mode):
+    dtype = {"raw": np.float32, "cast": np.float16, "generic": np.float64}[mode]
+    arrays = make_arrays(SHAPES, "float32", 8)
+    arrays[0].reshape(-1)[0] = np.inf
+    bucket = np.full(sum(a.size for a in arrays), 7, dtype)
+    keep = [a.copy() for a in arrays]
+    counter = np.zeros((), np.int64)
+    for flag in (1, -3):
+        pack(arrays, bucket, nonfinite=counter, unless=np.array(flag, np.int64))
+        unpack(bucket, arrays, 0.5, nonfinite=counter, unless=np.array(flag, np.int64))
+        assert (bucket == 7).all() and int(counter) == 0
+        for a, k in zip(arrays, keep):
+            np.testing.assert_array_equal(bits(a), bits(k))
+    pack(arrays, bucket, nonfinite=counter, unless=np.zeros((), np.int64))
+    assert int(counter) == 1
+    np.testing.assert_array_equal(bucket, np.concatenate([a.ravel() for a in keep]).astype(dtype))
+
+
+@pytest.mark.parametrize("unless", [1, np.array([0], np.int64), np.array(0, np.int32)])
+def test_a_guard_must_be_a_0d_int64_array(unless):
+    arrays = make_arrays(SHAPES, "float32", 9)
+    bucket = np.zeros(sum(a.size for a in arrays), np.float32)
+    with pytest.raises(ArrayTypeError, match="unless: expected a 0-d int64"):
+        pack(arrays, bucket, unless=unless)
+    with pytest.raises(ArrayTypeError, match="unless: expected a 0-d int64"):
+        unpack(bucket, arrays, unless=unless)
+
+
 def test_mixed_dtypes_into_bfloat16_bucket():
     arrays = make_arrays([(10,), (3, 3)], "float32", 6) + make_arrays([(5,)], "float16", 7)
     bucket = np.empty(24, np.uint16)
