@@ -139,32 +139,13 @@ def test_ctrl_c_deletes_the_namespace():
     assert not shaped_link.namespace_exists(name)
 
 
-def test_ctrl_c_while_the_command_starts_ends_it(monkeypatch):
+@pytest.mark.parametrize("taker", ["this thread", "another thread"])
+def test_ctrl_c_while_the_command_starts_ends_it(monkeypatch, taker):
     # a Ctrl-C that lands while the command's process is being made (here:
     # sent from inside Popen, right after the child exists) still ends that
-    # child and deletes the namespace
-    import signal
-    made = []
-    real_popen = subprocess.Popen
-
-    def popen_then_ctrl_c(cmd, *args, **kwargs):
-        proc = real_popen(cmd, *args, **kwargs)
-        if list(cmd[-2:]) == ["sleep", "60"]:             # the command, not an `ip` call
-            made.append(proc)
-            os.kill(os.getpid(), signal.SIGINT)
-        return proc
-    monkeypatch.setattr(shaped_link.subprocess, "Popen", popen_then_ctrl_c)
-    with pytest.raises(KeyboardInterrupt):
-        shaped_link.run_shaped(["sleep", "60"], "1gbit", timeout=60)
-    assert len(made) == 1 and made[0].poll() is not None     # killed and reaped
-    assert not shaped_link.namespace_exists(NAME)
-
-
-def test_ctrl_c_taken_by_another_thread_while_the_command_starts_ends_it(monkeypatch):
-    # the kernel hands a process-directed Ctrl-C to any thread that does not
-    # block it (pytest-xdist's workers have several); Python then raises in
-    # the main thread wherever it is. Sent here to another thread from inside
-    # Popen, right after the child exists: the child still ends.
+    # child and deletes the namespace. The kernel hands a process-directed
+    # Ctrl-C to any thread that does not block it (pytest-xdist's workers
+    # have several); Python then raises in the main thread wherever it is.
     import signal
     import threading
     made = []
@@ -172,14 +153,17 @@ def test_ctrl_c_taken_by_another_thread_while_the_command_starts_ends_it(monkeyp
     other = threading.Thread(target=time.sleep, args=(30,), daemon=True)
     other.start()
 
-    def popen_then_ctrl_c_elsewhere(cmd, *args, **kwargs):
+    def popen_then_ctrl_c(cmd, *args, **kwargs):
         proc = real_popen(cmd, *args, **kwargs)
-        if list(cmd[-2:]) == ["sleep", "60"]:
+        if list(cmd[-2:]) == ["sleep", "60"]:             # the command, not an `ip` call
             made.append(proc)
-            signal.pthread_kill(other.ident, signal.SIGINT)
-            time.sleep(0.2)                       # Python runs the handler meanwhile
+            if taker == "this thread":
+                os.kill(os.getpid(), signal.SIGINT)
+            else:
+                signal.pthread_kill(other.ident, signal.SIGINT)
+                time.sleep(0.2)                   # Python runs the handler meanwhile
         return proc
-    monkeypatch.setattr(shaped_link.subprocess, "Popen", popen_then_ctrl_c_elsewhere)
+    monkeypatch.setattr(shaped_link.subprocess, "Popen", popen_then_ctrl_c)
     with pytest.raises(KeyboardInterrupt):
         shaped_link.run_shaped(["sleep", "60"], "1gbit", timeout=60)
     assert len(made) == 1 and made[0].poll() is not None     # killed and reaped
