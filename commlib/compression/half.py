@@ -37,7 +37,7 @@ from ..errors import ArgumentError
 from ..ops import pack as _pack
 from ..ops import hostcast
 from ..ops.arrays import array_module
-from ..ops.cast import storage_dtype
+from ..ops.cast import cast, storage_dtype
 from . import _flat
 from . import nonfinite as _nonfinite
 from .base import Completion, Compression
@@ -70,8 +70,6 @@ class HalfPrecision(Compression):
         self.nonfinite = _nonfinite.check_mode(nonfinite, type(self).__name__)
         short = {"float16": "fp16", "bfloat16": "bf16"}[fmt]
         self.name = short if nonfinite == "raise" else "%s(nonfinite=%r)" % (short, nonfinite)
-        # exponent bits of the format, all set in inf and NaN
-        self._exponent = 0x7C00 if fmt == "float16" else 0x7F80
         # the wire buffer's dtype, and the format the transport must be told
         self._storage = storage_dtype(fmt)
         self._wire_fmt = fmt if fmt == "bfloat16" else None
@@ -132,9 +130,9 @@ class HalfPrecision(Compression):
             sent = xp.zeros((), dtype=np.int64)
             _pack.pack(arrays, wire, scale=scale, nonfinite=sent)
             self._all_reduce(bucket, wire)
-            bits = wire.view(np.uint16)
-            found = xp.count_nonzero((bits & self._exponent) == self._exponent).astype(
-                np.int64, copy=False)                                     # not read
+            # NaN and inf in the result, counted on the GPU by one cast of the
+            # wire onto itself (bits unchanged but for canonical NaNs): not read
+            _, found = cast(wire, self.fmt, out=wire)
             # the GPU decides whether the result is written, so nothing waits
             # for the host here
             _pack.unpack(wire, arrays, unless=found if guarded else None)

@@ -233,9 +233,11 @@ def run_on_the_host_build(host_cupy, n, code, args=()):
 
 
 #: what every rank of the compression runs below must have launched: the
-#: casting and raw packs (fp16/bf16, and top-K's gather and scatter of a
+#: casting and raw packs (fp16/bf16 with the count of the reduced result's
+#: NaN and inf, and top-K's gather and scatter of a
 #: bucket of several arrays), every top-K pass, threshold and scatter-add
-HALF_KERNELS = {"pack_f32_f16", "unpack_f16_f32", "pack_f32_bf16", "unpack_bf16_f32"}
+HALF_KERNELS = {"pack_f32_f16", "unpack_f16_f32", "pack_f32_bf16", "unpack_bf16_f32",
+                "cast_f16_f16", "cast_bf16_bf16"}    # the last two count NaN and inf
 SPARSE_KERNELS = {"pack_raw4", "unpack_raw4", "topk_sample", "topk_hist1", "topk_filter",
                   "topk_refine", "topk_compact", "threshold_select", "scatter_add"}
 
