@@ -68,6 +68,9 @@ def test_gpu_step_cpu_smoke(tmp_path):
         assert len(row["commlib"]["host_samples_ms"]) == 2
         assert row["commlib"]["check"] == "ok"
     assert set(data["host_target"]["us"]) == set(VARIANTS)
+    assert set(data["host_target"]["issue_us"]) == set(VARIANTS)
+    assert all(us > 0 for us in data["host_target"]["issue_us"].values())
+    assert out.count("(async_op=True: ") == len(VARIANTS)
     assert set(data["profile"]) == set(VARIANTS)
     assert all(p["top"] and p["total_us"] > 0 for p in data["profile"].values())
 
