@@ -35,10 +35,10 @@ def as_list(arrays, what="arrays", rank=None, writeable=False):
 
 
 def _kind(a):
+    if is_cupy(a) and hasattr(a, "data"):      # first: a stand-in cupy may subclass numpy's
+        return "cupy"
     if isinstance(a, np.ndarray):
         return "numpy"
-    if is_cupy(a) and hasattr(a, "data"):
-        return "cupy"
     return None
 
 

@@ -19,6 +19,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import types
 from pathlib import Path
@@ -460,11 +461,42 @@ class HostCupy:
             def get_function(self, name):
                 return RawKernel(None, name)
 
+        current = threading.local()     # the stream a thread made current
+
         class _Stream:
-            ptr = 0
+            """A stream: work runs on the host when launched, so every
+            stream is always done and events only order what is already
+            ordered; ``with stream:`` makes it the thread's current one."""
+
+            def __init__(self, null=False, non_blocking=False, ptr=None):
+                self.ptr = 0 if null else (ptr or id(self))
 
             def synchronize(self):
                 pass
+
+            def record(self, event=None):
+                event = _Event() if event is None else event
+                event.record(self)
+                return event
+
+            def wait_event(self, event):
+                pass
+
+            def use(self):
+                current.stream = self
+                return self
+
+            def __enter__(self):
+                self._previous = getattr(current, "stream", None)
+                current.stream = self
+                return self
+
+            def __exit__(self, *exc):
+                current.stream = self._previous
+                return False
+
+        null_stream = _Stream(null=True)
+        _Stream.null = null_stream
 
         def memset_async(ptr, value, size, stream=0):
             ctypes.memset(ptr, value, size)
@@ -479,12 +511,17 @@ class HostCupy:
             def synchronize(self):
                 pass
 
+            def query(self):
+                return True
+
+            done = property(query)
+
         props = {"multiProcessorCount": self.sm_count, "maxThreadsPerMultiProcessor": 2048,
                  "name": b"cooperative host build", "l2CacheSize": 1 << 20,
                  "totalGlobalMem": 1 << 33, "major": 0, "minor": 0}
         cuda = types.SimpleNamespace(
-            Device=_Device, Event=_Event, Stream=types.SimpleNamespace(null=_Stream()),
-            get_current_stream=lambda: _Stream(),
+            Device=_Device, Event=_Event, Stream=_Stream,
+            get_current_stream=lambda: getattr(current, "stream", None) or null_stream,
             get_elapsed_time=lambda a, b: (b.t - a.t) * 1e3,
             runtime=types.SimpleNamespace(getDevice=lambda: 0, getDeviceCount=lambda: 1,
                                           getDeviceProperties=lambda i: dict(props),
@@ -494,7 +531,8 @@ class HostCupy:
         rng = device_functions(np.random)
         mod = types.ModuleType("cupy")
         mod.__dict__.update(
-            ndarray=ndarray, empty=empty, zeros=zeros, asarray=asarray, asnumpy=np.array,
+            ndarray=ndarray, empty=empty, zeros=zeros, asarray=asarray,
+            asnumpy=lambda a, stream=None, **kwargs: np.array(a, **kwargs),
             RawKernel=RawKernel, RawModule=RawModule, cuda=cuda, __version__="coop-host",
             random=types.SimpleNamespace(default_rng=lambda seed=None: types.SimpleNamespace(
                 **{n: device_functions(np.random.default_rng(seed))(n)
@@ -504,6 +542,8 @@ class HostCupy:
             get_default_memory_pool=lambda: types.SimpleNamespace(free_all_blocks=lambda: None),
             # a 0-d device array, as cupy's (numpy's is an int: no read to see)
             count_nonzero=lambda a, axis=None: asarray(np.asarray(np.count_nonzero(a, axis=axis))),
+            get_array_module=lambda *arrays: mod if any(isinstance(a, ndarray) for a in arrays)
+            else np,
             __getattr__=device_functions(np))
         self.props = props
         return mod

@@ -223,6 +223,34 @@ def test_gpu_tests_pass_on_the_host_build(host_cupy):
     assert "skipped" not in res.stdout.splitlines()[-1], tail
 
 
+#: gpu-marked tests past the kernels' wrappers that the host build runs, and
+#: how many test items they are: every kernel path small, the MPI transport
+#: with cupy arrays at 2 ranks, asynchronous calls on a side stream, the
+#: compression faults, the optimizer, the MNIST example. NCCL, torch's CUDA,
+#: several streams at once and the 25M-element sizes need a real GPU.
+HOST_BUILD_GPU_TESTS = (
+    ["tests/gpu/test_gpu.py::test_every_kernel_path_small_against_the_twins",
+     "tests/gpu/test_gpu.py::test_mpi_transport_with_cupy_arrays_world_size_2",
+     "tests/progress/test_async.py::test_gpu_async_stream_order_and_reducer",
+     "tests/compression/test_compression_faults.py::test_faults_cupy_world_size_1",
+     "tests/optim/test_optimizer.py::test_cupy_parameters_follow_the_numpy_rules",
+     "tests/test_examples.py::test_mnist_on_gpu"], 9)
+
+
+@needs_host_build
+def test_gpu_integration_tests_pass_on_the_host_build(host_cupy):
+    # the parts that a GPU run reaches through more than one wrapper (the
+    # transports, the progress thread's streams and events, the example),
+    # each item run, none skipped
+    tests, items = HOST_BUILD_GPU_TESTS
+    res = subprocess.run([sys.executable, "-m", "pytest", "-q", "-m", "gpu",
+                          "-p", "no:cacheprovider", *tests],
+                         cwd=ROOT, env=host_cupy, capture_output=True, text=True, timeout=600)
+    tail = res.stdout[-3000:] + res.stderr[-3000:]
+    assert res.returncode == 0, tail
+    assert re.match(r"%d passed in " % items, res.stdout.splitlines()[-1]), tail
+
+
 def run_on_the_host_build(host_cupy, n, code, args=()):
     """``run_mpi(n, code, args)`` with ``import cupy`` giving the host build's
     stand-in in every rank (the ``host_cupy`` fixture's)."""
