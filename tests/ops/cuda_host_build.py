@@ -527,7 +527,8 @@ class HostCupy:
                                           getDeviceProperties=lambda i: dict(props),
                                           runtimeGetVersion=lambda: 0,
                                           memsetAsync=memset_async,
-                                          driverGetVersion=lambda: 0))
+                                          driverGetVersion=lambda: 0,
+                                          deviceSynchronize=lambda: None))
         rng = device_functions(np.random)
         mod = types.ModuleType("cupy")
         mod.__dict__.update(

@@ -251,6 +251,26 @@ def test_gpu_integration_tests_pass_on_the_host_build(host_cupy):
     assert re.match(r"%d passed in " % items, res.stdout.splitlines()[-1]), tail
 
 
+@needs_host_build
+def test_gpu_step_gpu_branch_on_the_host_build(host_cupy, tmp_path):
+    # benchmarks/gpu_step.py with cupy arrays (the host build's; no NCCL
+    # there, so Communicator.single(device=0), and no torch): every commlib
+    # variant measured, synchronously and with async_op=True, and checked
+    res = subprocess.run([sys.executable, "benchmarks/gpu_step.py", "--device", "gpu",
+                          "--workload", "mnist_cnn", "--repeats", "2", "--warmup", "1",
+                          "--no-init-probe", "--no-torch", "--time-limit", "250",
+                          "--out", str(tmp_path)],
+                         cwd=ROOT, env=host_cupy, capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    data = json.loads((tmp_path / "gpu_step.json").read_text())
+    assert data["env"]["device"] == "gpu", data["env"]
+    assert [e["where"] for e in data["errors"]] == ["commlib: from_nccl_id"], data["errors"]
+    for row in data["rows"]:
+        assert row["commlib"]["check"] == "ok", row
+        assert row["commlib"]["device_ms"] > 0 and row["commlib"]["issue_ms"] > 0, row
+    assert set(data["host_target"]["issue_us"]) == {r["variant"] for r in data["rows"]}
+
+
 def run_on_the_host_build(host_cupy, n, code, args=()):
     """``run_mpi(n, code, args)`` with ``import cupy`` giving the host build's
     stand-in in every rank (the ``host_cupy`` fixture's)."""
