@@ -143,16 +143,7 @@ class HalfPrecision(Compression):
             found = np.array(hostcast.count_nonfinite(wire, self.fmt), np.int64)
             if not (found and guarded):
                 _flat.cast_parts(arrays, wire, workspace, into_wire=False)
-        return Completion((found,), functools.partial(self._settle_read, bucket, wire, sent))
-
-    def _settle_read(self, bucket, wire, sent, found):
-        """The end of :meth:`reduce`, once the reduced result's count of NaN
-        and inf (``found``) is on the host: raise or warn as :meth:`_settle`
-        says (the result has been written, or, with ``"raise"`` and a count,
-        not)."""
-        warning = self._settle(bucket, wire, sent, int(found))
-        if warning:
-            _nonfinite.warn(warning)
+        return Completion((found,), functools.partial(self._settle, bucket, wire, sent))
 
     def _all_reduce(self, bucket, wire):
         # overflow is counted and reported by _settle, not warned by numpy
@@ -164,13 +155,16 @@ class HalfPrecision(Compression):
         with np.errstate(over="ignore", invalid="ignore"):    # the wire buffer is commlib's
             bucket.all_reduce(wire, fmt=fmt, owned=True)
 
-    def _settle(self, bucket, wire, sent, total):
-        """``total``: the number of NaN and inf in the reduced ``wire``. If
-        there are any, all-gather every rank's count of non-finite values
-        sent (``sent``: int or 0-d device array), then raise
-        NonFiniteError (``"raise"``) or return the warning's text."""
+    def _settle(self, bucket, wire, sent, found):
+        """The end of :meth:`reduce`, once ``found``, the number of NaN and
+        inf in the reduced ``wire``, is on the host (the result has been
+        written, or, with ``"raise"`` and a count, not). If there are any,
+        all-gather every rank's count of non-finite values sent (``sent``:
+        int or 0-d device array), then raise NonFiniteError (``"raise"``)
+        or warn."""
+        total = int(found)
         if not total:
-            return None
+            return
         xp = array_module(wire)
         counts = xp.empty(bucket.size, dtype=np.int64)
         bucket.all_gather(xp.asarray(sent, dtype=np.int64).reshape(1), counts)
@@ -182,7 +176,7 @@ class HalfPrecision(Compression):
                    _flat.describe(wire.size, len(bucket.arrays)), origin))
         if self.nonfinite == "raise":
             raise _nonfinite.error(text + "; nothing was written: arrays are unchanged", counts)
-        return text + "; written as they are"
+        _nonfinite.warn(text + "; written as they are")
 
 
 class FP16(HalfPrecision):

@@ -468,8 +468,8 @@ class HostCupy:
             stream is always done and events only order what is already
             ordered; ``with stream:`` makes it the thread's current one."""
 
-            def __init__(self, null=False, non_blocking=False, ptr=None):
-                self.ptr = 0 if null else (ptr or id(self))
+            def __init__(self, null=False, non_blocking=False):
+                self.ptr = 0 if null else id(self)
 
             def synchronize(self):
                 pass
