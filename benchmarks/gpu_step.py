@@ -117,6 +117,7 @@ class Results:
     def as_json(self):
         return {"config": self.config, "env": self.env, "limit": self.limit,
                 "rows": [self.rows[v] for v in VARIANTS], "host_target": self.host_target,
+                "goals": goals(self),
                 "profile": self.profile, "errors": self.errors,
                 "table": table_rows(self), "seconds": time.monotonic() - START}
 
@@ -155,6 +156,43 @@ def table_rows(res):
             "notes": "; ".join(row["notes"]) or "-",
         })
     return out
+
+
+def goals(res):
+    """The run's goals, each ``{"name", "target", "value", "status"}``:
+    commlib faster than torch in device and in host time, per variant, and
+    the compressed variants' host time per call within HOST_TARGET_US. A
+    goal is PASS or FAIL only where it was measured on a GPU (cupy arrays;
+    the host goal over NCCL), else n/a; a failed check is a FAIL."""
+    out = []
+    on_gpu = res.env.get("device") == "gpu"
+    nccl = res.host_target.get("transport") == "nccl"
+
+    def goal(name, target, value, ok, measured):
+        status = "n/a" if not measured or ok is None else ("PASS" if ok else "FAIL")
+        out.append({"name": name, "target": target, "value": value, "status": status})
+
+    for v in VARIANTS:
+        c, t = res.rows[v]["commlib"], res.rows[v]["torch"]
+        checked = c.get("check") == "ok" and t.get("check") == "ok"
+        for what in ("device", "host"):
+            a, b = c.get(what + "_ms"), t.get(what + "_ms")
+            ratio = None if a is None or b is None or b <= 0 else a / b
+            goal("%s %s commlib/torch" % (v, what), "< 1", ratio,
+                 None if ratio is None else ratio < 1 and checked, on_gpu)
+        if v != "dense":
+            us = res.host_target.get("us", {}).get(v)
+            goal("%s host us per call" % v, "<= %g us" % HOST_TARGET_US, us,
+                 None if us is None else us <= HOST_TARGET_US and c.get("check") == "ok",
+                 on_gpu and nccl)
+    return out
+
+
+def print_goals(res):
+    print()
+    for g in goals(res):
+        value = "-" if g["value"] is None else "%.3f" % g["value"]
+        print("goal %-32s %-10s %12s  %s" % (g["name"], g["target"], value, g["status"]))
 
 
 def print_table(res):
@@ -1005,6 +1043,7 @@ def main(argv=None):
     with res.lock:
         print_profile(res)
         print_table(res)
+        print_goals(res)
         write_json(res, args.out)
     failed = any(str(res.rows[v][side_]["check"]).startswith("FAIL")
                  for v in VARIANTS for side_ in ("commlib", "torch"))

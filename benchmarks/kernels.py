@@ -40,8 +40,10 @@ FRACTIONS = (0.001, 0.01, 0.1)            # k / N for top-K and threshold
 COPY_FRACTION = {"cast": 0.8, "pack": 0.8, "threshold": 0.85}
 TOPK_SPEEDUP = {"torch.topk": 12.0, "cupy.argpartition": 40.0}
 SPARSE_MAX_US = 25.0                       # at TARGET_N; faster than the baseline at every N
+TOPK_MAX_US = 50.0                         # top-K device time at TARGET_N, k = 1 %
+TOPK_SPREAD = 1.5                          # k = 0.1 % and 10 %: at most this times the 1 % time
+HOST_MAX_US = 10.0                         # host time of every operation at TARGET_N
 TARGET_N = 25_000_000                      # size the top-K and sparse targets refer to
-
 
 
 # ---------------------------------------------------------------- timing
@@ -482,6 +484,43 @@ def judge(bench, case, r):
     return text, "PASS" if ok else "FAIL"
 
 
+def goal_rows(bench, rows):
+    """Rows of the goals that span rows or columns (GPU: PASS/FAIL, else
+    n/a; a goal whose rows are missing: n/a): top-K of TARGET_N at k = 1 %
+    within TOPK_MAX_US, k = 0.1 % and 10 % within TOPK_SPREAD times that,
+    and every commlib operation at TARGET_N within HOST_MAX_US of host time
+    (the ``host us`` column)."""
+    mine = {}
+    for r in rows:
+        if r.get("N") == TARGET_N and r.get("ms") is not None and "baseline" in r:
+            mine.setdefault((r["name"], r.get("k")), r)      # one per operation
+    out = []
+
+    def goal(name, k, value, text, ok, unit):
+        status = "n/a" if bench.kind != "gpu" or ok is None else ("PASS" if ok else "FAIL")
+        out.append({"name": "goal: " + name, "N": TARGET_N, "k": k, "value": value,
+                    "unit": unit, "target": text, "status": status, "check": "-"})
+
+    k1 = TARGET_N // 100
+    one = mine.get(("topk", k1))
+    us = None if one is None else 1e3 * one["ms"]
+    goal("topk device us", k1, us, "<= %g us" % TOPK_MAX_US,
+         None if us is None else us <= TOPK_MAX_US, "us")
+    for frac in FRACTIONS:
+        k = max(1, int(TARGET_N * frac))
+        if k == k1:
+            continue
+        other = mine.get(("topk", k))
+        ratio = None if one is None or other is None else other["ms"] / one["ms"]
+        goal("topk k=%g%% / k=1%%" % (100 * frac), k, ratio, "<= %gx" % TOPK_SPREAD,
+             None if ratio is None else ratio <= TOPK_SPREAD, "x")
+    for (name, k), r in mine.items():
+        host = r.get("host_us")
+        goal("host us of %s" % name, k, host, "<= %g us" % HOST_MAX_US,
+             None if host is None else host <= HOST_MAX_US, "us")
+    return out
+
+
 COLUMNS = ["name", "N", "k", "ms", "host us", "GB/s", "% copy", "baseline", "baseline ms",
            "speedup", "target", "result", "check"]
 
@@ -489,6 +528,10 @@ COLUMNS = ["name", "N", "k", "ms", "host us", "GB/s", "% copy", "baseline", "bas
 def fmt_row(r):
     def num(key, f):
         return f % r[key] if key in r and r[key] is not None else "-"
+    if r["name"].startswith("goal: "):
+        value = "-" if r.get("value") is None else "%.2f %s" % (r["value"], r["unit"])
+        return [r["name"], str(r["N"]), str(r["k"]) if r.get("k") else "-", value] \
+            + ["-"] * 6 + [r["target"], r["status"], "-"]
     return [r["name"], str(r["N"]), str(r["k"]) if r.get("k") else "-", num("ms", "%.4f"),
             num("host_us", "%.0f"), num("gbps", "%.1f"),
             "%.0f%%" % (100 * r["copy_fraction"]) if "copy_fraction" in r else "-",
@@ -577,6 +620,7 @@ def main(argv=None):
         _free(bench)
     if not args.no_pack and "pack" in groups:
         run(pack_cases(bench), TARGET_N)
+    rows.extend(goal_rows(bench, rows))
     print_table(rows)
     failed = [r for r in rows if str(r.get("check", "")).startswith(("FAIL", "error"))]
     if out is not None:

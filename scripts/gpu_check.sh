@@ -176,6 +176,13 @@ try:
                for r in rows if r.get("target")]
 except (OSError, ValueError, KeyError):
     pass
+try:
+    goals = json.load(open(os.path.join(dest, "gpu_step.json")))["goals"]
+    targets += [{"name": "gpu_step " + g["name"], "N": "-", "k": None, "baseline": None,
+                 "target": g["target"], "status": g["status"], "value": g["value"]}
+                for g in goals]
+except (OSError, ValueError, KeyError):
+    pass
 for s in stages:
     print("%-12s %-40s %6.1f s" % (s["stage"], s["status"], s["seconds"]))
 for t in targets:

@@ -78,7 +78,16 @@ case "$*" in
         prev=""; for a in "$@"; do [ "$prev" = --json ] && json=$a; prev=$a; done
         echo "{\\"workers\\": ${STUB_WORKERS:-2}, \\"identical\\": true}" > "$json"
         exit 0 ;;
-    "tests/gpu/gpu_checks.py"*|"benchmarks/kernels.py"*|"benchmarks/gpu_step.py"*|"setup.py"*)
+    "benchmarks/kernels.py"*|"benchmarks/gpu_step.py"*)
+        prev=""; for a in "$@"; do [ "$prev" = --out ] && out=$a; prev=$a; done
+        case "$1" in
+            *kernels.py) echo '{"rows": [{"name": "goal: topk device us", "N": 25000000,
+                "target": "<= 50 us", "status": "FAIL"}]}' > "$out/kernels.json" ;;
+            *) echo '{"goals": [{"name": "fp16 host us per call", "target": "<= 150 us",
+                "value": 120.5, "status": "PASS"}]}' > "$out/gpu_step.json" ;;
+        esac
+        exit 0 ;;
+    "tests/gpu/gpu_checks.py"*|"setup.py"*)
         exit 0 ;;
 esac
 exec "$REAL_PYTHON" "$@"
@@ -123,7 +132,13 @@ def test_every_stage_starts_and_passes_with_a_stand_in_gpu(tmp_path):
         assert expected in calls, (expected, calls)
     assert re.search(r"python -m commlib.launch -n 2 .*examples/mnist_train.py --device gpu",
                      calls), calls
-    assert "overall: PASS" in (tmp_path / "out" / "summary.txt").read_text()
+    text = (tmp_path / "out" / "summary.txt").read_text()
+    assert "overall: PASS" in text
+    # both benchmarks' goals are summarised; a missed one does not fail the run
+    targets = json.loads((tmp_path / "out" / "summary.json").read_text())["targets"]
+    assert [(t["name"], t["status"]) for t in targets] == [
+        ("goal: topk device us", "FAIL"), ("gpu_step fp16 host us per call", "PASS")], targets
+    assert re.search(r"target gpu_step fp16 host us per call .*<= 150 us +PASS", text), text
 
 
 def test_the_example_stage_fails_when_the_job_saw_one_worker(tmp_path):
