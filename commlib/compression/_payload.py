@@ -18,10 +18,12 @@ rank's set; a non-finite value.
 import numpy as np
 
 from ..errors import PayloadError
+from ..ops import records
 from ..ops.arrays import array_module, is_cupy
+from ..ops.records import HEADER
 from ..ops.selection import MAX_LEN
+from ._flat import buffer
 
-HEADER = 4
 
 # problem codes of a malformed selection: 1 / 3: indices / values not a 1-D
 # array of the bucket's kind; 2 / 4: wrong dtype (detail: the dtype's char);
@@ -141,21 +143,17 @@ def entry_summary(indices, values, counts, n):
     """``[bad, unordered]`` (int64, on the arrays' device, not read): how
     many entries are bad (an index outside ``[0, n)`` other than the padding
     ``-1`` with value 0, or a non-finite value) and how many follow an entry
-    of their rank's set out of ascending order (see :func:`check_entries`).
-    ``counts``: each rank's number of entries (host ints)."""
+    of their rank's set out of ascending order (see :func:`check_entries`),
+    counted by :func:`commlib.ops.records.split_records`. ``counts``: each
+    rank's number of entries (host ints)."""
     xp = array_module(indices)
     m = indices.size
-    if not m:
-        return xp.zeros(2, dtype=np.int64)
-    pad = (indices == -1) & (values == 0)
-    # as uint32, negative indices are >= 2**31 > n
-    bad = ~((indices.view(np.uint32) < n) | pad) | ~xp.isfinite(values)
-    # entry j+1 out of order: a real index not above entry j, or after padding
-    unordered = ((indices[1:] <= indices[:-1]) | pad[:-1]) & ~pad[1:]
-    firsts = [e - 1 for e in np.cumsum(counts)[:-1].tolist() if 0 < e < m]
-    if firsts:
-        unordered[firsts] = False       # each set's first entry follows another set
-    return xp.stack([xp.count_nonzero(bad), xp.count_nonzero(unordered)]).astype(np.int64)
+    starts = np.concatenate(([0], np.cumsum(counts, dtype=np.int64)))[:-1].tolist()
+    summary = xp.empty(2, dtype=np.int64)
+    records.split_records(xp.concatenate((indices, values.view(np.int32))),
+                          [(s, m + s, c) for s, c in zip(starts, counts)], n,
+                          xp.empty(m, dtype=np.int32), xp.empty(m, dtype=np.float32), summary)
+    return summary
 
 
 def _describe_entries(indices, values, counts, n):
@@ -197,7 +195,7 @@ def fail(context, found, tail):
 
 class Exchange:
     """What :func:`send` queued: ``gathered`` (every rank's record, or
-    header when counts vary; one row per rank), the entries' ``indices``
+    header when counts vary; back to back, 1-D), the entries' ``indices``
     and ``values`` (every rank's, back to back; None when counts vary) and
     ``reads``, the one integer array :func:`receive` needs on the host:
     the headers and the entries' summary (:func:`entry_summary`) together,
@@ -214,22 +212,27 @@ def send(bucket, record, slots, n):
     over ``bucket`` (a :class:`~commlib.compression.base.Bucket`), which
     reads nothing back from a GPU: all-gathers the whole records (``slots``,
     the number of entries in every record, not None: one all-gather) and
-    queues the entries' check (``n``: the bucket's length), or all-gathers
-    only their headers (``slots`` None: counts vary). Returns the
-    :class:`Exchange` that :func:`receive` takes."""
+    splits them into the entries and the headers with the entries' check
+    (``n``: the bucket's length; one launch of
+    :func:`commlib.ops.records.split_records`, into buffers kept in the
+    bucket's state), or all-gathers only their headers (``slots`` None:
+    counts vary). Returns the :class:`Exchange` that :func:`receive` takes."""
     xp = array_module(record)
+    ranks, state = bucket.size, bucket.state
     width = HEADER if slots is None else HEADER + 2 * slots
-    gathered = xp.empty((bucket.size, width), dtype=np.int32)
-    bucket.all_gather(record if slots is not None else record[:HEADER], gathered.reshape(-1))
+    gathered = buffer(state, "gathered", xp, ranks * width, np.int32)
+    bucket.all_gather(record if slots is not None else record[:HEADER], gathered)
     if slots is None:
         return Exchange(gathered, None, None, gathered)
-    indices = xp.ascontiguousarray(gathered[:, HEADER:HEADER + slots]).reshape(-1)
-    values = xp.ascontiguousarray(gathered[:, HEADER + slots:]).reshape(-1).view(np.float32)
+    indices = buffer(state, "entries", xp, ranks * slots, np.int32)
+    values = buffer(state, "entry values", xp, ranks * slots, np.float32)
     # every rank must send ``slots`` entries (the headers tell, checked by
-    # receive): the entries' summary is computed before the headers are
-    # read, and both come to the host in one read
-    summary = entry_summary(indices, values, [slots] * bucket.size, n)
-    reads = xp.concatenate((gathered[:, :HEADER].reshape(-1).astype(np.int64), summary))
+    # receive): the entries' check is queued before the headers are read,
+    # and both come to the host in one read
+    reads = buffer(state, "reads", xp, ranks * HEADER + 2, np.int64)
+    records.split_records(gathered, [(r * width + HEADER, r * width + HEADER + slots, slots)
+                                     for r in range(ranks)], n, indices, values, reads,
+                          header_stride=width)
     return Exchange(gathered, indices, values, reads)
 
 
@@ -257,7 +260,7 @@ def receive(bucket, record, exchange, host, slots, n, context, tail, on_headers)
         summary = host[bucket.size * HEADER:]
         indices, values = exchange.indices, exchange.values
     else:
-        headers = host
+        headers = host.reshape(bucket.size, HEADER)
     found = check_headers(headers, n, slots)
     if found:
         raise fail(context, found, tail)
@@ -268,9 +271,12 @@ def receive(bucket, record, exchange, host, slots, n, context, tail, on_headers)
         if both.size:
             bucket.all_gatherv(record[HEADER:], both, [2 * c for c in counts])
         starts = np.concatenate(([0], np.cumsum([2 * c for c in counts]))).tolist()
-        indices = xp.concatenate([both[s:s + c] for s, c in zip(starts, counts)])
-        values = xp.concatenate([both[s + c:s + 2 * c] for s, c in zip(starts, counts)])
-        values = values.view(np.float32)
+        indices = xp.empty(sum(counts), dtype=np.int32)
+        values = xp.empty(sum(counts), dtype=np.float32)
+        summary = xp.empty(2, dtype=np.int64)
+        records.split_records(both, [(s, s + c, c) for s, c in zip(starts, counts)], n,
+                              indices, values, summary)
+        summary = summary if xp is np else summary.get()
     found = check_entries(indices, values, counts, n, summary)
     if found:
         raise fail(context, found, tail)

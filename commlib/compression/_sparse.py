@@ -5,8 +5,8 @@ import functools
 import numpy as np
 
 from ..errors import ArgumentError
-from ..ops import hostselect
-from ..ops.arrays import array_module
+from ..ops import hostselect, records
+from ..ops.arrays import array_module, zero
 from ..ops.sparse import scatter_add
 from . import _payload
 from . import nonfinite as _nonfinite
@@ -160,9 +160,13 @@ class Sparsifier(Compression):
         residual = None
         if self.error_feedback:
             residual = buffer(workspace, "residual", xp, n, np.float32, zero=True)
-        nonfinite, indices, values = self._accumulate(residual, flat, acc)
         slots = self.count_for(n)
-        record = _payload.encode(xp, indices, values, nonfinite, slots)
+        if xp is np:                         # compiled passes
+            nonfinite, indices, values = self.accumulate_and_select(residual, flat, acc)
+            record = _payload.encode(xp, indices, values, nonfinite, slots)
+        else:
+            record, indices, values = self._encode_on_device(residual, flat, acc, slots,
+                                                             workspace)
         exchange = _payload.send(bucket, record, slots, n)
         finish = functools.partial(
             self._complete, bucket, flat=flat, acc=acc, residual=residual, sent=(indices, values),
@@ -209,20 +213,44 @@ class Sparsifier(Compression):
                             % (context, _nonfinite.ranks(dropped), where,
                                ", residual set to 0" if residual is not None else ""))
 
-    def _accumulate(self, residual, flat, acc):
-        """``acc = residual + flat`` (``flat`` alone without error feedback)
-        with its NaN and +-inf set to 0, and this rank's selection from it:
-        ``(non-finite count, indices, values)``; the count is an int for
-        numpy, a 0-d device array for cupy (no host synchronisation)."""
+    def select_into(self, acc, indices, values):
+        """Optionally, write the selection into the given arrays instead of
+        returning new ones (cupy buckets whose count every rank sends, see
+        :meth:`count_for`): saves copying it into the record that travels.
+
+        Args:
+            acc: as for :meth:`select`.
+            indices, values: int32 and float32 arrays of ``count_for(len(acc))``
+                elements, of ``acc``'s kind: parts of this rank's record.
+
+        Returns:
+            True when written (exactly as :meth:`select` would have
+            returned them), False to have :meth:`select` called instead
+            (the default).
+        """
+        return False
+
+    def _encode_on_device(self, residual, flat, acc, slots, workspace):
+        """cupy buckets: ``acc = residual + flat`` with NaN and +-inf set to 0
+        and counted into the record's header (one kernel, no host
+        synchronisation), then this rank's selection from it and its
+        record: ``(record, indices, values)``, where a strategy that
+        :meth:`select_into` the record's own parts saves the copies. The
+        record of a bucket whose count is fixed is kept between calls."""
         xp = array_module(acc)
-        if xp is np:                         # compiled passes
-            return self.accumulate_and_select(residual, flat, acc)
-        if residual is None:
-            acc[...] = flat
+        if slots is None:
+            header = buffer(workspace, "header", xp, _payload.HEADER, np.int32)
         else:
-            xp.add(residual, flat, out=acc)
-        nonfinite = _nonfinite.drop(acc)
-        return (nonfinite,) + tuple(self.select(acc))
+            record = buffer(workspace, "record", xp, _payload.HEADER + 2 * slots, np.int32)
+            header = record[:_payload.HEADER]
+        records.accumulate_finite(residual, flat, acc, header, slots or 0)
+        if slots is not None:
+            indices = record[_payload.HEADER:_payload.HEADER + slots]
+            values = record[_payload.HEADER + slots:].view(np.float32)
+            if self.select_into(acc, indices, values):
+                return record, indices, values
+        indices, values = self.select(acc)
+        return _payload.encode(xp, indices, values, header[1], slots), indices, values
 
 
 def _sum_into(flat, indices, values, scale, counts):
@@ -232,7 +260,7 @@ def _sum_into(flat, indices, values, scale, counts):
     if array_module(flat) is np:
         hostselect.sparse_sum(flat, indices, values, scale, counts)
         return
-    flat[...] = 0
+    zero(flat)
     scatter_add(flat, indices, values, segments=counts)
     if scale is not None:
         flat *= np.float32(scale)

@@ -94,6 +94,21 @@ class TopK(Sparsifier):
             return hostselect.topk(acc, self.k_for(acc.size))
         return topk(acc, self.k_for(acc.size))
 
+    def select_into(self, acc, indices, values):
+        """cupy buckets: :meth:`select` written into ``indices`` and
+        ``values`` (parts of the record that travels; see
+        :meth:`Sparsifier.select_into
+        <commlib.compression._sparse.Sparsifier.select_into>`).
+
+        Returns:
+            True when written; False for a subclass that overrides
+            :meth:`select`, or arrays not of :meth:`k_for` elements.
+        """
+        if type(self).select is not TopK.select or indices.size != self.k_for(acc.size):
+            return False
+        topk(acc, indices.size, out=(indices, values))
+        return True
+
     def accumulate_and_select(self, residual, flat, acc):
         """numpy buckets: :meth:`Sparsifier.accumulate_and_select
         <commlib.compression._sparse.Sparsifier.accumulate_and_select>` (same

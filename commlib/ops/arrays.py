@@ -22,6 +22,16 @@ def address(a):
     return a.data.ptr if is_cupy(a) else a.__array_interface__["data"][0]
 
 
+def zero(a):
+    """Set the contiguous numpy or cupy array ``a`` to zeros (cupy: one
+    memset on the current stream, no kernel)."""
+    if not is_cupy(a):
+        a.fill(0)
+        return
+    import cupy
+    cupy.cuda.runtime.memsetAsync(a.data.ptr, 0, a.nbytes, cupy.cuda.get_current_stream().ptr)
+
+
 def to_host(groups):
     """Host copies of the integer arrays in ``groups`` (a list of tuples of
     numpy or cupy arrays): a list of tuples of numpy arrays of the same

@@ -26,7 +26,7 @@ _WS_STATUS = 16 + 2048 + 2048 + 512
 SAMPLES = 8192  # elements read by topk_sample
 
 
-def topk(x, k, *, residual=None):
+def topk(x, k, *, residual=None, out=None):
     """Indices and values of the ``min(k, len(x))`` largest ``|x|``.
 
     x: 1-D contiguous float32 array (numpy or cupy; any element offset).
@@ -34,11 +34,15 @@ def topk(x, k, *, residual=None):
     length and kind. With it, selection runs on ``acc = residual + x``, the
     returned values are ``acc``'s, and on return ``residual`` holds ``acc``
     with the selected entries zeroed (NaN payloads in ``residual`` may differ
-    between numpy and CUDA).
+    between numpy and CUDA). out: optional ``(indices, values)``, 1-D
+    contiguous int32 and float32 arrays of ``min(k, len(x))`` elements of
+    ``x``'s kind, written instead of new arrays (for instance the parts of
+    a record about to be sent).
 
     Returns ``(indices, values)``: int32 and float32 arrays of exactly
-    ``min(k, len(x))`` entries; selected entries first in ascending index
-    order, then padding (-1, 0.0) when fewer non-NaN elements exist.
+    ``min(k, len(x))`` entries (``out`` when given); selected entries first
+    in ascending index order, then padding (-1, 0.0) when fewer non-NaN
+    elements exist.
     """
     check_vector(x, "x", np.float32)
     k = check_count(k, "k")
@@ -50,19 +54,38 @@ def topk(x, k, *, residual=None):
                                 % (residual.size, x.size))
     check_length(x.size, "x")
     kk = min(k, x.size)
+    if out is not None:
+        _check_out(out, x, kk)
     if is_cupy(x):
-        return _topk_cuda(x, kk, residual)
-    return _topk_numpy(x, kk, residual)
+        return _topk_cuda(x, kk, residual, out)
+    return _topk_numpy(x, kk, residual, out)
 
 
-def _topk_numpy(x, kk, residual):
+def _check_out(out, x, kk):
+    if not isinstance(out, tuple) or len(out) != 2:
+        raise ArgumentError("out: expected a tuple (indices, values), got %r" % (out,))
+    check_vector(out[0], "out[0]", np.int32)
+    check_vector(out[1], "out[1]", np.float32)
+    check_same_kind(x=x, out_indices=out[0], out_values=out[1])
+    for name, a in zip(("out[0]", "out[1]"), out):
+        if a.size != kk:
+            raise ArgumentError("%s: %d elements, expected min(k, len(x)) = %d"
+                                % (name, a.size, kk))
+
+
+def _topk_numpy(x, kk, residual, out=None):
     src = x
     if residual is not None:
         with np.errstate(over="ignore", invalid="ignore"):
             np.add(residual, x, out=residual)
         src = residual
-    indices = np.full(kk, -1, dtype=np.int32)
-    values = np.zeros(kk, dtype=np.float32)
+    if out is None:
+        indices = np.empty(kk, dtype=np.int32)
+        values = np.empty(kk, dtype=np.float32)
+    else:
+        indices, values = out
+    indices[...] = -1
+    values[...] = 0
     keys = magnitude_keys(src)
     nan = keys > INF_KEY
     keys[nan] = 0
@@ -115,13 +138,16 @@ def _super_tiles(rank):
     return per
 
 
-def _topk_cuda(x, kk, residual):
+def _topk_cuda(x, kk, residual, out):
     import cupy
     from . import _launch
     n = x.size
     with x.device:
-        indices = cupy.empty(kk, dtype=cupy.int32)
-        values = cupy.empty(kk, dtype=cupy.float32)
+        if out is None:
+            indices = cupy.empty(kk, dtype=cupy.int32)
+            values = cupy.empty(kk, dtype=cupy.float32)
+        else:
+            indices, values = out
         if n == 0 or (kk == 0 and residual is None):
             return indices, values
         src = x if residual is None else residual

@@ -108,7 +108,8 @@ def compile_all():
     names = {"cast.cu": cast_mod.KERNEL_NAMES, "pack.cu": _pack_cuda.KERNEL_NAMES,
              "topk.cu": ("topk_sample", "topk_hist1", "topk_hist1_resid",
                          "topk_hist1_resid_scalar", "topk_filter", "topk_refine", "topk_compact"),
-             "threshold.cu": ("threshold_select",), "sparse.cu": ("scatter_add",)}
+             "threshold.cu": ("threshold_select",), "sparse.cu": ("scatter_add",),
+             "records.cu": ("accumulate_finite", "split_records")}
     total = 0.0
     for source, kernels in names.items():
         t0 = time.perf_counter()

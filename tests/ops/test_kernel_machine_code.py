@@ -28,7 +28,7 @@ from commlib.ops import _loader, _pack_cuda, cast as cast_mod
 
 ROOT = Path(__file__).resolve().parents[2]
 KERNELS = _loader.kernel_dir()
-SOURCES = ("cast.cu", "pack.cu", "threshold.cu", "topk.cu", "sparse.cu")
+SOURCES = ("cast.cu", "pack.cu", "threshold.cu", "topk.cu", "sparse.cu", "records.cu")
 ARCHS = ("sm_80", "sm_90")
 THREADS = 256  # every wrapper launches 256-thread blocks
 
@@ -70,7 +70,8 @@ WIDE = dict({name: "ldst" for name in cast_mod.KERNEL_NAMES},
 # streaming kernels a full SM (2048 threads, __launch_bounds__(256, 8)), the
 # selection passes what their __launch_bounds__ asks (kMinBlocks)
 DESIGN_BLOCKS = dict({name: 8 for name in WIDE if name.startswith(("cast_", "pack_", "unpack_"))},
-                     scatter_add=8, topk_sample=1)  # topk_sample runs as one block
+                     scatter_add=8, accumulate_finite=8, split_records=8,
+                     topk_sample=1)  # topk_sample runs as one block
 SELECTION_BLOCKS = int(re.search(r"constexpr int kMinBlocks = (\d+);",
                                  (KERNELS / "select_common.cuh").read_text()).group(1))
 
@@ -176,7 +177,8 @@ def _by(rows, pred):
 
 def test_every_wrapper_kernel_is_in_the_cubins(rows):
     names = {r["kernel"] for r in rows}
-    want = set(WIDE) | {"topk_sample", "topk_hist1_resid_scalar", "scatter_add"}
+    want = set(WIDE) | {"topk_sample", "topk_hist1_resid_scalar", "scatter_add",
+                        "accumulate_finite", "split_records"}
     assert want <= names, sorted(want - names)
     assert {r["arch"] for r in rows} == set(ARCHS)
 

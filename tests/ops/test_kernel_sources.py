@@ -287,7 +287,8 @@ def run_on_the_host_build(host_cupy, n, code, args=()):
 HALF_KERNELS = {"pack_f32_f16", "unpack_f16_f32", "pack_f32_bf16", "unpack_bf16_f32",
                 "cast_f16_f16", "cast_bf16_bf16"}    # the last two count NaN and inf
 SPARSE_KERNELS = {"pack_raw4", "unpack_raw4", "topk_sample", "topk_hist1", "topk_filter",
-                  "topk_refine", "topk_compact", "threshold_select", "scatter_add"}
+                  "topk_refine", "topk_compact", "threshold_select", "scatter_add",
+                  "accumulate_finite", "split_records"}
 
 
 @needs_host_build
@@ -534,3 +535,29 @@ def test_pack_kernel_body_resnet50_mixed_dtypes(emu):
     pack(arrays, bucket_t, 0.25)
     assert count == 0
     np.testing.assert_array_equal(bucket_k, bucket_t)
+
+
+#: operations per unit (bucket) of a steady-state call that the host issues
+#: to the GPU (benchmarks/gpu_ops.py: launches, other cupy operations,
+#: copies, allocations, memsets, reads), at most
+OPS_PER_UNIT = {"dense": 2.0, "fp16": 8.0, "topk 1%": 20.0, "threshold": 31.0}
+
+
+@needs_host_build
+def test_gpu_operations_per_call(host_cupy, tmp_path):
+    out = tmp_path / "ops.json"
+    res = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "gpu_ops.py"), "--json",
+                          str(out)], cwd=ROOT, env=host_cupy, capture_output=True, text=True,
+                         timeout=600)
+    assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-3000:]
+    assert "| strategy | units | launches |" in res.stdout
+    rows = {r["strategy"]: r for r in json.loads(out.read_text())}
+    assert sorted(rows) == sorted(OPS_PER_UNIT), rows
+    for name, budget in OPS_PER_UNIT.items():
+        r = rows[name]
+        assert r["units"] >= 5 and r["total"] <= budget * r["units"], (name, r)
+    # top-K: the selection and the entries' check are kernels, not cupy
+    # operations; one read per call
+    topk = rows["topk 1%"]
+    assert topk["cupy ops"] <= topk["units"] + 1 and topk["reads"] == 1, topk
+    assert {"accumulate_finite", "split_records", "topk_compact"} <= set(topk["kernels"]), topk

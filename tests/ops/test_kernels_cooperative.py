@@ -17,7 +17,7 @@ import commlib.errors
 import cuda_host_build as chb
 from cuda_host_build import SCHEDULES, KernelFault
 from commlib.ops import cast as cast_mod, pack as pack_mod, sparse as sparse_mod
-from commlib.ops import threshold as threshold_mod, topk as topk_mod
+from commlib.ops import records as records_mod, threshold as threshold_mod, topk as topk_mod
 from commlib.ops.selection import TILE
 from test_ops_cast import adversarial
 
@@ -551,13 +551,136 @@ def _pack(gpu):
     check_pack(gpu, "float32", "bfloat16", None, False, 0, 0, 6)
 
 
+# ---------------------------------------------------------------- records
+
+def check_accumulate(gpu, x, residual, off, entries=7):
+    """accumulate_finite on the device (arrays ``off`` elements past a
+    boundary; acc a third array, or x itself) against the twin."""
+    want_acc = np.empty_like(x)
+    want_header = np.full(6, -5, np.int32)
+    records_mod.accumulate_finite(residual, x, want_acc, want_header, entries)
+    gx = on_device(gpu, x, off)
+    gr = None if residual is None else on_device(gpu, residual, (off + 1) % 4)
+    for in_place in (False, True):
+        gacc = gx if in_place else on_device(gpu, np.zeros_like(x), (off + 2) % 4)
+        if in_place:
+            gx[...] = x
+        header = on_device(gpu, np.full(6, -5, np.int32))
+        records_mod.accumulate_finite(gr, gx, gacc, header, entries)
+        assert same_bits(gacc, want_acc), (x.size, off, in_place, gpu.schedule.name)
+        assert np.array_equal(np.asarray(header), want_header), (np.asarray(header), want_header)
+    return int(want_header[1])
+
+
+def test_accumulate_finite_lengths_offsets_and_specials(gpu):
+    seen = 0
+    for i, n in enumerate((0,) + LENGTHS + (70001,)):
+        x = selection_values(n, 100 + n)
+        # residual + x overflows to inf at some entries, and meets NaN/inf in x
+        with np.errstate(over="ignore", invalid="ignore"):
+            r = selection_values(n, 200 + n) * np.float32(3e38) if n % 2 else None
+        vary_device(gpu, i)
+        for sched in schedules_for(i):
+            gpu.schedule = sched
+            seen += check_accumulate(gpu, x, r, i % 4)
+    assert seen > 0          # non-finite values were met and counted
+
+
+def record_sets(rng, ranks, slots, n, faults=()):
+    """Records of ``ranks`` ranks, back to back (header, slots indices,
+    slots value bits), ascending valid sets with padding at the end, and
+    planted faults: (rank, kind) with kind "range", "dup", "nan", "order",
+    "pad-value"."""
+    width = 4 + 2 * slots
+    src = np.zeros(ranks * width, np.int32)
+    planted = set()
+    for r in range(ranks):
+        m = max(0, slots - r % 3)               # the rest is padding
+        idx = np.full(slots, -1, np.int32)
+        idx[:m] = np.sort(rng.choice(n, m, replace=False))
+        val = np.zeros(slots, np.float32)
+        val[:m] = rng.standard_normal(m).astype(np.float32)
+        val[:m][::5] = -0.0 if r % 2 else 0.0   # zeros that are not padding
+        for fr, kind in faults:
+            if fr != r or m < 3 or (kind == "pad-value" and m == slots):
+                continue
+            planted.add(kind)
+            if kind == "range":
+                idx[m - 1] = n + r              # still ascending
+            elif kind == "dup":
+                idx[2] = idx[1]
+            elif kind == "nan":
+                val[0] = np.float32("nan")
+            elif kind == "order":
+                idx[0], idx[1] = idx[1], idx[0]
+            elif kind == "pad-value" and m < slots:
+                val[m] = 1.0
+        src[r * width:r * width + 4] = (m, r, 0, r + 1)
+        src[r * width + 4:r * width + 4 + slots] = idx
+        src[r * width + 4 + slots:(r + 1) * width] = val.view(np.int32)
+    layout = [(r * width + 4, r * width + 4 + slots, slots) for r in range(ranks)]
+    return src, layout, width, planted
+
+
+def check_split(gpu, src, layout, n, stride, off):
+    total = sum(c for _, _, c in layout)
+    nreads = (4 * len(layout) if stride else 0) + 2
+    want = (np.empty(total, np.int32), np.empty(total, np.float32), np.empty(nreads, np.int64))
+    records_mod.split_records(src, layout, n, *want, header_stride=stride)
+    got = (on_device(gpu, np.zeros(total, np.int32), off),
+           on_device(gpu, np.zeros(total, np.float32), (off + 1) % 4),
+           on_device(gpu, np.zeros(nreads, np.int64)))
+    records_mod.split_records(on_device(gpu, src, off), layout, n, *got, header_stride=stride)
+    for w, g in zip(want, got):
+        assert same_bits(g, w), (len(layout), n, stride, gpu.schedule.name)
+    return want[2][-2:].tolist()
+
+
+def test_split_records_counts_every_fault(gpu):
+    rng = np.random.default_rng(3)
+    i = 0
+    met = set()
+    for ranks, slots, n in ((1, 0, 10), (1, 1, 5), (2, 37, 1000), (3, 700, 5000),
+                            (4, 2500, 100000)):
+        for faults in ((), ((0, "range"),), ((ranks - 1, "dup"),), ((0, "nan"), (0, "order")),
+                       ((ranks - 1, "pad-value"),)):
+            src, layout, width, kinds = record_sets(rng, ranks, slots, n, faults)
+            met |= kinds
+            vary_device(gpu, i)
+            for sched in schedules_for(i):
+                gpu.schedule = sched
+                bad, unordered = check_split(gpu, src, layout, n, width if i % 2 else None, i % 4)
+            i += 1
+            assert (bad > 0) == bool(kinds & {"range", "nan", "pad-value"}), (faults, bad)
+            # a padding index with a value is out of order too (it follows a real index)
+            assert (unordered > 0) == bool(kinds & {"dup", "order", "pad-value"}), \
+                (faults, unordered)
+    assert met == {"range", "dup", "nan", "order", "pad-value"}, met
+
+
 SEQUENTIAL = [s for s in SCHEDULES if s.resident == 1]
 CONCURRENT = [s for s in SCHEDULES if s.resident > 1]
 
 # (id, file, original text, planted bug, workload, schedules that must catch
 #  it, schedules that must not, what catches it: a host build report or
 #  "mismatch" with the twin)
+def _split_dup(gpu):
+    src, layout, width, _ = record_sets(np.random.default_rng(4), 3, 900, 4000, ((2, "dup"),))
+    assert check_split(gpu, src, layout, 4000, width, 1)[1] == 1
+
+
+def _accumulate(gpu):
+    check_accumulate(gpu, selection_values(9001, 5), None, 1)
+
+
 MUTATIONS = [
+    ("split-records-duplicate-not-seen", "records.cu", "unordered += pad_before || i <= p",
+     "unordered += pad_before || i < p", _split_dup, SCHEDULES, (), "mismatch"),
+    ("accumulate-count-of-one-warp", "records.cu", "a += __shfl_xor_sync(kFull, a, d);",
+     "a += __shfl_xor_sync(0x0000ffffu, a, d);", _accumulate, SCHEDULES, (),
+     "not in mask 0x0000ffff"),
+    ("records-block-sum-no-barrier", "records.cu", "    part[1][warp] = b;\n  }\n  __syncthreads();",
+     "    part[1][warp] = b;\n  }\n", _accumulate, SCHEDULES, (), "shared memory race"),
     ("topk-tie-break", "topk.cu", "return h > prefix ? 1 : (h == prefix ? 2 : 0);",
      "return h >= prefix ? 1 : 0;", _topk_ties, SCHEDULES, (), "mismatch"),
     ("topk-zero-bins-no-barrier", "select_common.cuh",

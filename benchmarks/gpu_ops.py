@@ -1,0 +1,159 @@
+"""What one all_reduce asks of the GPU's driver, per strategy: a count of
+the operations commlib's host thread issues (kernel launches, other cupy
+operations, copies, allocations, memsets, host reads), per call and per
+bucket. On a GPU each costs the calling thread a few microseconds (a cupy
+launch about 5, a memset or allocation 1-3, a read waits for the GPU), so
+these counts are what the host time of a compressed call is made of.
+
+    python benchmarks/gpu_ops.py --host-build      # build the stand-in cupy, run on it
+    python benchmarks/gpu_ops.py --json out.json
+
+Counted on the cooperative host build's stand-in cupy
+(tests/ops/cuda_host_build.py), which runs every kernel of kernels/ on the
+CPU and logs launches and host reads; this script also counts the
+stand-in's other cupy calls. Counts do not depend on sizes: the list is
+small (40 float32 arrays, 179K values, in 6 buckets), at world size 1
+(``Communicator.single``; the collective itself is not counted), after 3
+warm-up calls.
+"""
+import argparse
+import collections
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parent.parent
+KINDS = ("launches", "cupy ops", "copies", "allocations", "memsets", "reads")
+
+
+def counting(cupy):
+    """Wrap the stand-in's entry points; returns the Counter they fill."""
+    host = cupy._host
+    counts = collections.Counter()
+    g = cupy.__dict__
+    plain = g["__getattr__"]
+
+    def getattr_(name):
+        f = plain(name)
+        if not callable(f) or isinstance(f, type):
+            return f
+
+        def op(*a, **k):
+            counts["cupy ops"] += 1
+            return f(*a, **k)
+        return op
+    g["__getattr__"] = getattr_
+    for name in ("empty", "zeros"):
+        def alloc(*a, _f=g[name], **k):
+            counts["allocations"] += 1
+            return _f(*a, **k)
+        g[name] = alloc
+    nd = cupy.ndarray
+
+    def ufunc(self, uf, method, *inputs, **kw):
+        counts["cupy ops"] += 1
+        inputs = tuple(i.view(np.ndarray) if isinstance(i, nd) else i for i in inputs)
+        if "out" in kw:
+            kw["out"] = tuple(o.view(np.ndarray) if isinstance(o, nd) else o for o in kw["out"])
+        r = getattr(uf, method)(*inputs, **kw)
+        return r.view(nd) if isinstance(r, np.ndarray) else r
+    nd.__array_ufunc__ = ufunc
+    for name in ("__setitem__", "set", "astype", "copy", "fill"):
+        def method(self, *a, _f=getattr(nd, name), **k):
+            counts["copies"] += 1
+            return _f(self, *a, **k)
+        setattr(nd, name, method)
+    memset = cupy.cuda.runtime.memsetAsync
+
+    def memset_(*a, **k):
+        counts["memsets"] += 1
+        return memset(*a, **k)
+    cupy.cuda.runtime.memsetAsync = memset_
+    counts.host = host
+    return counts
+
+
+def measure(warmup=3):
+    import cupy
+    import commlib
+    from commlib.collective import bucketing
+    from commlib.compression import TopK, Threshold
+    counts = counting(cupy)
+    host = counts.host
+    rng = np.random.default_rng(0)
+    sizes = [int(s) for s in rng.integers(100, 9000, 40)]
+    arrays = [cupy.asarray(rng.standard_normal(s).astype(np.float32)) for s in sizes]
+    bucket_bytes = 4 * (sum(sizes) // 5 + 1)
+    plan = bucketing.plan_for(arrays, bucket_bytes)
+    units = len(plan.buckets) + len(plan.direct)
+    comm = commlib.Communicator.single(device=0, bucket_bytes=bucket_bytes)
+    rows = []
+    for name, strategy in (("dense", None), ("fp16", "fp16"), ("topk 1%", TopK(0.01)),
+                           ("threshold", Threshold(2.5))):
+        for _ in range(warmup):
+            comm.all_reduce(arrays, op="avg", compression=strategy)
+        counts.clear()
+        launches, reads = len(host.launches), len(host.reads)
+        comm.all_reduce(arrays, op="avg", compression=strategy)
+        row = {k: counts[k] for k in KINDS}
+        row["launches"] = len(host.launches) - launches
+        row["reads"] = len(host.reads) - reads
+        row.update(strategy=name, arrays=len(arrays), units=units,
+                   kernels=dict(collections.Counter(n for n, *_ in host.launches[launches:])))
+        row["total"] = sum(row[k] for k in KINDS)
+        rows.append(row)
+    comm.close()
+    return rows
+
+
+def print_table(rows):
+    cols = ["strategy", "units"] + list(KINDS) + ["total", "per unit"]
+    print("| " + " | ".join(cols) + " |")
+    print("|" + "---|" * len(cols))
+    for r in rows:
+        print("| " + " | ".join([r["strategy"], str(r["units"])] + [str(r[k]) for k in KINDS]
+                                + [str(r["total"]), "%.1f" % (r["total"] / r["units"])]) + " |")
+    print()
+    for r in rows:
+        print("%-9s kernels: %s" % (r["strategy"], ", ".join(
+            "%s x%d" % kv for kv in sorted(r["kernels"].items()))))
+
+
+def rerun_on_the_host_build(argv):
+    """Build the stand-in cupy package and run this script again with it."""
+    import tempfile
+    sys.path[:0] = [str(ROOT / "tests"), str(ROOT / "tests" / "ops"), str(ROOT)]
+    import cuda_host_build
+    work = tempfile.mkdtemp(prefix="gpu-ops-")
+    cuda_host_build.write_cupy_package(work, cuda_host_build.build())
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([work, str(ROOT)]))
+    env.pop("COMMLIB_HOST_KERNELS_LENIENT", None)
+    return subprocess.call([sys.executable, __file__] + argv, env=env)
+
+
+def main(argv=None):
+    argv = sys.argv[1:] if argv is None else argv
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--host-build", action="store_true",
+                    help="build the cooperative host build's stand-in cupy and run on it")
+    ap.add_argument("--json", help="write the rows to this file")
+    args = ap.parse_args(argv)
+    if args.host_build:
+        return rerun_on_the_host_build([a for a in argv if a != "--host-build"])
+    import cupy
+    if not hasattr(cupy, "_host"):
+        raise SystemExit("gpu_ops.py counts on the host build's stand-in cupy: "
+                         "run it with --host-build")
+    rows = measure()
+    print_table(rows)
+    if args.json:
+        Path(args.json).write_text(json.dumps(rows, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
