@@ -28,8 +28,8 @@ def zero(a):
     if not is_cupy(a):
         a.fill(0)
         return
-    import cupy
-    cupy.cuda.runtime.memsetAsync(a.data.ptr, 0, a.nbytes, cupy.cuda.get_current_stream().ptr)
+    from . import _launch
+    _launch.memset0(a)
 
 
 def to_host(groups):
