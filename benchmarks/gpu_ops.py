@@ -1,7 +1,7 @@
 """What one all_reduce asks of the GPU's driver, per strategy: a count of
-the operations commlib's host thread issues (kernel launches, other cupy
-operations, copies, allocations, memsets, host reads), per call and per
-bucket. On a GPU each costs the calling thread a few microseconds (a cupy
+the operations commlib's host thread issues (kernel launches, CUDA graph
+launches, other cupy operations, copies, allocations, memsets, host reads),
+per call and per bucket. On a GPU each costs the calling thread a few microseconds (a cupy
 launch about 5, a memset or allocation 1-3, a read waits for the GPU), so
 these counts are what the host time of a compressed call is made of.
 
@@ -13,7 +13,7 @@ Counted on the cooperative host build's stand-in cupy
 CPU and logs launches and host reads; this script also counts the
 stand-in's other cupy calls. Counts do not depend on sizes: the list is
 small (40 float32 arrays, 179K values, in 6 buckets), at world size 1
-(``Communicator.single``; the collective itself is not counted), after 3
+(``Communicator.single``; the collective itself is not counted), after 5
 warm-up calls.
 """
 import argparse
@@ -27,7 +27,7 @@ from pathlib import Path
 import numpy as np
 
 ROOT = Path(__file__).resolve().parent.parent
-KINDS = ("launches", "cupy ops", "copies", "allocations", "memsets", "reads")
+KINDS = ("launches", "graphs", "cupy ops", "copies", "allocations", "memsets", "reads")
 
 
 def counting(cupy):
@@ -54,13 +54,9 @@ def counting(cupy):
         g[name] = alloc
     nd = cupy.ndarray
 
-    def ufunc(self, uf, method, *inputs, **kw):
+    def ufunc(self, *a, _f=nd.__array_ufunc__, **kw):
         counts["cupy ops"] += 1
-        inputs = tuple(i.view(np.ndarray) if isinstance(i, nd) else i for i in inputs)
-        if "out" in kw:
-            kw["out"] = tuple(o.view(np.ndarray) if isinstance(o, nd) else o for o in kw["out"])
-        r = getattr(uf, method)(*inputs, **kw)
-        return r.view(nd) if isinstance(r, np.ndarray) else r
+        return _f(self, *a, **kw)
     nd.__array_ufunc__ = ufunc
     for name in ("__setitem__", "set", "astype", "copy", "fill"):
         def method(self, *a, _f=getattr(nd, name), **k):
@@ -77,7 +73,7 @@ def counting(cupy):
     return counts
 
 
-def measure(warmup=3):
+def measure(warmup=5):
     import cupy
     import commlib
     from commlib.collective import bucketing
@@ -98,9 +94,12 @@ def measure(warmup=3):
             comm.all_reduce(arrays, op="avg", compression=strategy)
         counts.clear()
         launches, reads = len(host.launches), len(host.reads)
+        graphs, replayed = host.graph_launches, host.replayed
         comm.all_reduce(arrays, op="avg", compression=strategy)
         row = {k: counts[k] for k in KINDS}
-        row["launches"] = len(host.launches) - launches
+        # kernels run by a graph launch are the graph's one operation
+        row["launches"] = len(host.launches) - launches - (host.replayed - replayed)
+        row["graphs"] = host.graph_launches - graphs
         row["reads"] = len(host.reads) - reads
         row.update(strategy=name, arrays=len(arrays), units=units,
                    kernels=dict(collections.Counter(n for n, *_ in host.launches[launches:])))

@@ -27,6 +27,8 @@ MPIEXEC = "COMMLIB_MPIEXEC"
 KERNEL_DIR = "COMMLIB_KERNEL_DIR"
 ASYNC_DEPTH = "COMMLIB_ASYNC_DEPTH"
 TRACE = "COMMLIB_TRACE"
+#: whether fixed GPU launch sequences are replayed as CUDA graphs (commlib.ops.graphs)
+CUDA_GRAPHS = "COMMLIB_CUDA_GRAPHS"
 
 #: the watch dog's default deadline per collective, seconds: long enough for
 #: a rank that evaluates or saves a checkpoint while the others wait at the

@@ -2,6 +2,7 @@
 and the buffers they keep between calls."""
 import numpy as np
 
+from ..collective.identity_cache import IdentityCache
 from ..ops import hostcast, hostcopy
 from ..ops import pack as _pack
 from ..ops.arrays import array_module
@@ -16,20 +17,50 @@ def buffer(workspace, name, xp, size, dtype, zero=False):
     return found
 
 
+def addresses(arrays, workspace):
+    """The device addresses of the cupy ``arrays`` (a tuple), worked out
+    once per list of array objects (an :class:`IdentityCache` in
+    ``workspace``, which drops a list when one of its arrays dies): part of
+    the keys of the bucket's CUDA graphs."""
+    cache = workspace.get("addresses")
+    if cache is None:
+        cache = workspace["addresses"] = IdentityCache(4)
+    key = IdentityCache.key(arrays)
+    found = cache.get(key)
+    if found is None:
+        found = tuple(a.data.ptr for a in arrays)
+        cache.put(key, arrays, found)
+    return found
+
+
 def gather(arrays, workspace):
     """The bucket as one float32 vector: the single array's flat view, or
     its arrays copied back to back into ``workspace["flat"]`` (numpy: the
     compiled copy loop; cupy: one launch of the batched pack kernel, not a
     copy per array)."""
+    flat = flat_of(arrays, workspace)
+    copy_in(arrays, flat)
+    return flat
+
+
+def flat_of(arrays, workspace):
+    """:func:`gather`'s vector without the copy: the single array's flat
+    view, or ``workspace["flat"]`` (for :func:`copy_in`)."""
     if len(arrays) == 1:
         return arrays[0].reshape(-1)
-    xp = array_module(arrays[0])
-    flat = buffer(workspace, "flat", xp, sum(a.size for a in arrays), np.float32)
-    if xp is np:
+    return buffer(workspace, "flat", array_module(arrays[0]), sum(a.size for a in arrays),
+                  np.float32)
+
+
+def copy_in(arrays, flat):
+    """Copy the arrays back to back into ``flat`` (:func:`flat_of`'s
+    vector; nothing to do for a single array, whose view it is)."""
+    if len(arrays) <= 1:
+        return
+    if type(flat) is np.ndarray:
         hostcopy.gather_any(arrays, flat)
     else:
         _pack.pack(arrays, flat)
-    return flat
 
 
 def scatter(flat, arrays):

@@ -18,7 +18,7 @@ rank's set; a non-finite value.
 import numpy as np
 
 from ..errors import PayloadError
-from ..ops import records
+from ..ops import graphs, records
 from ..ops.arrays import array_module, is_cupy
 from ..ops.records import HEADER
 from ..ops.selection import MAX_LEN
@@ -230,9 +230,16 @@ def send(bucket, record, slots, n):
     # receive): the entries' check is queued before the headers are read,
     # and both come to the host in one read
     reads = buffer(state, "reads", xp, ranks * HEADER + 2, np.int64)
-    records.split_records(gathered, [(r * width + HEADER, r * width + HEADER + slots, slots)
-                                     for r in range(ranks)], n, indices, values, reads,
-                          header_stride=width)
+
+    def split():
+        records.split_records(gathered, [(r * width + HEADER, r * width + HEADER + slots, slots)
+                                         for r in range(ranks)], n, indices, values, reads,
+                              header_stride=width)
+    if xp is np:
+        split()
+    else:       # one launch, the same at every call: a graph saves its checks
+        graphs.replay(state.setdefault("graphs", {}), ("split", gathered.data.ptr, width, n),
+                      split)
     return Exchange(gathered, indices, values, reads)
 
 

@@ -5,12 +5,13 @@ import functools
 import numpy as np
 
 from ..errors import ArgumentError
-from ..ops import hostselect, records
+from ..ops import graphs, hostselect, records
 from ..ops.arrays import array_module, zero
+from ..ops.cast import cast
 from ..ops.sparse import scatter_add
 from . import _payload
 from . import nonfinite as _nonfinite
-from ._flat import buffer, describe, gather, scatter
+from ._flat import addresses, buffer, copy_in, describe, flat_of, scatter
 from .base import Completion, Compression
 
 
@@ -153,8 +154,8 @@ class Sparsifier(Compression):
             CollectiveTimeoutError, PeerError, TransportError, ClosedError:
                 from the bucket's communication.
         """
-        arrays, scale, workspace = bucket.arrays, bucket.scale, bucket.state
-        flat = gather(arrays, workspace)
+        arrays, workspace = bucket.arrays, bucket.state
+        flat = flat_of(arrays, workspace)
         xp, n = array_module(flat), flat.size
         acc = buffer(workspace, "acc", xp, n, np.float32)
         residual = None
@@ -162,11 +163,12 @@ class Sparsifier(Compression):
             residual = buffer(workspace, "residual", xp, n, np.float32, zero=True)
         slots = self.count_for(n)
         if xp is np:                         # compiled passes
+            copy_in(arrays, flat)
             nonfinite, indices, values = self.accumulate_and_select(residual, flat, acc)
             record = _payload.encode(xp, indices, values, nonfinite, slots)
         else:
-            record, indices, values = self._encode_on_device(residual, flat, acc, slots,
-                                                             workspace)
+            record, indices, values = self._encode_on_device(arrays, residual, flat, acc,
+                                                             slots, workspace)
         exchange = _payload.send(bucket, record, slots, n)
         finish = functools.partial(
             self._complete, bucket, flat=flat, acc=acc, residual=residual, sent=(indices, values),
@@ -202,12 +204,16 @@ class Sparsifier(Compression):
             bucket, record, exchange, host, slots, n, context,
             "in %s; nothing was written: arrays and residuals are unchanged" % where,
             on_headers)
-        _sum_into(flat, all_indices, all_values, bucket.scale, counts)
-        if residual is not None:    # what was sent is no longer owed
-            add = hostselect.scatter_add if array_module(flat) is np else scatter_add
-            add(acc, *sent, alpha=-1.0)
+        if array_module(flat) is np:
+            hostselect.sparse_sum(flat, all_indices, all_values, bucket.scale, counts)
+            if residual is not None:    # what was sent is no longer owed
+                hostselect.scatter_add(acc, *sent, alpha=-1.0)
+            scatter(flat, arrays)
+        else:
+            self._finish_on_device(bucket, flat, all_indices, all_values, counts, acc,
+                                   residual, sent, fixed=slots is not None)
+        if residual is not None:
             workspace["residual"], workspace["acc"] = acc, residual
-        scatter(flat, arrays)
         if any(dropped):
             _nonfinite.warn("%s: dropped NaN and inf of %s, in %s: not sent%s"
                             % (context, _nonfinite.ranks(dropped), where,
@@ -230,37 +236,73 @@ class Sparsifier(Compression):
         """
         return False
 
-    def _encode_on_device(self, residual, flat, acc, slots, workspace):
-        """cupy buckets: ``acc = residual + flat`` with NaN and +-inf set to 0
-        and counted into the record's header (one kernel, no host
+    def _encode_on_device(self, arrays, residual, flat, acc, slots, workspace):
+        """cupy buckets: the arrays copied into ``flat`` (one of them: its
+        view), ``acc = residual + flat`` with NaN and +-inf set to 0 and
+        counted into the record's header (one kernel, no host
         synchronisation), then this rank's selection from it and its
         record: ``(record, indices, values)``, where a strategy that
         :meth:`select_into` the record's own parts saves the copies. The
-        record of a bucket whose count is fixed is kept between calls."""
+        record of a bucket whose count is fixed is kept between calls.
+
+        The launches up to the selection (all of them with
+        :meth:`select_into`) are a fixed sequence per bucket and buffer
+        addresses: replayed as a CUDA graph (:mod:`commlib.ops.graphs`)."""
         xp = array_module(acc)
         if slots is None:
-            header = buffer(workspace, "header", xp, _payload.HEADER, np.int32)
+            record = header = buffer(workspace, "header", xp, _payload.HEADER, np.int32)
+            indices = values = None
         else:
             record = buffer(workspace, "record", xp, _payload.HEADER + 2 * slots, np.int32)
             header = record[:_payload.HEADER]
-        records.accumulate_finite(residual, flat, acc, header, slots or 0)
-        if slots is not None:
             indices = record[_payload.HEADER:_payload.HEADER + slots]
             values = record[_payload.HEADER + slots:].view(np.float32)
-            if self.select_into(acc, indices, values):
-                return record, indices, values
+
+        def issue():
+            copy_in(arrays, flat)
+            records.accumulate_finite(residual, flat, acc, header, slots or 0)
+            workspace["selects into"] = slots is not None and bool(
+                self.select_into(acc, indices, values))
+
+        key = ("select", addresses(arrays, workspace), acc.data.ptr,
+               None if residual is None else residual.data.ptr, record.data.ptr)
+        graphs.replay(workspace.setdefault("graphs", {}), key, issue)
+        if workspace["selects into"]:
+            return record, indices, values
         indices, values = self.select(acc)
         return _payload.encode(xp, indices, values, header[1], slots), indices, values
 
+    def _finish_on_device(self, bucket, flat, indices, values, counts, acc, residual, sent,
+                          fixed):
+        """cupy buckets, once every rank's entries are checked: ``flat`` =
+        the sum of every rank's (``indices``, ``values``) pairs (``counts``
+        per rank, in rank order: the same bits on every rank) times the
+        bucket's scale, copied into the arrays, and what was ``sent`` taken
+        off ``acc`` when there is a ``residual``. A bucket whose every rank
+        sends a ``fixed`` count sums from buffers kept between calls: these
+        launches are replayed as a CUDA graph (:mod:`commlib.ops.graphs`)."""
+        arrays, workspace, scale = bucket.arrays, bucket.state, bucket.scale
+        xp = array_module(flat)
+        # 0-d counters the kernels write and nobody reads (the entries were
+        # checked): kept, so that the launches allocate nothing
+        words = buffer(workspace, "sum counters", xp, 3, np.int64, zero=True)
+        bad_sum, bad_residual, scaled = (words[i:i + 1].reshape(()) for i in range(3))
 
-def _sum_into(flat, indices, values, scale, counts):
-    """``flat`` = the sum of every rank's (``indices``, ``values``) pairs
-    (``counts`` per rank, in rank order: the same bits on every rank), times
-    ``scale`` when not None."""
-    if array_module(flat) is np:
-        hostselect.sparse_sum(flat, indices, values, scale, counts)
-        return
-    zero(flat)
-    scatter_add(flat, indices, values, segments=counts)
-    if scale is not None:
-        flat *= np.float32(scale)
+        def issue():
+            zero(flat)
+            scatter_add(flat, indices, values, segments=counts, bad=bad_sum)
+            if scale is not None:
+                cast(flat, np.float32, scale=scale, out=flat, nonfinite=scaled)
+            if residual is not None:
+                scatter_add(acc, *sent, alpha=-1.0, bad=bad_residual)
+            scatter(flat, arrays)
+
+        if not fixed:       # the entries are new arrays at every call
+            issue()
+            return
+        key = ("sum", addresses(arrays, workspace), acc.data.ptr,
+               None if residual is None else residual.data.ptr, indices.data.ptr,
+               values.data.ptr, sent[0].data.ptr, sent[1].data.ptr, tuple(counts),
+               None if scale is None else float(scale))
+        graphs.replay(workspace.setdefault("graphs", {}), key, issue)
+

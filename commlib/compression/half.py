@@ -35,8 +35,8 @@ import numpy as np
 
 from ..errors import ArgumentError
 from ..ops import pack as _pack
-from ..ops import hostcast
-from ..ops.arrays import array_module
+from ..ops import graphs, hostcast
+from ..ops.arrays import array_module, zero
 from ..ops.cast import cast, storage_dtype
 from . import _flat
 from . import nonfinite as _nonfinite
@@ -127,15 +127,7 @@ class HalfPrecision(Compression):
         wire = _flat.buffer(workspace, "wire", xp, size, self._storage)
         guarded = self.nonfinite == "raise"
         if xp is not np:             # one pack / unpack launch, casting on the way
-            sent = xp.zeros((), dtype=np.int64)
-            _pack.pack(arrays, wire, scale=scale, nonfinite=sent)
-            self._all_reduce(bucket, wire)
-            # NaN and inf in the result, counted on the GPU by one cast of the
-            # wire onto itself (bits unchanged but for canonical NaNs): not read
-            _, found = cast(wire, self.fmt, out=wire)
-            # the GPU decides whether the result is written, so nothing waits
-            # for the host here
-            _pack.unpack(wire, arrays, unless=found if guarded else None)
+            sent, found = self._reduce_on_device(bucket, wire, guarded)
         else:                        # the arrays cast into their parts of the wire and back
             sent = _flat.cast_parts(arrays, wire, workspace,
                                     np.float32(1) if scale is None else np.float32(scale))
@@ -144,6 +136,40 @@ class HalfPrecision(Compression):
             if not (found and guarded):
                 _flat.cast_parts(arrays, wire, workspace, into_wire=False)
         return Completion((found,), functools.partial(self._settle, bucket, wire, sent))
+
+    def _reduce_on_device(self, bucket, wire, guarded):
+        """cupy buckets: the arrays cast into ``wire`` (one pack launch),
+        all-reduced, the NaN and inf of the result counted and the cast
+        back guarded by that count when ``guarded`` (nothing waits for the
+        host). Returns the 0-d device counts ``(sent, found)``, kept with
+        the bucket. The launches before and after the all-reduce are fixed
+        per bucket and addresses: replayed as CUDA graphs
+        (:mod:`commlib.ops.graphs`)."""
+        arrays, scale, workspace = bucket.arrays, bucket.scale, bucket.state
+        xp = array_module(wire)
+        # the counts of NaN and inf sent and found, kept with the bucket
+        counts = _flat.buffer(workspace, "nonfinite counts", xp, 2, np.int64)
+        sent, found = counts[0:1].reshape(()), counts[1:2].reshape(())
+
+        def cast_in():
+            zero(counts)
+            _pack.pack(arrays, wire, scale=scale, nonfinite=sent)
+
+        def cast_back():
+            # NaN and inf in the result, counted on the GPU by one cast of
+            # the wire onto itself (bits unchanged but for canonical NaNs):
+            # not read
+            cast(wire, self.fmt, out=wire, nonfinite=found)
+            # the GPU decides whether the result is written, so nothing
+            # waits for the host here
+            _pack.unpack(wire, arrays, unless=found if guarded else None)
+
+        store = workspace.setdefault("graphs", {})
+        at = (_flat.addresses(arrays, workspace), wire.data.ptr, counts.data.ptr)
+        graphs.replay(store, ("cast in", at, None if scale is None else float(scale)), cast_in)
+        self._all_reduce(bucket, wire)
+        graphs.replay(store, ("cast back", at, guarded), cast_back)
+        return sent, found
 
     def _all_reduce(self, bucket, wire):
         # overflow is counted and reported by _settle, not warned by numpy

@@ -113,6 +113,11 @@ def _device_table(device_id, segments, chunk):
     return table, nchunks
 
 
+def cached():
+    """Every device table held now (see :func:`commlib.ops._launch.cached`)."""
+    return tuple(_tables.values())
+
+
 def _dummy(device_id, role):
     """A 0-d int64 device array standing in for an argument not given:
     ``role`` "counter" (kernels add to it; never read) or "never" (a skip

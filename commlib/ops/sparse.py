@@ -44,7 +44,7 @@ def _segment_counts(segments, total):
     return tuple(int(c) for c in seg)
 
 
-def scatter_add(dense, indices, values, *, alpha=1.0, segments=None):
+def scatter_add(dense, indices, values, *, alpha=1.0, segments=None, bad=None):
     """``dense[indices[i]] += alpha * values[i]``, in place, segment by segment.
 
     dense: 1-D contiguous float32 array (numpy or cupy, like the others).
@@ -55,6 +55,9 @@ def scatter_add(dense, indices, values, *, alpha=1.0, segments=None):
     ``len(indices)`` (host sequence; a cupy array is copied to the host);
     None means one segment. Indices must be unique within a segment:
     duplicates inside one segment make the result order-dependent on the GPU.
+    bad: optional 0-d int64 array of dense's kind to write the count below
+    into (saves allocating one; a call whose launches are captured into a
+    graph must pass it); default a new one.
 
     Returns ``bad``: a 0-d int64 array (a device array for cupy input)
     counting the out-of-range indices, which were skipped. A non-zero count
@@ -72,9 +75,18 @@ def scatter_add(dense, indices, values, *, alpha=1.0, segments=None):
     check_length(indices.size, "indices")
     counts = _segment_counts(segments, indices.size)
     alpha = np.float32(alpha)
+    if bad is not None:
+        check_same_kind(dense=dense, bad=bad)
+        if bad.shape != () or bad.dtype != np.int64:
+            raise ArgumentError("bad: expected a 0-d int64 array, got shape %s dtype %s"
+                                % (bad.shape, bad.dtype))
     if is_cupy(dense):
-        return _scatter_add_cuda(dense, indices, values, alpha, counts)
-    return _scatter_add_numpy(dense, indices, values, alpha)
+        return _scatter_add_cuda(dense, indices, values, alpha, counts, bad)
+    count = _scatter_add_numpy(dense, indices, values, alpha)
+    if bad is None:
+        return count
+    bad[...] = count
+    return bad
 
 
 def _scatter_add_numpy(dense, indices, values, alpha):
@@ -90,11 +102,12 @@ def _scatter_add_numpy(dense, indices, values, alpha):
 ITEM = 4 * _BLOCK  # entries per work item of kernels/sparse.cu (kItem)
 
 
-def _scatter_add_cuda(dense, indices, values, alpha, counts):
+def _scatter_add_cuda(dense, indices, values, alpha, counts, bad):
     import cupy
     from . import _launch, _loader
     with dense.device:
-        bad = cupy.empty((), dtype=cupy.int64)
+        if bad is None:
+            bad = cupy.empty((), dtype=cupy.int64)
         _launch.memset0(bad)
         device = dense.device.id
         p = _launch.plan(("scatter_add", device, counts, _loader.get_function),

@@ -160,12 +160,10 @@ def _topk_cuda(x, kk, residual, out):
         key = ("topk", device, n, kk, off, residual is None, xoff == off,
                _candidate_capacity, _sample_rank, _loader.get_function)
         p = _launch.plan(key, lambda: _topk_plan(n, kk, off, residual is not None, xoff == off))
-        stream = cupy.cuda.get_current_stream()
-        ws = _launch.workspace(device, "topk", p.ws_words, cupy.uint32, stream=stream)
-        _launch.memset0(ws, 4 * p.ws_words, stream)
+        ws = _launch.workspace(device, "topk", p.ws_words, cupy.uint32)
+        _launch.memset0(ws, 4 * p.ws_words)
         if p.cap:
-            cand = _launch.workspace(device, "topk-candidates", 2 * p.cap, cupy.int32,
-                                     stream=stream)
+            cand = _launch.workspace(device, "topk-candidates", 2 * p.cap, cupy.int32)
             views = _candidate_views.get(id(cand))
             if views is None or views[0] is not cand or views[1].size != p.cap:
                 views = (cand, cand[:p.cap], cand[p.cap:2 * p.cap].view(cupy.float32))

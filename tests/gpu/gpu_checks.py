@@ -257,6 +257,71 @@ def concurrent_streams(sizes=(25_000_000, 9_000_001)):
     print("concurrent streams ok")
 
 
+def replayed_buckets(calls=8, nan_at=5):
+    """The compressed buckets whose launches are replayed as CUDA graphs
+    (commlib.ops.graphs: top-K with error feedback, fp16, bf16) against
+    numpy (:func:`against_numpy`), on the null stream and on a stream of its
+    own; graphs were captured and launched."""
+    import cupy
+    from commlib.compression import TopK
+    from commlib.ops import graphs
+    ways = []
+    replay = graphs.replay
+
+    def counted(store, key, issue):
+        ways.append(replay(store, key, issue))
+        return ways[-1]
+    graphs.replay = counted
+    try:
+        for stream in (cupy.cuda.Stream.null, cupy.cuda.Stream(non_blocking=True)):
+            for compression in (TopK(0.01), "fp16", "bf16"):
+                with stream:
+                    against_numpy((1_000_003, 4096, 17, 250_000, 3), compression,
+                                  calls=calls, nan_at=nan_at, seed=8)
+    finally:
+        graphs.replay = replay
+    tally = {w: ways.count(w) for w in ("direct", "captured", "graph")}
+    assert tally["captured"] and tally["graph"] > tally["captured"], tally
+    print("replayed buckets ok: %s" % tally)
+
+
+def against_numpy(sizes, compression, op="avg", calls=7, nan_at=None, seed=0):
+    """``calls`` all-reduces of new gradients in the same cupy arrays (the
+    buckets' launches become graphs from the third call) by a communicator
+    of one process against one on numpy arrays of the same values: the
+    same bits after every call; at call ``nan_at`` a NaN in every array,
+    and both raise NonFiniteError with the arrays unchanged."""
+    import cupy
+    rng = np.random.default_rng(seed)
+    host = [np.zeros(n, np.float32) for n in sizes]
+    dev = [cupy.zeros(n, np.float32) for n in sizes]
+    comms = [commlib.Communicator.single(bucket_bytes=1 << 22),
+             commlib.Communicator.single(device=0, bucket_bytes=1 << 22)]
+    try:
+        for call in range(calls):
+            for h, d in zip(host, dev):
+                h[:] = rng.standard_normal(h.size).astype(np.float32)
+                if call == nan_at:
+                    h[h.size // 2] = np.nan
+                d.set(h)
+            kept = [h.copy() for h in host]
+            for c, arrays in zip(comms, (host, dev)):
+                try:
+                    c.all_reduce(arrays, op=op, compression=compression)
+                except errors.NonFiniteError:
+                    assert call == nan_at, (compression, call)
+                else:
+                    assert call != nan_at, (compression, call)
+            for i, (h, d) in enumerate(zip(host, dev)):
+                if call == nan_at:
+                    assert np.array_equal(h, kept[i], equal_nan=True), (compression, call, i)
+                assert np.array_equal(h.view(np.uint32), cupy.asnumpy(d).view(np.uint32)), \
+                    (compression, call, i)
+    finally:
+        for c in comms:
+            c.close()
+
+
 def large_n(n=None, k=1000):
     """The largest length the selection kernels accept (n = 2^31 - 1 by
     default, int32 indices): k planted values, the last ones at the very end,
@@ -280,4 +345,5 @@ if __name__ == "__main__":
     import sys
     {"compile": compile_all, "small": small_workload,
      "small-quick": lambda: small_workload(quick=True), "streams": concurrent_streams,
+     "replayed": replayed_buckets,
      "large": large_n}[sys.argv[1]]()

@@ -83,6 +83,11 @@ def test_two_streams_at_once_against_the_twins():
     gpu_checks.concurrent_streams()
 
 
+def test_replayed_buckets_match_the_numpy_path():
+    import gpu_checks
+    gpu_checks.replayed_buckets()
+
+
 def test_two_ranks_on_one_gpu_name_the_shared_gpu_and_run_over_mpi():
     """NCCL takes one rank per GPU: with fewer GPUs than ranks on the node,
     backend="nccl" raises naming the shared GPU, and the default

@@ -12,6 +12,7 @@ import atexit
 import collections
 import concurrent.futures
 import ctypes
+import functools
 import hashlib
 import operator
 import re
@@ -344,7 +345,17 @@ class HostCupy:
     block, args), and each host read of an array (``get``, ``int``,
     ``float``, ``bool``, ``item``, ``tolist``, use as an index: what makes
     real cupy wait for the GPU) in ``reads`` as (file, line) of the code
-    that read."""
+    that read.
+
+    Streams other than the null one capture (``begin_capture`` /
+    ``end_capture``, as cupy's): while one captures, kernel launches and
+    memsets issued on it are recorded, not run, and any other device work
+    (an allocation, an operation run by numpy, a copy, a host read, a
+    synchronisation) raises RuntimeError: it has no node to become here
+    (and allocations and reads would be wrong in a real capture). The
+    graph's ``launch`` runs the recorded work in order, each kernel logged
+    in ``launches`` when it runs; ``graph_launches`` counts the graphs
+    launched, ``replayed`` the kernels they ran."""
 
     def __init__(self, kernels, schedule=SCHEDULES[0], sm_count=2, lenient=False):
         self.kernels = kernels
@@ -354,7 +365,21 @@ class HostCupy:
         self.launches = []
         self.reads = []           # (file, line) of every host read of a device array
         self.after_launch = None  # called as after_launch(name, args) after each launch
+        self.graph_launches = 0
+        self.replayed = 0         # of the launches logged, those run by graph launches
+        self.capture = None       # (stream, recorded nodes) while a stream captures
         self.module = self._make_module()
+
+    def forbid_in_capture(self, what):
+        """Raise when a stream captures: ``what`` has no graph node here."""
+        if self.capture is not None:
+            raise RuntimeError("stand-in cupy: %s while a stream captures a graph" % what)
+
+    def _capturing(self, stream_ptr):
+        """The node list to record into when ``stream_ptr`` is capturing."""
+        if self.capture is not None and self.capture[0].ptr == stream_ptr:
+            return self.capture[1]
+        return None
 
     def read(self):
         """Log a host read of a device array: the file and line of the
@@ -375,13 +400,31 @@ class HostCupy:
                 return _Device(0)
 
             def get(self):
+                host.forbid_in_capture("a host read (get)")
                 host.read()
                 return np.array(self)
 
             def set(self, arr):
+                host.forbid_in_capture("a copy from the host (set)")
                 self[...] = np.asarray(arr).reshape(self.shape)
 
+            def __array_ufunc__(self, ufunc, method, *inputs, **kwargs):
+                host.forbid_in_capture("the operation %s.%s" % (ufunc.__name__, method))
+                inputs = tuple(i.view(np.ndarray) if isinstance(i, ndarray) else i
+                               for i in inputs)
+                outs = kwargs.get("out")
+                if outs:
+                    kwargs["out"] = tuple(o.view(np.ndarray) if isinstance(o, ndarray) else o
+                                          for o in outs)
+                r = getattr(ufunc, method)(*inputs, **kwargs)
+                if outs:
+                    return outs[0] if len(outs) == 1 else outs
+                if isinstance(r, tuple):
+                    return tuple(x.view(ndarray) if isinstance(x, np.ndarray) else x for x in r)
+                return r.view(ndarray) if isinstance(r, np.ndarray) else r
+
             def __setitem__(self, key, value):
+                host.forbid_in_capture("a copy into an array")
                 # a device value goes device to device, as in cupy: not a read
                 if isinstance(value, ndarray):
                     value = value.view(np.ndarray)
@@ -390,6 +433,7 @@ class HostCupy:
         # what reads a GPU array on the host (a synchronisation), logged
         def reading(convert):
             def method(self, *args):
+                host.forbid_in_capture("a host read")
                 host.read()
                 return convert(np.asarray(self), *args)
             return method
@@ -400,6 +444,7 @@ class HostCupy:
         ndarray.__module__ = "cupy"
 
         def empty(shape, dtype=np.float32):
+            host.forbid_in_capture("an allocation")
             dtype = np.dtype(dtype)
             n = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
             raw = np.full(n + 2 * RED_ZONE + 256, 0xFB, np.uint8)
@@ -446,6 +491,13 @@ class HostCupy:
                     raise NotImplementedError("no host build of kernel %r" % self.name)
                 if shared_mem:
                     raise NotImplementedError("dynamic shared memory is not modelled")
+                nodes = host._capturing(cuda.get_current_stream().ptr)
+                if nodes is not None:
+                    nodes.append((True, functools.partial(self._run, grid, block, tuple(args))))
+                    return
+                self._run(grid, block, args)
+
+            def _run(self, grid, block, args):
                 regions = []
                 if re.match(r"(un)?pack_", self.name):
                     regions = _pack_segments(self.name, args[0], int(args[1]))
@@ -472,7 +524,24 @@ class HostCupy:
                 self.ptr = 0 if null else id(self)
 
             def synchronize(self):
-                pass
+                host.forbid_in_capture("a stream synchronisation")
+
+            def begin_capture(self, mode=None):
+                if self.ptr == 0:
+                    raise RuntimeError("cannot capture on the default (legacy) stream")
+                if host.capture is not None:
+                    raise RuntimeError("stand-in cupy: one capture at a time")
+                host.capture = (self, [])
+
+            def is_capturing(self):
+                return host.capture is not None and host.capture[0] is self
+
+            def end_capture(self):
+                if not self.is_capturing():
+                    raise RuntimeError("stand-in cupy: the stream is not capturing")
+                nodes = host.capture[1]
+                host.capture = None
+                return _Graph(nodes)
 
             def record(self, event=None):
                 event = _Event() if event is None else event
@@ -499,7 +568,28 @@ class HostCupy:
         _Stream.null = null_stream
 
         def memset_async(ptr, value, size, stream=0):
+            nodes = host._capturing(stream)
+            if nodes is not None:
+                nodes.append((False, functools.partial(ctypes.memset, ptr, value, size)))
+                return
+            host.forbid_in_capture("a memset on another stream")
             ctypes.memset(ptr, value, size)
+
+        class _Graph:
+            """A captured graph: its nodes run in order when launched."""
+
+            def __init__(self, nodes):
+                self.nodes = nodes
+
+            def launch(self, stream=None):
+                host.forbid_in_capture("a graph launch")
+                host.graph_launches += 1
+                for kernel, node in self.nodes:
+                    host.replayed += kernel
+                    node()
+
+            def upload(self, stream=None):
+                pass
 
         class _Event:
             def __init__(self, *args, **kwargs):
@@ -520,7 +610,7 @@ class HostCupy:
                  "name": b"cooperative host build", "l2CacheSize": 1 << 20,
                  "totalGlobalMem": 1 << 33, "major": 0, "minor": 0}
         cuda = types.SimpleNamespace(
-            Device=_Device, Event=_Event, Stream=_Stream,
+            Device=_Device, Event=_Event, Stream=_Stream, Graph=_Graph,
             get_current_stream=lambda: getattr(current, "stream", None) or null_stream,
             get_elapsed_time=lambda a, b: (b.t - a.t) * 1e3,
             runtime=types.SimpleNamespace(getDevice=lambda: 0, getDeviceCount=lambda: 1,
@@ -580,6 +670,9 @@ class HostCupy:
         monkeypatch.setattr(_pack_cuda, "_prepared", type(_pack_cuda._prepared)(
             _pack_cuda.TABLE_CACHE_SIZE))
         monkeypatch.setattr(_pack_cuda, "_dummies", {})
+        # the private capture streams of commlib.ops.graphs are the stand-in's
+        from commlib.ops import graphs
+        monkeypatch.setattr(graphs, "_side_streams", {})
         return self.module
 
 

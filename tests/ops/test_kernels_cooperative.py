@@ -33,18 +33,6 @@ SUPER, STASH = 8 * TILE, 4096
 K_DONE, K_USE_BUF, K_FILL = 4, 5, 6
 
 
-@pytest.fixture(scope="module")
-def kernels():
-    return chb.build()
-
-
-@pytest.fixture
-def gpu(kernels, monkeypatch):
-    host = chb.HostCupy(kernels)
-    host.install(monkeypatch)
-    return host
-
-
 def schedules_for(i, count=2):
     """``count`` schedules for case ``i``, rotating through all of them."""
     return [SCHEDULES[(i + j) % len(SCHEDULES)] for j in range(count)]

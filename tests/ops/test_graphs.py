@@ -1,0 +1,193 @@
+"""commlib.ops.graphs on the cooperative host build's stand-in cupy, whose
+streams capture like cupy's (kernel launches and memsets become nodes, and
+any other device work during a capture raises): a fixed launch sequence
+runs directly, then is captured, then is launched as a graph, with the
+results of running it directly every time; a capture that fails costs
+nothing but the graph; and the sparsifiers' replayed buckets give the bits
+of the numpy path call after call."""
+import gc
+import weakref
+
+import numpy as np
+import pytest
+
+import commlib
+import cuda_host_build as chb
+import gpu_checks
+from commlib.compression import TopK
+from commlib.ops import _launch, graphs
+from commlib.ops import topk as topk_mod
+
+pytestmark = pytest.mark.skipif(chb.GXX is None or chb.OBJCOPY is None,
+                                reason="g++ or objcopy not found on PATH")
+
+
+@pytest.fixture(autouse=True)
+def graphs_on(monkeypatch):
+    monkeypatch.delenv("COMMLIB_CUDA_GRAPHS", raising=False)
+
+
+def _topk_sequence(gpu, n=20000, k=37, seed=0):
+    """A device vector ``x``, output buffers, and ``issue()``: a memset of
+    the outputs and the top-K of x into them (six launches, a memset of its
+    own)."""
+    xp = gpu.module
+    rng = np.random.default_rng(seed)
+    x = xp.asarray(rng.standard_normal(n).astype(np.float32))
+    idx, val = xp.empty(k, np.int32), xp.empty(k, np.float32)
+
+    def issue():
+        _launch.memset0(idx)
+        topk_mod.topk(x, k, out=(idx, val))
+    return x, idx, val, issue
+
+
+def _check(x, idx, val, k):
+    want_idx, want_val = topk_mod.topk(np.asarray(x).view(np.ndarray).copy(), k)
+    np.testing.assert_array_equal(np.asarray(idx), want_idx)
+    np.testing.assert_array_equal(np.asarray(val).view(np.uint32), want_val.view(np.uint32))
+
+
+def test_replay_runs_directly_then_captures_then_launches_the_graph(gpu):
+    x, idx, val, issue = _topk_sequence(gpu)
+    store = {}
+    rng = np.random.default_rng(1)
+    stream = gpu.module.cuda.Stream()
+    ways = []
+    for call in range(5):
+        # new values in the same memory: the graph reads them at launch
+        x.view(np.ndarray)[:] = rng.standard_normal(x.size).astype(np.float32)
+        idx.view(np.ndarray)[:] = -7
+        before = (len(gpu.launches), gpu.graph_launches)
+        with stream if call % 2 else gpu.module.cuda.Stream.null:
+            ways.append(graphs.replay(store, ("topk", x.data.ptr), issue))
+        _check(x, idx, val, 37)
+        ran = len(gpu.launches) - before[0]
+        assert ran >= 5, (call, ran)        # the kernels ran, whichever way
+    # one key per stream: each runs directly once, is captured, then launched
+    assert ways == ["direct", "direct", "captured", "captured", "graph"], ways
+    assert gpu.graph_launches == 3 and graphs.failure(store) is None
+    assert len(store) == 2
+
+
+def test_a_capture_that_fails_runs_directly_from_then_on(gpu):
+    xp = gpu.module
+    x, idx, val, issue = _topk_sequence(gpu, seed=2)
+
+    def allocating():
+        issue()
+        xp.empty(3, np.float32)          # no allocation may happen in a capture
+    store = {}
+    ways = [graphs.replay(store, "k", allocating) for _ in range(4)]
+    assert ways == ["direct"] * 4, ways
+    err = graphs.failure(store)
+    assert isinstance(err, RuntimeError) and "allocation" in str(err), err
+    assert gpu.capture is None and gpu.graph_launches == 0
+    _check(x, idx, val, 37)
+
+
+def test_an_error_in_a_captured_function_is_raised_when_it_runs_directly(gpu):
+    x, idx, val, issue = _topk_sequence(gpu, seed=3)
+    calls = []
+
+    def failing():
+        calls.append(1)
+        if len(calls) > 1:
+            raise ValueError("bad argument")
+        issue()
+    store = {}
+    graphs.replay(store, "k", failing)
+    with pytest.raises(ValueError, match="bad argument"):
+        graphs.replay(store, "k", failing)
+    assert len(calls) == 3 and gpu.capture is None   # captured, then run directly
+
+
+def test_a_store_keeps_the_latest_max_graphs_keys(gpu):
+    x, idx, val, issue = _topk_sequence(gpu, seed=4)
+    store = {}
+    for key in range(graphs.MAX_GRAPHS + 3):
+        assert [graphs.replay(store, key, issue) for _ in range(3)] == \
+            ["direct", "captured", "graph"], key
+    assert len(store) == graphs.MAX_GRAPHS
+    # the oldest were dropped: seen again, they start over
+    assert graphs.replay(store, 0, issue) == "direct"
+    assert graphs.replay(store, graphs.MAX_GRAPHS + 2, issue) == "graph"
+    # keys that never repeat (arrays that move at every call) run directly
+    assert {graphs.replay(store, ("moved", i), issue) for i in range(20)} == {"direct"}
+    _check(x, idx, val, 37)
+
+
+def test_graphs_are_off_with_the_setting(gpu, monkeypatch):
+    x, idx, val, issue = _topk_sequence(gpu, seed=5)
+    monkeypatch.setenv("COMMLIB_CUDA_GRAPHS", "0")
+    store = {}
+    assert [graphs.replay(store, "k", issue) for _ in range(3)] == ["direct"] * 3
+    assert gpu.graph_launches == 0 and not store
+    _check(x, idx, val, 37)
+    monkeypatch.setenv("COMMLIB_CUDA_GRAPHS", "maybe")
+    with pytest.raises(commlib.ArgumentError, match="COMMLIB_CUDA_GRAPHS"):
+        graphs.replay(store, "k", issue)
+
+
+def test_a_graph_uses_and_keeps_the_launch_streams_workspaces(gpu):
+    # the capture happens on a private stream, but the workspaces are those
+    # of the stream the graph runs on; dropping the caches does not free
+    # what a graph uses
+    x, idx, val, issue = _topk_sequence(gpu, seed=6)
+    store = {}
+    graphs.replay(store, "k", issue)
+    (ws_key,) = [k for k in _launch._workspaces if k[2] == "topk"]
+    ws = weakref.ref(_launch._workspaces[ws_key][1])
+    assert graphs.replay(store, "k", issue) == "captured"
+    assert [k for k in _launch._workspaces if k[2] == "topk"] == [ws_key]
+    _launch.clear()
+    gc.collect()
+    assert ws() is not None
+    x.view(np.ndarray)[:] = -x.view(np.ndarray)
+    assert graphs.replay(store, "k", issue) == "graph"
+    _check(x, idx, val, 37)
+
+
+def _against_numpy(gpu, sizes, compression, **kwargs):
+    """tests/gpu/gpu_checks.py's check against numpy on the stand-in's
+    arrays; returns the graphs launched."""
+    before = gpu.graph_launches
+    gpu_checks.against_numpy(sizes, compression, **kwargs)
+    return gpu.graph_launches - before
+
+
+@pytest.mark.parametrize("op", ["sum", "avg"])
+@pytest.mark.parametrize("sizes", [(5003,), (700, 1, 2900, 41, 6000)], ids=["one", "five"])
+def test_topk_buckets_replayed_give_the_numpy_paths_bits(gpu, op, sizes):
+    # error feedback carried from call to call; two graphs per bucket and
+    # call once steady (select, sum)
+    assert _against_numpy(gpu, sizes, TopK(0.02), op=op, seed=len(sizes)) >= 2 * 3
+
+
+@pytest.mark.parametrize("strategy", ["fp16", "bf16", "topk"])
+def test_a_nan_in_a_replayed_bucket_raises_and_writes_nothing(gpu, strategy):
+    # the calls before and after run from graphs; the next call after the
+    # NaN is right again (error feedback: the residual untouched by the
+    # failed call)
+    compression = TopK(0.05) if strategy == "topk" else strategy
+    assert _against_numpy(gpu, (3001, 17, 800), compression, calls=8, nan_at=5,
+                          seed=11) >= 2 * 4
+
+
+def test_a_stream_that_captures_already_gets_the_launches_themselves(gpu):
+    # a caller capturing its whole step: replay issues into that capture
+    x, idx, val, issue = _topk_sequence(gpu, seed=7)
+    store = {}
+    for _ in range(2):
+        graphs.replay(store, "k", issue)
+    launched = gpu.graph_launches     # the second replay's capture launched one
+    outer = gpu.module.cuda.Stream()
+    with outer:
+        issue()                 # its workspaces made, as a warm-up step would
+        outer.begin_capture()
+        assert graphs.replay(store, "k", issue) == "direct"
+        step = outer.end_capture()
+    assert gpu.graph_launches == launched and len(step.nodes) >= 6
+    idx.view(np.ndarray)[:] = -5
+    step.launch()
+    _check(x, idx, val, 37)
