@@ -109,6 +109,79 @@ def measure(warmup=5):
     return rows
 
 
+def python_time(repeats=60, warmup=6, scale=1000):
+    """commlib's own Python per ``all_reduce``: the median wall time of a
+    call with every kernel launch and graph launch of the stand-in made
+    free (they do nothing; the buffers hold the last real call's values, so
+    the checks pass), which is the host time a call would take if issuing
+    work to the GPU cost nothing. The list has ResNet-50's layout (161
+    arrays, each ``1/scale`` of its size) in buckets of ``25 MiB / scale``,
+    so as many buckets as the real list in 25 MiB ones, at world size 1;
+    each strategy with its launches replayed as CUDA graphs and without
+    (``COMMLIB_CUDA_GRAPHS=0``), each on a communicator of its own, dense
+    in the same run as the baseline, the variants interleaved call by call.
+    Returns rows of microseconds."""
+    import gc
+    import time
+    import cupy
+    import commlib
+    from commlib.collective import bucketing
+    from commlib.compression import TopK
+    shapes = json.loads((ROOT / "tests" / "data" / "resnet50.json").read_text())["shapes"]
+    sizes = [max(1, int(np.prod(s)) // scale) for s in shapes]
+    rng = np.random.default_rng(1)
+    arrays = [cupy.asarray(rng.standard_normal(n).astype(np.float32)) for n in sizes]
+    bucket_bytes = (25 << 20) // scale
+    plan = bucketing.plan_for(arrays, bucket_bytes)
+    variants = []      # (row, "graphs" or "no graphs", communicator, strategy)
+    rows = []
+    for name, strategy in (("dense", None), ("fp16", "fp16"), ("topk 1%", TopK(0.01))):
+        rows.append({"strategy": name, "arrays": len(arrays),
+                     "units": len(plan.buckets) + len(plan.direct)})
+        for graphs in ("1", "0"):
+            os.environ["COMMLIB_CUDA_GRAPHS"] = graphs   # read when a bucket's key is new
+            comm = commlib.Communicator.single(device=0, bucket_bytes=bucket_bytes)
+            for _ in range(warmup):
+                comm.all_reduce(arrays, op="avg", compression=strategy)
+            variants.append((rows[-1], "graphs" if graphs == "1" else "no graphs", comm,
+                             strategy))
+    free = (cupy.RawKernel.__call__, cupy.cuda.Graph.launch, cupy._host.kernels.launch)
+    cupy.RawKernel.__call__ = lambda self, *a, **k: None
+    cupy.cuda.Graph.launch = lambda self, stream=None: None
+    cupy._host.kernels.launch = lambda *a, **k: None
+    times = collections.defaultdict(list)
+    gc.collect()
+    gc.disable()
+    try:
+        for _ in range(repeats):        # the variants interleaved: drift hits all alike
+            for i, (row, column, comm, strategy) in enumerate(variants):
+                os.environ["COMMLIB_CUDA_GRAPHS"] = "1" if column == "graphs" else "0"
+                t = time.perf_counter()
+                comm.all_reduce(arrays, op="avg", compression=strategy)
+                times[i].append(time.perf_counter() - t)
+    finally:
+        gc.enable()
+        os.environ.pop("COMMLIB_CUDA_GRAPHS", None)
+        cupy.RawKernel.__call__, cupy.cuda.Graph.launch, cupy._host.kernels.launch = free
+    for i, (row, column, comm, strategy) in enumerate(variants):
+        row[column] = 1e6 * float(np.median(times[i]))
+        comm.close()
+    return rows
+
+
+def print_python_time(rows):
+    dense = rows[0]["graphs"]
+    print("commlib's Python per all_reduce call, launches free (the ResNet-50 layout, "
+          "%d arrays in %d buckets, world size 1; median of 60 calls, this CPU):"
+          % (rows[0]["arrays"], rows[0]["units"]))
+    print("| strategy | us per call, graphs | us per call, no graphs | us per bucket, graphs "
+          "| graphs / dense |")
+    print("|---|---|---|---|---|")
+    for r in rows:
+        print("| %s | %.0f | %.0f | %.0f | %.2f |" % (r["strategy"], r["graphs"], r["no graphs"],
+                                                   r["graphs"] / r["units"], r["graphs"] / dense))
+
+
 def print_table(rows):
     cols = ["strategy", "units"] + list(KINDS) + ["total", "per unit"]
     print("| " + " | ".join(cols) + " |")
@@ -140,6 +213,8 @@ def main(argv=None):
     ap.add_argument("--host-build", action="store_true",
                     help="build the cooperative host build's stand-in cupy and run on it")
     ap.add_argument("--json", help="write the rows to this file")
+    ap.add_argument("--no-time", action="store_true",
+                    help="count operations only (no Python timing)")
     args = ap.parse_args(argv)
     if args.host_build:
         return rerun_on_the_host_build([a for a in argv if a != "--host-build"])
@@ -149,8 +224,12 @@ def main(argv=None):
                          "run it with --host-build")
     rows = measure()
     print_table(rows)
+    timed = [] if args.no_time else python_time()
+    if timed:
+        print()
+        print_python_time(timed)
     if args.json:
-        Path(args.json).write_text(json.dumps(rows, indent=1))
+        Path(args.json).write_text(json.dumps({"operations": rows, "python": timed}, indent=1))
     return 0
 
 

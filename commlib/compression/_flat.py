@@ -5,30 +5,31 @@ import numpy as np
 from ..collective.identity_cache import IdentityCache
 from ..ops import hostcast, hostcopy
 from ..ops import pack as _pack
-from ..ops.arrays import array_module
+from ..ops.arrays import address, array_module
 
 
 def buffer(workspace, name, xp, size, dtype, zero=False):
     """``workspace[name]``: a 1-D array of ``size`` ``dtype`` elements
     (zero-filled when first made, if ``zero``), kept between calls."""
     found = workspace.get(name)
-    if found is None or found.size != size or array_module(found) is not xp:
+    if found is None or found.size != size or type(found) is not xp.ndarray:
         found = workspace[name] = (xp.zeros if zero else xp.empty)(size, dtype=dtype)
     return found
 
 
-def addresses(arrays, workspace):
-    """The device addresses of the cupy ``arrays`` (a tuple), worked out
-    once per list of array objects (an :class:`IdentityCache` in
-    ``workspace``, which drops a list when one of its arrays dies): part of
-    the keys of the bucket's CUDA graphs."""
-    cache = workspace.get("addresses")
+def identity(arrays, workspace):
+    """``(addresses, size)``: the arrays' addresses (a tuple; part of the
+    keys of a bucket's CUDA graphs) and their total number of elements,
+    worked out once per list of array objects (an :class:`IdentityCache` in
+    ``workspace``, which drops a list when one of its arrays dies), so that
+    a steady call does no per-array Python work."""
+    cache = workspace.get("identity")
     if cache is None:
-        cache = workspace["addresses"] = IdentityCache(4)
+        cache = workspace["identity"] = IdentityCache(4)
     key = IdentityCache.key(arrays)
     found = cache.get(key)
     if found is None:
-        found = tuple(a.data.ptr for a in arrays)
+        found = (tuple(address(a) for a in arrays), sum(a.size for a in arrays))
         cache.put(key, arrays, found)
     return found
 
@@ -48,7 +49,7 @@ def flat_of(arrays, workspace):
     view, or ``workspace["flat"]`` (for :func:`copy_in`)."""
     if len(arrays) == 1:
         return arrays[0].reshape(-1)
-    return buffer(workspace, "flat", array_module(arrays[0]), sum(a.size for a in arrays),
+    return buffer(workspace, "flat", array_module(arrays[0]), identity(arrays, workspace)[1],
                   np.float32)
 
 

@@ -11,7 +11,7 @@ from ..ops.cast import cast
 from ..ops.sparse import scatter_add
 from . import _payload
 from . import nonfinite as _nonfinite
-from ._flat import addresses, buffer, copy_in, describe, flat_of, scatter
+from ._flat import buffer, copy_in, describe, flat_of, identity, scatter
 from .base import Completion, Compression
 
 
@@ -264,8 +264,9 @@ class Sparsifier(Compression):
             workspace["selects into"] = slots is not None and bool(
                 self.select_into(acc, indices, values))
 
-        key = ("select", addresses(arrays, workspace), acc.data.ptr,
-               None if residual is None else residual.data.ptr, record.data.ptr)
+        # within the bucket's state only the arrays and which of its two
+        # buffers is the residual change (its other buffers are made once)
+        key = ("select", identity(arrays, workspace)[0], acc.data.ptr, slots)
         graphs.replay(workspace.setdefault("graphs", {}), key, issue)
         if workspace["selects into"]:
             return record, indices, values
@@ -300,9 +301,7 @@ class Sparsifier(Compression):
         if not fixed:       # the entries are new arrays at every call
             issue()
             return
-        key = ("sum", addresses(arrays, workspace), acc.data.ptr,
-               None if residual is None else residual.data.ptr, indices.data.ptr,
-               values.data.ptr, sent[0].data.ptr, sent[1].data.ptr, tuple(counts),
+        key = ("sum", identity(arrays, workspace)[0], acc.data.ptr, tuple(counts),
                None if scale is None else float(scale))
         graphs.replay(workspace.setdefault("graphs", {}), key, issue)
 

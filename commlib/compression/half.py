@@ -165,7 +165,7 @@ class HalfPrecision(Compression):
             _pack.unpack(wire, arrays, unless=found if guarded else None)
 
         store = workspace.setdefault("graphs", {})
-        at = (_flat.addresses(arrays, workspace), wire.data.ptr, counts.data.ptr)
+        at = _flat.identity(arrays, workspace)[0]   # its buffers are made once
         graphs.replay(store, ("cast in", at, None if scale is None else float(scale)), cast_in)
         self._all_reduce(bucket, wire)
         graphs.replay(store, ("cast back", at, guarded), cast_back)

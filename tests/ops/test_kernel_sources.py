@@ -551,7 +551,12 @@ def test_gpu_operations_per_call(host_cupy, tmp_path):
                          timeout=600)
     assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-3000:]
     assert "| strategy | units | launches |" in res.stdout
-    rows = {r["strategy"]: r for r in json.loads(out.read_text())}
+    data = json.loads(out.read_text())
+    rows = {r["strategy"]: r for r in data["operations"]}
+    # the Python timing ran for every strategy, graphs on and off (its
+    # figures are the table's, not judged here)
+    assert [r["strategy"] for r in data["python"]] == ["dense", "fp16", "topk 1%"], data
+    assert all(r["graphs"] > 0 and r["no graphs"] > 0 for r in data["python"]), data
     assert sorted(rows) == sorted(OPS_PER_UNIT), rows
     for name, budget in OPS_PER_UNIT.items():
         r = rows[name]
