@@ -17,6 +17,16 @@ def buffer(workspace, name, xp, size, dtype, zero=False):
     return found
 
 
+def views(workspace, name, array, make):
+    """``make(array)`` (views of ``array``, a tuple), kept in ``workspace``
+    under ``name`` while ``array`` is the same object: a steady call makes
+    no new views (each costs microseconds on a GPU array)."""
+    found = workspace.get(name)
+    if found is None or found[0] is not array:
+        found = workspace[name] = (array, make(array))
+    return found[1]
+
+
 def identity(arrays, workspace):
     """``(addresses, size)``: the arrays' addresses (a tuple; part of the
     keys of a bucket's CUDA graphs) and their total number of elements,
@@ -44,13 +54,15 @@ def gather(arrays, workspace):
     return flat
 
 
-def flat_of(arrays, workspace):
+def flat_of(arrays, workspace, size=None):
     """:func:`gather`'s vector without the copy: the single array's flat
-    view, or ``workspace["flat"]`` (for :func:`copy_in`)."""
+    view, or ``workspace["flat"]`` (for :func:`copy_in`). ``size``: the
+    arrays' total number of elements when known (see :func:`identity`)."""
     if len(arrays) == 1:
         return arrays[0].reshape(-1)
-    return buffer(workspace, "flat", array_module(arrays[0]), identity(arrays, workspace)[1],
-                  np.float32)
+    if size is None:
+        size = identity(arrays, workspace)[1]
+    return buffer(workspace, "flat", array_module(arrays[0]), size, np.float32)
 
 
 def copy_in(arrays, flat):

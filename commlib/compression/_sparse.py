@@ -11,7 +11,7 @@ from ..ops.cast import cast
 from ..ops.sparse import scatter_add
 from . import _payload
 from . import nonfinite as _nonfinite
-from ._flat import buffer, copy_in, describe, flat_of, identity, scatter
+from ._flat import buffer, copy_in, describe, flat_of, identity, scatter, views
 from .base import Completion, Compression
 
 
@@ -155,7 +155,8 @@ class Sparsifier(Compression):
                 from the bucket's communication.
         """
         arrays, workspace = bucket.arrays, bucket.state
-        flat = flat_of(arrays, workspace)
+        at, size = identity(arrays, workspace)     # addresses: the graphs' keys
+        flat = flat_of(arrays, workspace, size)
         xp, n = array_module(flat), flat.size
         acc = buffer(workspace, "acc", xp, n, np.float32)
         residual = None
@@ -167,12 +168,12 @@ class Sparsifier(Compression):
             nonfinite, indices, values = self.accumulate_and_select(residual, flat, acc)
             record = _payload.encode(xp, indices, values, nonfinite, slots)
         else:
-            record, indices, values = self._encode_on_device(arrays, residual, flat, acc,
+            record, indices, values = self._encode_on_device(arrays, at, residual, flat, acc,
                                                              slots, workspace)
         exchange = _payload.send(bucket, record, slots, n)
         finish = functools.partial(
             self._complete, bucket, flat=flat, acc=acc, residual=residual, sent=(indices, values),
-            record=record, exchange=exchange, slots=slots)
+            record=record, exchange=exchange, slots=slots, at=at)
         if xp is np:
             finish(exchange.reads)
             return None
@@ -180,7 +181,8 @@ class Sparsifier(Compression):
         # reads once its later buckets are queued (see Compression.reduce)
         return Completion((exchange.reads,), finish)
 
-    def _complete(self, bucket, host, *, flat, acc, residual, sent, record, exchange, slots):
+    def _complete(self, bucket, host, *, flat, acc, residual, sent, record, exchange, slots,
+                  at):
         """The second half of :meth:`reduce`, ``host`` being the host copy
         of ``exchange.reads``: validate the gathered records
         (:func:`._payload.receive`), sum them into ``flat`` and the arrays,
@@ -210,7 +212,7 @@ class Sparsifier(Compression):
                 hostselect.scatter_add(acc, *sent, alpha=-1.0)
             scatter(flat, arrays)
         else:
-            self._finish_on_device(bucket, flat, all_indices, all_values, counts, acc,
+            self._finish_on_device(bucket, at, flat, all_indices, all_values, counts, acc,
                                    residual, sent, fixed=slots is not None)
         if residual is not None:
             workspace["residual"], workspace["acc"] = acc, residual
@@ -236,7 +238,7 @@ class Sparsifier(Compression):
         """
         return False
 
-    def _encode_on_device(self, arrays, residual, flat, acc, slots, workspace):
+    def _encode_on_device(self, arrays, at, residual, flat, acc, slots, workspace):
         """cupy buckets: the arrays copied into ``flat`` (one of them: its
         view), ``acc = residual + flat`` with NaN and +-inf set to 0 and
         counted into the record's header (one kernel, no host
@@ -247,16 +249,18 @@ class Sparsifier(Compression):
 
         The launches up to the selection (all of them with
         :meth:`select_into`) are a fixed sequence per bucket and buffer
-        addresses: replayed as a CUDA graph (:mod:`commlib.ops.graphs`)."""
+        addresses: replayed as a CUDA graph (:mod:`commlib.ops.graphs`)
+        keyed by ``at``, the arrays' addresses (:func:`._flat.identity`),
+        and which buffer is the residual."""
         xp = array_module(acc)
         if slots is None:
             record = header = buffer(workspace, "header", xp, _payload.HEADER, np.int32)
             indices = values = None
         else:
             record = buffer(workspace, "record", xp, _payload.HEADER + 2 * slots, np.int32)
-            header = record[:_payload.HEADER]
-            indices = record[_payload.HEADER:_payload.HEADER + slots]
-            values = record[_payload.HEADER + slots:].view(np.float32)
+            header, indices, values = views(workspace, "record parts", record, lambda r: (
+                r[:_payload.HEADER], r[_payload.HEADER:_payload.HEADER + slots],
+                r[_payload.HEADER + slots:].view(np.float32)))
 
         def issue():
             copy_in(arrays, flat)
@@ -266,14 +270,14 @@ class Sparsifier(Compression):
 
         # within the bucket's state only the arrays and which of its two
         # buffers is the residual change (its other buffers are made once)
-        key = ("select", identity(arrays, workspace)[0], acc.data.ptr, slots)
+        key = ("select", at, acc.data.ptr, slots)
         graphs.replay(workspace.setdefault("graphs", {}), key, issue)
         if workspace["selects into"]:
             return record, indices, values
         indices, values = self.select(acc)
         return _payload.encode(xp, indices, values, header[1], slots), indices, values
 
-    def _finish_on_device(self, bucket, flat, indices, values, counts, acc, residual, sent,
+    def _finish_on_device(self, bucket, at, flat, indices, values, counts, acc, residual, sent,
                           fixed):
         """cupy buckets, once every rank's entries are checked: ``flat`` =
         the sum of every rank's (``indices``, ``values``) pairs (``counts``
@@ -281,13 +285,17 @@ class Sparsifier(Compression):
         bucket's scale, copied into the arrays, and what was ``sent`` taken
         off ``acc`` when there is a ``residual``. A bucket whose every rank
         sends a ``fixed`` count sums from buffers kept between calls: these
-        launches are replayed as a CUDA graph (:mod:`commlib.ops.graphs`)."""
+        launches are replayed as a CUDA graph (:mod:`commlib.ops.graphs`)
+        keyed by ``at`` (the arrays' addresses), the residual's buffer, the
+        counts and the scale."""
         arrays, workspace, scale = bucket.arrays, bucket.state, bucket.scale
         xp = array_module(flat)
         # 0-d counters the kernels write and nobody reads (the entries were
         # checked): kept, so that the launches allocate nothing
         words = buffer(workspace, "sum counters", xp, 3, np.int64, zero=True)
-        bad_sum, bad_residual, scaled = (words[i:i + 1].reshape(()) for i in range(3))
+        bad_sum, bad_residual, scaled = views(
+            workspace, "sum counter parts", words,
+            lambda w: tuple(w[i:i + 1].reshape(()) for i in range(3)))
 
         def issue():
             zero(flat)
@@ -301,7 +309,7 @@ class Sparsifier(Compression):
         if not fixed:       # the entries are new arrays at every call
             issue()
             return
-        key = ("sum", identity(arrays, workspace)[0], acc.data.ptr, tuple(counts),
+        key = ("sum", at, acc.data.ptr, tuple(counts),
                None if scale is None else float(scale))
         graphs.replay(workspace.setdefault("graphs", {}), key, issue)
 

@@ -149,7 +149,8 @@ class HalfPrecision(Compression):
         xp = array_module(wire)
         # the counts of NaN and inf sent and found, kept with the bucket
         counts = _flat.buffer(workspace, "nonfinite counts", xp, 2, np.int64)
-        sent, found = counts[0:1].reshape(()), counts[1:2].reshape(())
+        sent, found = _flat.views(workspace, "nonfinite count parts", counts, lambda c: (
+            c[0:1].reshape(()), c[1:2].reshape(())))
 
         def cast_in():
             zero(counts)

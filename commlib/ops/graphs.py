@@ -19,7 +19,8 @@ What the function may do, so that its capture is exact:
 
 A capture that fails (a CUDA error, an operation refused while capturing)
 is ended, the key is remembered as one that runs directly, and the
-function runs as it is: a failed capture never costs a result. The graph
+function runs as it is: a failed capture never costs a result (the first
+in a process warns, with the error). The graph
 keeps every workspace and launch plan that the launch caches held when it
 was captured, so a workspace grown or dropped later never leaves the graph
 pointing at freed memory.
@@ -31,6 +32,8 @@ stream, and the workspaces it uses are those of that stream (see
 itself capturing (a training step captured whole), the launches are issued
 directly, into the caller's graph.
 """
+import warnings
+
 from . import _launch
 from . import _pack_cuda
 
@@ -41,6 +44,7 @@ MAX_GRAPHS = 8
 CAPTURE_AFTER = 1
 
 _side_streams = {}   # (device, stream ptr) -> the private stream captures are made on
+_warned = []         # the first failed capture's error, once warned
 
 
 class _Entry:
@@ -136,6 +140,12 @@ def _capture(stream, issue, entry):
                 graph = side.end_capture()
     except Exception as e:          # noqa: BLE001 -- any failure: run directly
         entry.failed = e
+        if not _warned:
+            _warned.append(e)
+            warnings.warn("commlib: a CUDA graph capture failed (%s: %s); these launches run "
+                          "one by one from now on (results are unaffected; set "
+                          "COMMLIB_CUDA_GRAPHS=0 to skip captures)" % (type(e).__name__, e),
+                          RuntimeWarning, stacklevel=4)
         return None
     entry.keep = (_launch.cached(), _pack_cuda.cached())
     return graph
