@@ -213,7 +213,8 @@ class Sparsifier(Compression):
             scatter(flat, arrays)
         else:
             self._finish_on_device(bucket, at, flat, all_indices, all_values, counts, acc,
-                                   residual, sent, fixed=slots is not None)
+                                   residual, sent,
+                                   fixed=slots is not None and workspace["selects into"])
         if residual is not None:
             workspace["residual"], workspace["acc"] = acc, residual
         if any(dropped):
@@ -234,7 +235,8 @@ class Sparsifier(Compression):
         Returns:
             True when written (exactly as :meth:`select` would have
             returned them), False to have :meth:`select` called instead
-            (the default).
+            (the default). The same answer at every call of a bucket: its
+            launches are replayed as a CUDA graph without calling it.
         """
         return False
 
@@ -284,8 +286,9 @@ class Sparsifier(Compression):
         per rank, in rank order: the same bits on every rank) times the
         bucket's scale, copied into the arrays, and what was ``sent`` taken
         off ``acc`` when there is a ``residual``. A bucket whose every rank
-        sends a ``fixed`` count sums from buffers kept between calls: these
-        launches are replayed as a CUDA graph (:mod:`commlib.ops.graphs`)
+        sends a ``fixed`` count, selected into its record (so that what was
+        ``sent`` is the record's own parts), sums from buffers kept between
+        calls: these launches are replayed as a CUDA graph (:mod:`commlib.ops.graphs`)
         keyed by ``at`` (the arrays' addresses), the residual's buffer, the
         counts and the scale."""
         arrays, workspace, scale = bucket.arrays, bucket.state, bucket.scale

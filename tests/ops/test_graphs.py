@@ -13,6 +13,7 @@ import pytest
 
 import commlib
 import cuda_host_build as chb
+from host_fixtures import gpu, kernels  # noqa: F401 -- fixtures
 import gpu_checks
 from commlib.compression import TopK
 from commlib.ops import _launch, graphs
@@ -165,6 +166,20 @@ def test_topk_buckets_replayed_give_the_numpy_paths_bits(gpu, op, sizes):
     # error feedback carried from call to call; two graphs per bucket and
     # call once steady (select, sum)
     assert _against_numpy(gpu, sizes, TopK(0.02), op=op, seed=len(sizes)) >= 2 * 3
+
+
+class SelectingAnew(TopK):
+    """Top-K through ``select``, new arrays at every call (as a user's
+    subclass that overrides it), not into the record that travels."""
+
+    def select(self, acc):
+        return super().select(acc)
+
+
+def test_a_selection_made_anew_at_every_call_gives_the_numpy_paths_bits(gpu):
+    # only the accumulation is replayed; the sum and the residual's update
+    # use this call's selection, not the one a graph captured
+    assert _against_numpy(gpu, (5003, 700), SelectingAnew(0.02), op="sum", seed=3) > 0
 
 
 @pytest.mark.parametrize("strategy", ["fp16", "bf16", "topk"])

@@ -15,6 +15,7 @@ import pytest
 
 import commlib.errors
 import cuda_host_build as chb
+from host_fixtures import gpu, kernels  # noqa: F401 -- fixtures
 from cuda_host_build import SCHEDULES, KernelFault
 from commlib.ops import cast as cast_mod, pack as pack_mod, sparse as sparse_mod
 from commlib.ops import records as records_mod, threshold as threshold_mod, topk as topk_mod

@@ -1,4 +1,6 @@
-"""Fixtures of the cooperative host build (tests/ops/cuda_host_build.py)."""
+"""Fixtures of the cooperative host build (tests/ops/cuda_host_build.py), imported
+by the test modules that use them (a conftest.py here would shadow tests/conftest.py
+for ``import conftest``)."""
 import pytest
 
 import cuda_host_build as chb
