@@ -109,7 +109,7 @@ def measure(warmup=5):
     return rows
 
 
-def python_time(repeats=60, warmup=6, scale=1000):
+def python_time(repeats=60, scale=1000):
     """commlib's own Python per ``all_reduce``: the median wall time of a
     call with every kernel launch and graph launch of the stand-in made
     free (they do nothing; the buffers hold the last real call's values, so
@@ -136,12 +136,14 @@ def python_time(repeats=60, warmup=6, scale=1000):
     variants = []      # (row, "graphs" or "no graphs", communicator, strategy)
     rows = []
     for name, strategy in (("dense", None), ("fp16", "fp16"), ("topk 1%", TopK(0.01))):
-        rows.append({"strategy": name, "arrays": len(arrays),
+        rows.append({"strategy": name, "arrays": len(arrays), "repeats": repeats,
                      "units": len(plan.buckets) + len(plan.direct)})
         for graphs in ("1", "0"):
             os.environ["COMMLIB_CUDA_GRAPHS"] = graphs   # read when a bucket's key is new
             comm = commlib.Communicator.single(device=0, bucket_bytes=bucket_bytes)
-            for _ in range(warmup):
+            # steady from the fifth call with graphs (error feedback's two
+            # buffers: each key runs directly, then is captured), the second without
+            for _ in range(4 if graphs == "1" else 2):
                 comm.all_reduce(arrays, op="avg", compression=strategy)
             variants.append((rows[-1], "graphs" if graphs == "1" else "no graphs", comm,
                              strategy))
@@ -172,8 +174,8 @@ def python_time(repeats=60, warmup=6, scale=1000):
 def print_python_time(rows):
     dense = rows[0]["graphs"]
     print("commlib's Python per all_reduce call, launches free (the ResNet-50 layout, "
-          "%d arrays in %d buckets, world size 1; median of 60 calls, this CPU):"
-          % (rows[0]["arrays"], rows[0]["units"]))
+          "%d arrays in %d buckets, world size 1; median of %d calls, this CPU):"
+          % (rows[0]["arrays"], rows[0]["units"], rows[0]["repeats"]))
     print("| strategy | us per call, graphs | us per call, no graphs | us per bucket, graphs "
           "| graphs / dense |")
     print("|---|---|---|---|---|")
@@ -213,6 +215,10 @@ def main(argv=None):
     ap.add_argument("--host-build", action="store_true",
                     help="build the cooperative host build's stand-in cupy and run on it")
     ap.add_argument("--json", help="write the rows to this file")
+    ap.add_argument("--time-repeats", type=int, default=60,
+                    help="calls timed per variant (default 60)")
+    ap.add_argument("--time-scale", type=int, default=1000,
+                    help="the timed list's arrays are ResNet-50's divided by this (default 1000)")
     ap.add_argument("--no-time", action="store_true",
                     help="count operations only (no Python timing)")
     args = ap.parse_args(argv)
@@ -224,7 +230,7 @@ def main(argv=None):
                          "run it with --host-build")
     rows = measure()
     print_table(rows)
-    timed = [] if args.no_time else python_time()
+    timed = [] if args.no_time else python_time(args.time_repeats, scale=args.time_scale)
     if timed:
         print()
         print_python_time(timed)

@@ -20,10 +20,10 @@ What the function may do, so that its capture is exact:
 A capture that fails (a CUDA error, an operation refused while capturing)
 is ended, the key is remembered as one that runs directly, and the
 function runs as it is: a failed capture never costs a result (the first
-in a process warns, with the error). The graph
-keeps every workspace and launch plan that the launch caches held when it
-was captured, so a workspace grown or dropped later never leaves the graph
-pointing at freed memory.
+in a process warns, with the error). The graph keeps every workspace and
+launch plan that the launch caches held when it was captured, so a
+workspace grown or dropped later never leaves the graph pointing at freed
+memory.
 
 Captures are made on a private stream of the caller's device (cupy cannot
 capture the default stream); the graph is launched on the caller's current
@@ -149,9 +149,3 @@ def _capture(stream, issue, entry):
         return None
     entry.keep = (_launch.cached(), _pack_cuda.cached())
     return graph
-
-
-def clear():
-    """Forget the private capture streams (device shape changed)."""
-    _side_streams.clear()
-

@@ -547,8 +547,8 @@ OPS_PER_UNIT = {"dense": 2.0, "fp16": 3.0, "topk 1%": 5.0, "threshold": 28.0}
 def test_gpu_operations_per_call(host_cupy, tmp_path):
     out = tmp_path / "ops.json"
     res = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "gpu_ops.py"), "--json",
-                          str(out)], cwd=ROOT, env=host_cupy, capture_output=True, text=True,
-                         timeout=600)
+                          str(out), "--time-repeats", "3", "--time-scale", "20000"], cwd=ROOT,
+                         env=host_cupy, capture_output=True, text=True, timeout=600)
     assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-3000:]
     assert "| strategy | units | launches |" in res.stdout
     data = json.loads(out.read_text())
