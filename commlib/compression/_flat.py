@@ -27,6 +27,15 @@ def views(workspace, name, array, make):
     return found[1]
 
 
+def counters(workspace, name, xp, count, zero=False):
+    """``count`` 0-d int64 counters for kernels to write, views of one
+    :func:`buffer` ``workspace[name]`` (its views kept, see :func:`views`),
+    and that buffer: ``(buffer, (counter, ...))``."""
+    words = buffer(workspace, name, xp, count, np.int64, zero=zero)
+    return words, views(workspace, name + " parts", words,
+                        lambda w: tuple(w[i:i + 1].reshape(()) for i in range(count)))
+
+
 def identity(arrays, workspace):
     """``(addresses, size)``: the arrays' addresses (a tuple; part of the
     keys of a bucket's CUDA graphs) and their total number of elements,

@@ -11,7 +11,7 @@ from ..ops.cast import cast
 from ..ops.sparse import scatter_add
 from . import _payload
 from . import nonfinite as _nonfinite
-from ._flat import buffer, copy_in, describe, flat_of, identity, scatter, views
+from ._flat import buffer, copy_in, counters, describe, flat_of, identity, scatter, views
 from .base import Completion, Compression
 
 
@@ -295,10 +295,8 @@ class Sparsifier(Compression):
         xp = array_module(flat)
         # 0-d counters the kernels write and nobody reads (the entries were
         # checked): kept, so that the launches allocate nothing
-        words = buffer(workspace, "sum counters", xp, 3, np.int64, zero=True)
-        bad_sum, bad_residual, scaled = views(
-            workspace, "sum counter parts", words,
-            lambda w: tuple(w[i:i + 1].reshape(()) for i in range(3)))
+        _, (bad_sum, bad_residual, scaled) = counters(workspace, "sum counters", xp, 3,
+                                                      zero=True)
 
         def issue():
             zero(flat)

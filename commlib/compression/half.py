@@ -123,11 +123,11 @@ class HalfPrecision(Compression):
         # keeps the half-precision sum from overflowing
         arrays, scale, workspace = bucket.arrays, bucket.scale, bucket.state
         xp = array_module(arrays[0])
-        size = sum(a.size for a in arrays)
+        at, size = _flat.identity(arrays, workspace)   # addresses: the graphs' keys
         wire = _flat.buffer(workspace, "wire", xp, size, self._storage)
         guarded = self.nonfinite == "raise"
         if xp is not np:             # one pack / unpack launch, casting on the way
-            sent, found = self._reduce_on_device(bucket, wire, guarded)
+            sent, found = self._reduce_on_device(bucket, at, wire, guarded)
         else:                        # the arrays cast into their parts of the wire and back
             sent = _flat.cast_parts(arrays, wire, workspace,
                                     np.float32(1) if scale is None else np.float32(scale))
@@ -137,20 +137,19 @@ class HalfPrecision(Compression):
                 _flat.cast_parts(arrays, wire, workspace, into_wire=False)
         return Completion((found,), functools.partial(self._settle, bucket, wire, sent))
 
-    def _reduce_on_device(self, bucket, wire, guarded):
+    def _reduce_on_device(self, bucket, at, wire, guarded):
         """cupy buckets: the arrays cast into ``wire`` (one pack launch),
         all-reduced, the NaN and inf of the result counted and the cast
         back guarded by that count when ``guarded`` (nothing waits for the
         host). Returns the 0-d device counts ``(sent, found)``, kept with
         the bucket. The launches before and after the all-reduce are fixed
         per bucket and addresses: replayed as CUDA graphs
-        (:mod:`commlib.ops.graphs`)."""
+        (:mod:`commlib.ops.graphs`) keyed by ``at``, the arrays' addresses
+        (:func:`._flat.identity`; the bucket's buffers are made once)."""
         arrays, scale, workspace = bucket.arrays, bucket.scale, bucket.state
         xp = array_module(wire)
         # the counts of NaN and inf sent and found, kept with the bucket
-        counts = _flat.buffer(workspace, "nonfinite counts", xp, 2, np.int64)
-        sent, found = _flat.views(workspace, "nonfinite count parts", counts, lambda c: (
-            c[0:1].reshape(()), c[1:2].reshape(())))
+        counts, (sent, found) = _flat.counters(workspace, "nonfinite counts", xp, 2)
 
         def cast_in():
             zero(counts)
@@ -166,7 +165,6 @@ class HalfPrecision(Compression):
             _pack.unpack(wire, arrays, unless=found if guarded else None)
 
         store = workspace.setdefault("graphs", {})
-        at = _flat.identity(arrays, workspace)[0]   # its buffers are made once
         graphs.replay(store, ("cast in", at, None if scale is None else float(scale)), cast_in)
         self._all_reduce(bucket, wire)
         graphs.replay(store, ("cast back", at, guarded), cast_back)

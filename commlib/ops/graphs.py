@@ -126,10 +126,11 @@ def _capture(stream, issue, entry):
     when the capture fails)."""
     import cupy
     device = cupy.cuda.runtime.getDevice()
-    side = _side_streams.get((device, stream.ptr))
-    if side is None:
-        side = _side_streams[device, stream.ptr] = (stream, cupy.cuda.Stream(non_blocking=True))
-    side = side[1]
+    # the caller's stream is held with it, so that its handle is not reused
+    held = _side_streams.get((device, stream.ptr))
+    if held is None:
+        held = _side_streams[device, stream.ptr] = (stream, cupy.cuda.Stream(non_blocking=True))
+    side = held[1]
     graph = None
     try:
         with _launch.issuing_for(stream), side:
