@@ -167,6 +167,10 @@ class PreparedList:
         self._buffers = [span if span is not None else xp.empty(b.size, dtype=b.dtype)
                          for span, b in zip(spans, plan.buckets)]
         self._views = []          # numpy: per bucket, a view of the buffer per array
+        # cupy: (bucket, "pack"/"unpack", scale) -> the copy's launches, checked
+        # and planned once (ops.pack.bound): the list's arrays are these very
+        # objects whenever this PreparedList is used
+        self._bound = {}
         #: the communicator's compression state for this plan's layout
         self.workspaces = None
         #: the consistency check's digest of the arrays' dtypes and shapes
@@ -195,9 +199,10 @@ class PreparedList:
         buf = self._buffers[i]
         if self._zero_copy[i]:
             return buf
-        picked = self._pick[i](items)
         if self.kind != "numpy":
-            return _pack.pack(list(picked), buf)
+            self._copy(items, i, "pack", None)()
+            return buf
+        picked = self._pick[i](items)
         if not (self._hostcopy and hostcopy.gather(picked, buf)):
             np.concatenate(picked, axis=None, out=buf)
         return buf
@@ -210,16 +215,25 @@ class PreparedList:
             if scale is not None:
                 buf *= scale
             return
-        picked = self._pick[i](items)
         if self.kind != "numpy":
-            _pack.unpack(buf, list(picked), scale=scale)
+            self._copy(items, i, "unpack", scale)()
             return
+        picked = self._pick[i](items)
         if scale is not None:
             buf *= scale
         if self._hostcopy and hostcopy.scatter(buf, picked):
             return
         for dst, view in zip(picked, self._views[i]):
             dst[...] = view
+
+    def _copy(self, items, i, direction, scale):
+        """The bound pack or unpack of cupy bucket ``i`` (see ``_bound``)."""
+        key = (i, direction, scale)
+        copy = self._bound.get(key)
+        if copy is None:
+            copy = self._bound[key] = _pack.bound(direction, self._pick[i](items),
+                                                  self._buffers[i], scale)
+        return copy
 
     def arrays(self, items, i, buf):
         """The arrays of bucket ``i`` of ``items`` (a list slice or tuple; the

@@ -11,6 +11,7 @@ its arrays (held by weak references), so a repeated call costs a few
 microseconds of Python, not a pass over every array's attributes.
 """
 import collections
+import functools
 
 import numpy as np
 
@@ -187,17 +188,50 @@ def _prepare(direction, arrays, bucket, scale, accumulate, counting, what):
     return p
 
 
-def _launch(p, bucket, scale, counter, unless):
-    import cupy
+def _calls(p, bucket, scale, counter, unless):
+    """The (kernel, grid, block, arguments) of each launch of ``p`` on
+    ``bucket``."""
     scale32 = np.float32(1) if scale is None else check_scale(scale)
-    if cupy.cuda.runtime.getDevice() != p.device:
-        with cupy.cuda.Device(p.device):
-            return _launch(p, bucket, scale, counter, unless)
     if counter is None:
         counter = _dummy(p.device, "counter")
     skip = _dummy(p.device, "never") if unless is None else unless
-    for kernel, grid, block, table, nseg, chunk in p.launches:
-        kernel(grid, block, (table, nseg, chunk, bucket, scale32, counter, skip))
+    return tuple((kernel, grid, block, (table, nseg, chunk, bucket, scale32, counter, skip))
+                 for kernel, grid, block, table, nseg, chunk in p.launches)
+
+
+def _run(device, calls):
+    """Issue ``calls`` (see :func:`_calls`) on ``device``, the current one
+    made so for the time of the launches if it is not."""
+    import cupy
+    if cupy.cuda.runtime.getDevice() != device:
+        with cupy.cuda.Device(device):
+            return _run(device, calls)
+    for kernel, grid, block, args in calls:
+        kernel(grid, block, args)
+
+
+def _launch(p, bucket, scale, counter, unless):
+    _run(p.device, _calls(p, bucket, scale, counter, unless))
+
+
+def bind(direction, arrays, bucket, scale=None):
+    """``pack_cuda(arrays, bucket, scale)`` (``direction="pack"``) or
+    ``unpack_cuda(bucket, arrays, scale)`` (``"unpack"``) as a callable of
+    no arguments that repeats it: the checks, the plan and the launch
+    arguments are worked out once, here, so a call is the launches alone.
+    The arrays and the bucket must stay as they are (the same memory) for
+    as long as the callable is used: the owner of both keeps it (see
+    :class:`commlib.collective.bucketing.PreparedList`)."""
+    arrays = list(arrays)
+    if direction == "pack":
+        p = _prepare("pack", arrays, bucket, scale, False, False, "out")
+        generic = functools.partial(pack_cuda, arrays, bucket, scale)
+    else:
+        p = _prepare("unpack", arrays, bucket, scale, False, False, "buf")
+        generic = functools.partial(unpack_cuda, bucket, arrays, scale)
+    if p.mode == "generic":
+        return generic
+    return functools.partial(_run, p.device, _calls(p, bucket, scale, None, None))
 
 
 def pack_cuda(arrays, out, scale=None, nonfinite=None, unless=None):

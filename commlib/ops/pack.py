@@ -134,6 +134,18 @@ def unpack(buf, arrays, scale=None, accumulate=False, *, nonfinite=None, unless=
     return arrays
 
 
+def bound(direction, arrays, buf, scale=None):
+    """For cupy arrays: ``pack(arrays, buf, scale)`` (``direction="pack"``)
+    or ``unpack(buf, arrays, scale)`` (``"unpack"``) as a callable of no
+    arguments that repeats it, checked and planned once (the launches
+    alone at each call). ``arrays`` and ``buf`` must keep their memory
+    while it is used."""
+    if not is_cupy(buf):
+        raise ArrayTypeError("buf: expected a cupy array, got %s" % type(buf).__name__)
+    from ._pack_cuda import bind
+    return bind(direction, arrays, buf, scale)
+
+
 def _slices(arrays):
     """(array, start, stop) of each non-empty array in the bucket."""
     lo = 0

@@ -382,3 +382,44 @@ def test_gpu_argument_errors():
         pack([cp.ones(8, cp.float32)[::2]], cp.empty(7, cp.float32))
     with pytest.raises(ArrayTypeError, match="contiguous 1-D"):
         pack(arrays, cp.empty((7, 2), cp.float32))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype,bucket_dtype,scale", [
+    (np.float32, np.float32, None), (np.float32, np.float16, 0.25),
+    (np.int32, np.int32, None), (np.float64, np.float64, 0.5)])     # raw, cast, raw, generic
+def test_gpu_bound_copies_repeat_pack_and_unpack(dtype, bucket_dtype, scale):
+    # a bound copy, checked and planned once, reads the arrays' values as
+    # they are at each call, exactly as pack / unpack would
+    import cupy as cp
+    from commlib.ops.pack import bound
+    rng = np.random.default_rng(5)
+    shapes = [(37,), (3, 5), (0,), (1001,)]
+    arrays = [cp.asarray(rng.integers(-50, 50, s).astype(dtype)) for s in shapes]
+    total = sum(a.size for a in arrays)
+    bucket = cp.zeros(total + 3, bucket_dtype)[1:]
+    do_pack, do_unpack = bound("pack", arrays, bucket, scale), bound("unpack", arrays, bucket)
+    for step in range(3):
+        for a in arrays:
+            a += dtype(step + 1)
+        want_np = np.zeros(bucket.size, bucket_dtype)
+        pack([cp.asnumpy(a) for a in arrays], want_np, scale)
+        do_pack()
+        np.testing.assert_array_equal(cp.asnumpy(bucket), want_np)
+        bucket *= bucket_dtype(2)
+        outs_np = [np.zeros(a.shape, dtype) for a in arrays]
+        unpack(cp.asnumpy(bucket), outs_np)
+        do_unpack()
+        for a, o in zip(arrays, outs_np):
+            np.testing.assert_array_equal(cp.asnumpy(a), o)
+
+
+@pytest.mark.gpu
+def test_gpu_bound_copy_checks_once_and_refuses_numpy():
+    import cupy as cp
+    from commlib.ops.pack import bound
+    arrays = [cp.ones(4, cp.float32), cp.ones(3, cp.float32)]
+    with pytest.raises(ArgumentError, match="at least 7"):
+        bound("pack", arrays, cp.empty(6, cp.float32))
+    with pytest.raises(ArrayTypeError, match="buf: expected a cupy array"):
+        bound("pack", arrays, np.empty(7, np.float32))
