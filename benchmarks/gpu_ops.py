@@ -109,14 +109,15 @@ def measure(warmup=5):
     return rows
 
 
-def python_time(repeats=60, scale=1000):
+def python_time(repeats=60, scale=1000, layouts=(None, 16)):
     """commlib's own Python per ``all_reduce``: the median wall time of a
     call with every kernel launch and graph launch of the stand-in made
     free (they do nothing; the buffers hold the last real call's values, so
     the checks pass), which is the host time a call would take if issuing
     work to the GPU cost nothing. The list has ResNet-50's layout (161
-    arrays, each ``1/scale`` of its size) in buckets of ``25 MiB / scale``,
-    so as many buckets as the real list in 25 MiB ones, at world size 1;
+    arrays, each ``1/scale`` of its size) at world size 1, in each of
+    ``layouts``: None for buckets of ``25 MiB / scale`` (as many buckets as
+    the real list in 25 MiB ones), a number for buckets of about that many;
     each strategy with its launches replayed as CUDA graphs and without
     (``COMMLIB_CUDA_GRAPHS=0``), each on a communicator of its own, dense
     in the same run as the baseline, the variants interleaved call by call.
@@ -131,22 +132,23 @@ def python_time(repeats=60, scale=1000):
     sizes = [max(1, int(np.prod(s)) // scale) for s in shapes]
     rng = np.random.default_rng(1)
     arrays = [cupy.asarray(rng.standard_normal(n).astype(np.float32)) for n in sizes]
-    bucket_bytes = (25 << 20) // scale
-    plan = bucketing.plan_for(arrays, bucket_bytes)
     variants = []      # (row, "graphs" or "no graphs", communicator, strategy)
     rows = []
-    for name, strategy in (("dense", None), ("fp16", "fp16"), ("topk 1%", TopK(0.01))):
-        rows.append({"strategy": name, "arrays": len(arrays), "repeats": repeats,
-                     "units": len(plan.buckets) + len(plan.direct)})
-        for graphs in ("1", "0"):
-            os.environ["COMMLIB_CUDA_GRAPHS"] = graphs   # read when a bucket's key is new
-            comm = commlib.Communicator.single(device=0, bucket_bytes=bucket_bytes)
-            # steady from the fifth call with graphs (error feedback's two
-            # buffers: each key runs directly, then is captured), the second without
-            for _ in range(4 if graphs == "1" else 2):
-                comm.all_reduce(arrays, op="avg", compression=strategy)
-            variants.append((rows[-1], "graphs" if graphs == "1" else "no graphs", comm,
-                             strategy))
+    for layout in layouts:
+        bucket_bytes = (25 << 20) // scale if layout is None else -(-4 * sum(sizes) // layout)
+        plan = bucketing.plan_for(arrays, bucket_bytes)
+        for name, strategy in (("dense", None), ("fp16", "fp16"), ("topk 1%", TopK(0.01))):
+            rows.append({"strategy": name, "arrays": len(arrays), "repeats": repeats,
+                         "units": len(plan.buckets) + len(plan.direct)})
+            for graphs in ("1", "0"):
+                os.environ["COMMLIB_CUDA_GRAPHS"] = graphs   # read when a key is new
+                comm = commlib.Communicator.single(device=0, bucket_bytes=bucket_bytes)
+                # steady from the fifth call with graphs (error feedback's two
+                # buffers: each key runs directly, then is captured), the second without
+                for _ in range(4 if graphs == "1" else 2):
+                    comm.all_reduce(arrays, op="avg", compression=strategy)
+                variants.append((rows[-1], "graphs" if graphs == "1" else "no graphs", comm,
+                                 strategy))
     free = (cupy.RawKernel.__call__, cupy.cuda.Graph.launch, cupy._host.kernels.launch)
     cupy.RawKernel.__call__ = lambda self, *a, **k: None
     cupy.cuda.Graph.launch = lambda self, stream=None: None
@@ -172,16 +174,19 @@ def python_time(repeats=60, scale=1000):
 
 
 def print_python_time(rows):
-    dense = rows[0]["graphs"]
     print("commlib's Python per all_reduce call, launches free (the ResNet-50 layout, "
-          "%d arrays in %d buckets, world size 1; median of %d calls, this CPU):"
-          % (rows[0]["arrays"], rows[0]["units"], rows[0]["repeats"]))
-    print("| strategy | us per call, graphs | us per call, no graphs | us per bucket, graphs "
-          "| graphs / dense |")
-    print("|---|---|---|---|---|")
+          "%d arrays, world size 1; median of %d calls, this CPU):"
+          % (rows[0]["arrays"], rows[0]["repeats"]))
+    print("| strategy | buckets | us per call, graphs | us per call, no graphs "
+          "| us per bucket, graphs | graphs / dense |")
+    print("|---|---|---|---|---|---|")
+    dense = None
     for r in rows:
-        print("| %s | %.0f | %.0f | %.0f | %.2f |" % (r["strategy"], r["graphs"], r["no graphs"],
-                                                   r["graphs"] / r["units"], r["graphs"] / dense))
+        if r["strategy"] == "dense":
+            dense = r["graphs"]
+        print("| %s | %d | %.0f | %.0f | %.1f | %.2f |" % (
+            r["strategy"], r["units"], r["graphs"], r["no graphs"], r["graphs"] / r["units"],
+            r["graphs"] / dense))
 
 
 def print_table(rows):

@@ -38,20 +38,56 @@ def fused(session, *, items, kind, key, prepared, writeable, step, strategy=None
     # completions run in bucket order once every bucket has been issued
     # (see Compression.reduce)
     completions = []
-    for i, buf in prepared.buckets():
-        completions.append(unit(transport, items, prepared, where=i, index=i, buf=buf,
+    units = [(i, i, buf) for i, buf in prepared.buckets()]
+    units += [(("direct", position), None, flat)
+              for position, flat in zip(prepared.plan.direct, prepared.direct(items))]
+    if strategy is not None:
+        # the strategy may issue its buckets together (Compression.reduce_all),
+        # before the call's other units: the same order on every rank
+        compressed = [u for u in units if strategy.applies_to(u[2].dtype)]
+        grouped = None if not compressed else reduce_all(
+            transport, items, prepared, compressed, strategy=strategy, op=op, scale=scale,
+            wait=wait, tables=tables)
+        if grouped is not None:
+            completions += grouped
+            units = [u for u in units if not strategy.applies_to(u[2].dtype)]
+    for where, index, buf in units:
+        completions.append(unit(transport, items, prepared, where=where, index=index, buf=buf,
                                 step=step, strategy=strategy, op=op, scale=scale, wait=wait,
                                 tables=tables))
-    for position, flat in zip(prepared.plan.direct, prepared.direct(items)):
-        completions.append(unit(transport, items, prepared, where=("direct", position),
-                                index=None, buf=flat, step=step, strategy=strategy, op=op,
-                                scale=scale, wait=wait, tables=tables))
     pending = [c for c in completions if c is not None]
     if pending:
         # the values every completion reads, in one transfer
         values = to_host([getattr(complete, "reads", ()) for complete, _ in pending])
         for (complete, label), got in zip(pending, values):
             completion(complete, got, rank=transport.rank, label=label, name=strategy.name)
+
+
+def reduce_all(transport, items, prepared, units, *, strategy, op, scale, wait, tables):
+    """The compressed ``units`` ((where, index, buffer) of each bucket or
+    in-place array the strategy applies to) handed to
+    ``strategy.reduce_all`` together, with a state of their own kept in
+    ``tables`` beside the buckets' (see :func:`workspace`). Returns None when
+    the strategy reduces them one by one (see :func:`unit`), else the
+    completions it returned, paired with the first unit's name in a trace
+    (:func:`label_of`). While tracing, recorded as one ``bucket`` event of
+    all their bytes."""
+    start = trace.now() if trace.ON else 0.0
+    # an array reduced in place is handed as it is: a flat view of it would
+    # be a new object at every call, where a plan of the strategy's is
+    # recognised by the arrays' identity
+    buckets = [Bucket(transport, prepared.arrays(items, index, buf) if index is not None
+                      else (items[where[1]],), op, scale, wait,
+                      state=workspace(prepared, strategy, where, tables))
+               for where, index, buf in units]
+    done = strategy.reduce_all(buckets, workspace(prepared, strategy, "together", tables))
+    if done is None:
+        return None
+    label = label_of(units[0][1], units[0][0])
+    if start:
+        trace.bucket(transport.rank, start, label, sum(u[2].nbytes for u in units),
+                     strategy.name)
+    return [None if complete is None else (complete, label) for complete in done]
 
 
 def unit(transport, items, prepared, *, where, index, buf, step, strategy, op, scale, wait,

@@ -53,6 +53,24 @@ def identity(arrays, workspace):
     return found
 
 
+def plan_of(buckets, state, make):
+    """The plan ``make(buckets)`` of a call's buckets reduced together (see
+    :meth:`~commlib.compression.base.Compression.reduce_all`), kept in
+    ``state`` (an :class:`IdentityCache` of 4, recognising the list by the
+    identity of the buckets' arrays, which a plan must not hold), or None
+    when ``make`` declines (its answer is kept too)."""
+    arrays = [a for b in buckets for a in b.arrays]
+    cache = state.get("together")
+    if cache is None:
+        cache = state["together"] = IdentityCache(4)
+    key = IdentityCache.key(arrays, (len(buckets), buckets[0].size))
+    plan = cache.get(key)
+    if plan is None:
+        plan = make(buckets) or False
+        cache.put(key, arrays, plan)
+    return plan or None
+
+
 def gather(arrays, workspace):
     """The bucket as one float32 vector: the single array's flat view, or
     its arrays copied back to back into ``workspace["flat"]`` (numpy: the

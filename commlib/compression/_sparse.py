@@ -5,13 +5,11 @@ import functools
 import numpy as np
 
 from ..errors import ArgumentError
-from ..ops import graphs, hostselect, records
-from ..ops.arrays import array_module, zero
-from ..ops.cast import cast
-from ..ops.sparse import scatter_add
-from . import _payload
+from ..ops import hostselect
+from ..ops.arrays import array_module
+from . import _payload, _sparse_gpu
 from . import nonfinite as _nonfinite
-from ._flat import buffer, copy_in, counters, describe, flat_of, identity, scatter, views
+from ._flat import buffer, copy_in, describe, flat_of, identity, plan_of, scatter
 from .base import Completion, Compression
 
 
@@ -168,8 +166,8 @@ class Sparsifier(Compression):
             nonfinite, indices, values = self.accumulate_and_select(residual, flat, acc)
             record = _payload.encode(xp, indices, values, nonfinite, slots)
         else:
-            record, indices, values = self._encode_on_device(arrays, at, residual, flat, acc,
-                                                             slots, workspace)
+            record, indices, values = _sparse_gpu.encode(self, arrays, at, residual, flat, acc,
+                                                         slots, workspace)
         exchange = _payload.send(bucket, record, slots, n)
         finish = functools.partial(
             self._complete, bucket, flat=flat, acc=acc, residual=residual, sent=(indices, values),
@@ -181,8 +179,58 @@ class Sparsifier(Compression):
         # reads once its later buckets are queued (see Compression.reduce)
         return Completion((exchange.reads,), finish)
 
+    def reduce_all(self, buckets, state):
+        """cupy buckets whose every rank sends a fixed count (:meth:`count_for`):
+        every bucket of the call reduced together (see
+        :meth:`~commlib.compression.base.Compression.reduce_all`), with
+        the results, errors and residuals of :meth:`reduce` bucket by
+        bucket. Their records lie back to back in one buffer and travel in
+        one all-gather; the selections of every bucket are one launch
+        sequence, the entries' checks another and the sums a third, each
+        replayed as a CUDA graph once it repeats (the selections and sums
+        only when the strategy :meth:`select_into` the records); the
+        headers and checks of every bucket come to the host in one read
+        and are judged at once, bucket by bucket only when one of them
+        fails.
+
+        Declines (None: :meth:`reduce` per bucket) for numpy buckets and
+        for counts that vary by rank. ``state`` keeps the plan of a list
+        of arrays (:class:`._sparse_gpu.Together`, see :func:`._flat.plan_of`).
+        """
+        if array_module(buckets[0].arrays[0]) is np:
+            return None
+        plan = plan_of(buckets, state, functools.partial(_sparse_gpu.Together.make, self))
+        if plan is None:
+            return None
+        call = plan.select(self, buckets)
+        buckets[0].all_gather(plan.records, plan.gathered)
+        plan.split()
+        finish = functools.partial(self._finish_together, plan, buckets, call)
+        return [Completion((plan.reads,), finish)] + [None] * (len(buckets) - 1)
+
+    def _finish_together(self, plan, buckets, call, host):
+        """The end of :meth:`reduce_all` (``call``: what
+        :meth:`._sparse_gpu.Together.select` returned), ``host`` being the host copy of
+        the plan's reads: with every header and entries' check as they must
+        be, the sums of every bucket (:func:`._sparse_gpu.sum_launches`) and the
+        residuals' swap; else each bucket finished in turn by
+        :meth:`_complete`, which raises for the first bad one (the buckets
+        before it are written, as when they are reduced one by one)."""
+        if plan.as_expected(host):
+            plan.sum(self, buckets, call)
+            return
+        # the sums run directly: the buckets' own graphs of reduce hold
+        # other buffers than the plan's
+        flats, sent, (pairs, _) = call
+        for part, bucket, flat, own, (acc, residual) in zip(plan.parts, buckets, flats, sent,
+                                                            pairs):
+            self._complete(bucket, host[part.reads_at:part.reads_at + part.reads.size],
+                           flat=flat, acc=acc, residual=residual, sent=own,
+                           record=part.record, exchange=part.exchange, slots=part.slots,
+                           at=part.at, replay=False)
+
     def _complete(self, bucket, host, *, flat, acc, residual, sent, record, exchange, slots,
-                  at):
+                  at, replay=True):
         """The second half of :meth:`reduce`, ``host`` being the host copy
         of ``exchange.reads``: validate the gathered records
         (:func:`._payload.receive`), sum them into ``flat`` and the arrays,
@@ -212,9 +260,9 @@ class Sparsifier(Compression):
                 hostselect.scatter_add(acc, *sent, alpha=-1.0)
             scatter(flat, arrays)
         else:
-            self._finish_on_device(bucket, at, flat, all_indices, all_values, counts, acc,
-                                   residual, sent,
-                                   fixed=slots is not None and workspace["selects into"])
+            _sparse_gpu.finish(bucket, at, flat, all_indices, all_values, counts, acc,
+                               residual, sent, fixed=replay and slots is not None
+                               and workspace["selects into"])
         if residual is not None:
             workspace["residual"], workspace["acc"] = acc, residual
         if any(dropped):
@@ -239,78 +287,3 @@ class Sparsifier(Compression):
             launches are replayed as a CUDA graph without calling it.
         """
         return False
-
-    def _encode_on_device(self, arrays, at, residual, flat, acc, slots, workspace):
-        """cupy buckets: the arrays copied into ``flat`` (one of them: its
-        view), ``acc = residual + flat`` with NaN and +-inf set to 0 and
-        counted into the record's header (one kernel, no host
-        synchronisation), then this rank's selection from it and its
-        record: ``(record, indices, values)``, where a strategy that
-        :meth:`select_into` the record's own parts saves the copies. The
-        record of a bucket whose count is fixed is kept between calls.
-
-        The launches up to the selection (all of them with
-        :meth:`select_into`) are a fixed sequence per bucket and buffer
-        addresses: replayed as a CUDA graph (:mod:`commlib.ops.graphs`)
-        keyed by ``at``, the arrays' addresses (:func:`._flat.identity`),
-        and which buffer is the residual."""
-        xp = array_module(acc)
-        if slots is None:
-            record = header = buffer(workspace, "header", xp, _payload.HEADER, np.int32)
-            indices = values = None
-        else:
-            record = buffer(workspace, "record", xp, _payload.HEADER + 2 * slots, np.int32)
-            header, indices, values = views(workspace, "record parts", record, lambda r: (
-                r[:_payload.HEADER], r[_payload.HEADER:_payload.HEADER + slots],
-                r[_payload.HEADER + slots:].view(np.float32)))
-
-        def issue():
-            copy_in(arrays, flat)
-            records.accumulate_finite(residual, flat, acc, header, slots or 0)
-            workspace["selects into"] = slots is not None and bool(
-                self.select_into(acc, indices, values))
-
-        # within the bucket's state only the arrays and which of its two
-        # buffers is the residual change (its other buffers are made once)
-        key = ("select", at, acc.data.ptr, slots)
-        graphs.replay(workspace.setdefault("graphs", {}), key, issue)
-        if workspace["selects into"]:
-            return record, indices, values
-        indices, values = self.select(acc)
-        return _payload.encode(xp, indices, values, header[1], slots), indices, values
-
-    def _finish_on_device(self, bucket, at, flat, indices, values, counts, acc, residual, sent,
-                          fixed):
-        """cupy buckets, once every rank's entries are checked: ``flat`` =
-        the sum of every rank's (``indices``, ``values``) pairs (``counts``
-        per rank, in rank order: the same bits on every rank) times the
-        bucket's scale, copied into the arrays, and what was ``sent`` taken
-        off ``acc`` when there is a ``residual``. A bucket whose every rank
-        sends a ``fixed`` count, selected into its record (so that what was
-        ``sent`` is the record's own parts), sums from buffers kept between
-        calls: these launches are replayed as a CUDA graph (:mod:`commlib.ops.graphs`)
-        keyed by ``at`` (the arrays' addresses), the residual's buffer, the
-        counts and the scale."""
-        arrays, workspace, scale = bucket.arrays, bucket.state, bucket.scale
-        xp = array_module(flat)
-        # 0-d counters the kernels write and nobody reads (the entries were
-        # checked): kept, so that the launches allocate nothing
-        _, (bad_sum, bad_residual, scaled) = counters(workspace, "sum counters", xp, 3,
-                                                      zero=True)
-
-        def issue():
-            zero(flat)
-            scatter_add(flat, indices, values, segments=counts, bad=bad_sum)
-            if scale is not None:
-                cast(flat, np.float32, scale=scale, out=flat, nonfinite=scaled)
-            if residual is not None:
-                scatter_add(acc, *sent, alpha=-1.0, bad=bad_residual)
-            scatter(flat, arrays)
-
-        if not fixed:       # the entries are new arrays at every call
-            issue()
-            return
-        key = ("sum", at, acc.data.ptr, tuple(counts),
-               None if scale is None else float(scale))
-        graphs.replay(workspace.setdefault("graphs", {}), key, issue)
-

@@ -230,5 +230,39 @@ class Compression:
         """
         raise NotImplementedError
 
+    def reduce_all(self, buckets, state):
+        """Optionally, all-reduce every bucket of one call together.
+
+        A strategy may issue its work for all of a call's buckets at once
+        (one kernel sequence for every bucket, one collective for every
+        bucket's payload) instead of bucket by bucket, which saves host
+        time per bucket. The default declines, and :meth:`reduce` is called
+        for each bucket.
+
+        The buckets are the call's buckets and in-place arrays that the
+        strategy applies to, in order; their communication comes before
+        the call's other buckets'. The answer (None or not) must depend
+        only on what every rank has alike (the buckets' lengths and kind,
+        the settings), never on this rank's history, so that every rank
+        communicates alike.
+
+        Args:
+            buckets: the list of :class:`Bucket` objects (each with its own
+                ``state``, as :meth:`reduce` would get them).
+            state: a dict of the strategy's own, kept between calls for
+                this list layout (as the buckets' are).
+
+        Returns:
+            None to have :meth:`reduce` called per bucket; else a list of
+            one entry per bucket, each as :meth:`reduce` returns (None, or
+            a completion), called in order once every bucket of the call
+            is issued (a single completion may finish every bucket).
+
+        Raises:
+            As :meth:`reduce`, with nothing written to a bucket that was
+            not finished.
+        """
+        return None
+
     def __repr__(self):
         return self.name

@@ -156,19 +156,79 @@ class HalfPrecision(Compression):
             _pack.pack(arrays, wire, scale=scale, nonfinite=sent)
 
         def cast_back():
-            # NaN and inf in the result, counted on the GPU by one cast of
-            # the wire onto itself (bits unchanged but for canonical NaNs):
-            # not read
-            cast(wire, self.fmt, out=wire, nonfinite=found)
-            # the GPU decides whether the result is written, so nothing
-            # waits for the host here
-            _pack.unpack(wire, arrays, unless=found if guarded else None)
+            self._cast_back(arrays, wire, found, guarded)
 
         store = workspace.setdefault("graphs", {})
         graphs.replay(store, ("cast in", at, None if scale is None else float(scale)), cast_in)
         self._all_reduce(bucket, wire)
         graphs.replay(store, ("cast back", at, guarded), cast_back)
         return sent, found
+
+    def _cast_back(self, arrays, wire, found, guarded):
+        """cupy buckets: NaN and inf in the reduced ``wire`` counted into
+        ``found`` on the GPU by one cast of the wire onto itself (bits
+        unchanged but for canonical NaNs; not read), then the wire cast
+        back into the arrays, unless ``guarded`` and ``found`` is not 0
+        (the GPU decides, so nothing waits for the host here)."""
+        cast(wire, self.fmt, out=wire, nonfinite=found)
+        _pack.unpack(wire, arrays, unless=found if guarded else None)
+
+    def reduce_all(self, buckets, state):
+        """cupy buckets: every bucket of the call reduced together (see
+        :meth:`~commlib.compression.base.Compression.reduce_all`), with the
+        results and errors of :meth:`reduce` bucket by bucket: their wires
+        lie back to back in one buffer, cast into by one launch sequence
+        (one pack launch per bucket), all-reduced in one call and cast back
+        by another (guarded per bucket), both replayed as CUDA graphs once
+        they repeat; every bucket's counts come to the host in one read.
+        Declines (None) for numpy buckets. ``state`` keeps the plan of a
+        list of arrays (see :func:`._flat.plan_of`): the wire and counts
+        and the graphs, none of the arrays."""
+        if array_module(buckets[0].arrays[0]) is np:
+            return None
+        plan = _flat.plan_of(buckets, state, self._plan)
+        scale, guarded = buckets[0].scale, self.nonfinite == "raise"
+
+        def cast_in():
+            zero(plan["counts"])
+            for b, wire, (sent, _) in zip(buckets, plan["wires"], plan["pairs"]):
+                _pack.pack(b.arrays, wire, scale=scale, nonfinite=sent)
+
+        def cast_back():
+            for b, wire, (_, found) in zip(buckets, plan["wires"], plan["pairs"]):
+                self._cast_back(b.arrays, wire, found, guarded)
+
+        graphs.replay(plan["graphs"], ("cast in", None if scale is None else float(scale)),
+                      cast_in)
+        self._all_reduce(buckets[0], plan["wire"])
+        graphs.replay(plan["graphs"], ("cast back", guarded), cast_back)
+        return [Completion((plan["counts"],), functools.partial(self._settle_all, plan,
+                                                                buckets))] \
+            + [None] * (len(buckets) - 1)
+
+    def _plan(self, buckets):
+        """:meth:`reduce_all`'s plan: one wire for every bucket, each
+        bucket's part of it, and each bucket's counts of NaN and inf sent
+        and found (0-d views of one buffer)."""
+        xp = array_module(buckets[0].arrays[0])
+        sizes = [_flat.identity(b.arrays, b.state)[1] for b in buckets]
+        wire = xp.empty(sum(sizes), self._storage)
+        counts = xp.zeros(2 * len(buckets), np.int64)
+        starts = np.concatenate(([0], np.cumsum(sizes))).tolist()
+        return {"wire": wire, "counts": counts, "graphs": {},
+                "wires": [wire[a:b] for a, b in zip(starts, starts[1:])],
+                "pairs": [(counts[2 * i:2 * i + 1].reshape(()),
+                           counts[2 * i + 1:2 * i + 2].reshape(())) for i in range(len(buckets))]}
+
+    def _settle_all(self, plan, buckets, counts):
+        """The end of :meth:`reduce_all`: :meth:`_settle` for each bucket
+        whose result held NaN or inf (``counts``: the host copy of the
+        plan's counts), in order."""
+        found = counts[1::2]
+        if not found.any():
+            return
+        for b, wire, (sent, _), n in zip(buckets, plan["wires"], plan["pairs"], found):
+            self._settle(b, wire, sent, int(n))
 
     def _all_reduce(self, bucket, wire):
         # overflow is counted and reported by _settle, not warned by numpy

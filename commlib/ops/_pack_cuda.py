@@ -22,7 +22,7 @@ from .cast import FORMAT_CODES, check_counter, check_scale, copy_mode, format_of
 THREADS = 256
 CAST_CHUNK = 8192            # elements per block-sized chunk for casting kernels
 RAW_CHUNK_BYTES = 32768      # bytes per chunk for bit copies
-TABLE_CACHE_SIZE = 64        # distinct array lists kept on each device
+TABLE_CACHE_SIZE = 256       # distinct array lists kept on each device
 
 _CODES = ("f32", "f16", "bf16")
 KERNEL_NAMES = tuple(

@@ -255,9 +255,16 @@ def main(which):
     check_range(comm, xp, to_host)
     check_errors(comm, xp)
     comm.close()
+
     def sparse_comm():
         return commlib.Communicator.from_mpi(backend=None if which == "cupy" else "mpi",
                                              bucket_bytes=SPARSE_BUCKET)
+
+    # several buckets and an array reduced in place (cupy: issued together)
+    with sparse_comm() as small:
+        for fmt in ("fp16", "bf16"):
+            seed += 1
+            check_half(small, xp, to_host, "avg", False, seed, False, fmt)
 
     # residuals belong to the communicator and the strategy's settings: each
     # run starts from zero residuals on a communicator of its own

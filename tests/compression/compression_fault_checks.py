@@ -32,6 +32,11 @@ def recording(cls):
             self.workspace = bucket.state
             return super().reduce(bucket)
 
+        def reduce_all(self, buckets, state):
+            # the layouts are one unit each: its state holds the residual
+            self.workspace = buckets[0].state
+            return super().reduce_all(buckets, state)
+
         def select(self, acc):
             indices, values = super().select(acc)
             if self.tamper is not None and WORLD.rank == self.tamper_rank:

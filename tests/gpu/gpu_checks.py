@@ -275,9 +275,14 @@ def replayed_buckets(calls=8, nan_at=5):
     try:
         for stream in (cupy.cuda.Stream.null, cupy.cuda.Stream(non_blocking=True)):
             for compression in (TopK(0.01), "fp16", "bf16"):
+                # one bucket; then several, issued together (reduce_all),
+                # the NaN in a later one
                 with stream:
                     against_numpy((1_000_003, 4096, 17, 250_000, 3), compression,
                                   calls=calls, nan_at=nan_at, seed=8)
+                    against_numpy((1_000_003, 4096, 17, 250_000, 3), compression,
+                                  calls=calls, nan_at=nan_at, seed=9, bucket_bytes=1 << 20,
+                                  nan_in=(3,))
     finally:
         graphs.replay = replay
     tally = {w: ways.count(w) for w in ("direct", "captured", "graph")}
@@ -285,23 +290,27 @@ def replayed_buckets(calls=8, nan_at=5):
     print("replayed buckets ok: %s" % tally)
 
 
-def against_numpy(sizes, compression, op="avg", calls=7, nan_at=None, seed=0):
+def against_numpy(sizes, compression, op="avg", calls=7, nan_at=None, seed=0,
+                  bucket_bytes=1 << 22, nan_in=None):
     """``calls`` all-reduces of new gradients in the same cupy arrays (the
     buckets' launches become graphs from the third call) by a communicator
-    of one process against one on numpy arrays of the same values: the
-    same bits after every call; at call ``nan_at`` a NaN in every array,
-    and both raise NonFiniteError with the arrays unchanged."""
+    of one process against one on numpy arrays of the same values, both in
+    buckets of ``bucket_bytes``: the same bits after every call; at call
+    ``nan_at`` a NaN in every array (or in those ``nan_in`` lists), and
+    both raise NonFiniteError (with the arrays unchanged when every array
+    got one; else the buckets before the first bad one are written, alike
+    on both)."""
     import cupy
     rng = np.random.default_rng(seed)
     host = [np.zeros(n, np.float32) for n in sizes]
     dev = [cupy.zeros(n, np.float32) for n in sizes]
-    comms = [commlib.Communicator.single(bucket_bytes=1 << 22),
-             commlib.Communicator.single(device=0, bucket_bytes=1 << 22)]
+    comms = [commlib.Communicator.single(bucket_bytes=bucket_bytes),
+             commlib.Communicator.single(device=0, bucket_bytes=bucket_bytes)]
     try:
         for call in range(calls):
-            for h, d in zip(host, dev):
+            for i, (h, d) in enumerate(zip(host, dev)):
                 h[:] = rng.standard_normal(h.size).astype(np.float32)
-                if call == nan_at:
+                if call == nan_at and (nan_in is None or i in nan_in):
                     h[h.size // 2] = np.nan
                 d.set(h)
             kept = [h.copy() for h in host]
@@ -313,7 +322,7 @@ def against_numpy(sizes, compression, op="avg", calls=7, nan_at=None, seed=0):
                 else:
                     assert call != nan_at, (compression, call)
             for i, (h, d) in enumerate(zip(host, dev)):
-                if call == nan_at:
+                if call == nan_at and nan_in is None:
                     assert np.array_equal(h, kept[i], equal_nan=True), (compression, call, i)
                 assert np.array_equal(h.view(np.uint32), cupy.asnumpy(d).view(np.uint32)), \
                     (compression, call, i)

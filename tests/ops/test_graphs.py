@@ -209,3 +209,74 @@ def test_a_stream_that_captures_already_gets_the_launches_themselves(gpu):
     idx.view(np.ndarray)[:] = -5
     step.launch()
     _check(x, idx, val, 37)
+
+
+# a call's buckets issued together (Compression.reduce_all): two buckets of
+# several arrays and two arrays reduced in place, at 4 KiB buckets
+TOGETHER = dict(sizes=(700, 1, 2900, 41, 6000, 333, 5), bucket_bytes=4096)
+
+
+@pytest.mark.parametrize("compression", ["topk", "fp16", "bf16", "anew"])
+@pytest.mark.parametrize("op", ["sum", "avg"])
+def test_buckets_issued_together_give_the_numpy_paths_bits(gpu, compression, op):
+    strategy = {"topk": TopK(0.02), "anew": SelectingAnew(0.02)}.get(compression, compression)
+    launched = _against_numpy(gpu, TOGETHER["sizes"], strategy, op=op, seed=12,
+                              bucket_bytes=TOGETHER["bucket_bytes"])
+    # a selection made anew at every call replays only the entries' check
+    assert launched >= (4 if compression == "anew" else 2 * 4), launched
+
+
+@pytest.mark.parametrize("compression", ["topk", "fp16"])
+def test_a_nan_in_a_later_bucket_of_a_call_writes_the_ones_before(gpu, compression):
+    # both paths raise at the bucket of array 4 (in place, after the two
+    # buckets): what came before is written alike, bit for bit
+    strategy = TopK(0.05) if compression == "topk" else compression
+    assert _against_numpy(gpu, TOGETHER["sizes"], strategy, calls=8, nan_at=5, nan_in=(4,),
+                          seed=13, bucket_bytes=TOGETHER["bucket_bytes"]) >= 2 * 4
+
+
+@pytest.mark.parametrize("compression,per_call", [("topk", 3), ("fp16", 2)])
+def test_a_steady_call_is_a_few_graphs_and_one_collective(gpu, compression, per_call,
+                                                          monkeypatch):
+    # whatever the number of buckets: top-K the selections, the entries'
+    # checks and the sums, fp16 the casts in and back; one all-gather or
+    # all-reduce
+    from commlib.compression import base
+    strategy = TopK(0.02) if compression == "topk" else compression
+    xp = gpu.module
+    arrays = [xp.ones(n, np.float32) for n in TOGETHER["sizes"]]
+    collectives = []
+    for name in ("all_gather", "all_reduce"):
+        def counted(self, *args, _name=name, _f=getattr(base.Bucket, name), **kw):
+            collectives.append(_name)
+            return _f(self, *args, **kw)
+        monkeypatch.setattr(base.Bucket, name, counted)
+    with commlib.Communicator.single(device=0, bucket_bytes=TOGETHER["bucket_bytes"]) as comm:
+        for _ in range(6):
+            comm.all_reduce(arrays, op="sum", compression=strategy)
+        before, collectives[:] = gpu.graph_launches, []
+        comm.all_reduce(arrays, op="sum", compression=strategy)
+        assert gpu.graph_launches - before == per_call
+        assert len(collectives) == 1, collectives
+
+
+def test_a_plan_of_buckets_issued_together_keeps_no_array_alive(gpu, monkeypatch):
+    # the plan is found by the arrays' identity and holds none of them: a
+    # loop that makes new gradient arrays every step frees the old ones.
+    # (A CUDA graph holds addresses only, but the stand-in's graph nodes
+    # and launch log hold the arguments themselves: no graphs here, and
+    # the log emptied)
+    monkeypatch.setenv("COMMLIB_CUDA_GRAPHS", "0")
+    xp = gpu.module
+    with commlib.Communicator.single(device=0, bucket_bytes=TOGETHER["bucket_bytes"]) as comm:
+        for compression in (TopK(0.02), "fp16"):
+            arrays = [xp.ones(n, np.float32) for n in TOGETHER["sizes"]]
+            for _ in range(4):
+                comm.all_reduce(arrays, op="sum", compression=compression)
+            refs = [weakref.ref(a) for a in arrays]
+            del arrays
+            # the communicator lets go of the last list it saw at a call with another
+            comm.all_reduce([xp.ones(3, np.float32)], op="sum", compression=compression)
+            del gpu.launches[:]
+            gc.collect()
+            assert [r() is None for r in refs] == [True] * len(refs), compression
