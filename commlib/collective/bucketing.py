@@ -173,6 +173,9 @@ class PreparedList:
         self._bound = {}
         #: the communicator's compression state for this plan's layout
         self.workspaces = None
+        #: per compression strategy's name, which units it compresses (see
+        #: commlib.collective.fusion.split_units): worked out once per list
+        self.by_strategy = {}
         #: the consistency check's digest of the arrays' dtypes and shapes
         self.digest = None
         # numpy: one C call per bucket copies every array (see ops/hostcopy.py)

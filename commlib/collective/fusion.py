@@ -38,19 +38,22 @@ def fused(session, *, items, kind, key, prepared, writeable, step, strategy=None
     # completions run in bucket order once every bucket has been issued
     # (see Compression.reduce)
     completions = []
-    units = [(i, i, buf) for i, buf in prepared.buckets()]
-    units += [(("direct", position), None, flat)
-              for position, flat in zip(prepared.plan.direct, prepared.direct(items))]
+    units = None
     if strategy is not None:
         # the strategy may issue its buckets together (Compression.reduce_all),
         # before the call's other units: the same order on every rank
-        compressed = [u for u in units if strategy.applies_to(u[2].dtype)]
-        grouped = None if not compressed else reduce_all(
-            transport, items, prepared, compressed, strategy=strategy, op=op, scale=scale,
-            wait=wait, tables=tables)
+        split = split_units(prepared, strategy, tables)
+        grouped = None if not split.compressed else reduce_all(
+            transport, items, prepared, split, strategy=strategy, op=op, scale=scale,
+            wait=wait)
         if grouped is not None:
             completions += grouped
-            units = [u for u in units if not strategy.applies_to(u[2].dtype)]
+            units = [(where, index, buf if index is not None else items[where[1]].reshape(-1))
+                     for where, index, buf in split.rest]
+    if units is None:
+        units = [(i, i, buf) for i, buf in prepared.buckets()]
+        units += [(("direct", position), None, flat)
+                  for position, flat in zip(prepared.plan.direct, prepared.direct(items))]
     for where, index, buf in units:
         completions.append(unit(transport, items, prepared, where=where, index=index, buf=buf,
                                 step=step, strategy=strategy, op=op, scale=scale, wait=wait,
@@ -63,11 +66,40 @@ def fused(session, *, items, kind, key, prepared, writeable, step, strategy=None
             completion(complete, got, rank=transport.rank, label=label, name=strategy.name)
 
 
-def reduce_all(transport, items, prepared, units, *, strategy, op, scale, wait, tables):
-    """The compressed ``units`` ((where, index, buffer) of each bucket or
-    in-place array the strategy applies to) handed to
-    ``strategy.reduce_all`` together, with a state of their own kept in
-    ``tables`` beside the buckets' (see :func:`workspace`). Returns None when
+class Split:
+    """The units of a list (buckets and in-place arrays) that a strategy
+    compresses, each as ``(where, index, buffer or None, state)`` (the
+    buffer of a bucket, None for an array reduced in place; its state from
+    :func:`workspace`), with the state of them all together (``together``)
+    and their bytes; and the other units, as ``(where, index, buffer or
+    None)``."""
+
+    __slots__ = ("compressed", "together", "nbytes", "rest")
+
+
+def split_units(prepared, strategy, tables):
+    """The :class:`Split` of ``prepared``'s units for ``strategy`` (its
+    ``applies_to``), made once per list and strategy name
+    (``prepared.by_strategy``)."""
+    split = prepared.by_strategy.get(strategy.name)
+    if split is None:
+        split = prepared.by_strategy[strategy.name] = Split()
+        units = [(i, i, buf) for i, buf in prepared.buckets()]
+        units += [(("direct", position), None, None) for position in prepared.plan.direct]
+        dtypes = [buf.dtype if buf is not None else prepared.plan.key[0][where[1]][0]
+                  for where, _, buf in units]
+        split.compressed = [(where, index, buf, workspace(prepared, strategy, where, tables))
+                            for (where, index, buf), dt in zip(units, dtypes)
+                            if strategy.applies_to(dt)]
+        split.rest = [u for u, dt in zip(units, dtypes) if not strategy.applies_to(dt)]
+        split.together = workspace(prepared, strategy, "together", tables)
+        split.nbytes = sum(buf.nbytes for _, _, buf, _ in split.compressed if buf is not None)
+    return split
+
+
+def reduce_all(transport, items, prepared, split, *, strategy, op, scale, wait):
+    """The compressed units of ``split`` (a :class:`Split`) handed to
+    ``strategy.reduce_all`` together, with their states. Returns None when
     the strategy reduces them one by one (see :func:`unit`), else the
     completions it returned, paired with the first unit's name in a trace
     (:func:`label_of`). While tracing, recorded as one ``bucket`` event of
@@ -77,16 +109,17 @@ def reduce_all(transport, items, prepared, units, *, strategy, op, scale, wait, 
     # be a new object at every call, where a plan of the strategy's is
     # recognised by the arrays' identity
     buckets = [Bucket(transport, prepared.arrays(items, index, buf) if index is not None
-                      else (items[where[1]],), op, scale, wait,
-                      state=workspace(prepared, strategy, where, tables))
-               for where, index, buf in units]
-    done = strategy.reduce_all(buckets, workspace(prepared, strategy, "together", tables))
+                      else (items[where[1]],), op, scale, wait, state)
+               for where, index, buf, state in split.compressed]
+    done = strategy.reduce_all(buckets, split.together)
     if done is None:
         return None
-    label = label_of(units[0][1], units[0][0])
+    where, index = split.compressed[0][:2]
+    label = label_of(index, where)
     if start:
-        trace.bucket(transport.rank, start, label, sum(u[2].nbytes for u in units),
-                     strategy.name)
+        trace.bucket(transport.rank, start, label,
+                     split.nbytes + sum(items[w[1]].nbytes for w, i, _, _ in split.compressed
+                                        if i is None), strategy.name)
     return [None if complete is None else (complete, label) for complete in done]
 
 

@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 
 SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "gpu_check.sh"
-GPU_STAGES = ["build", "nvrtc", "pytest-gpu", "benchmark", "gpu-step", "sanitizer", "streams",
-              "large-n", "example"]
+GPU_STAGES = ["build", "nvrtc", "pytest-gpu", "benchmark", "gpu-step", "gpu-step-16",
+              "sanitizer", "streams", "large-n", "example"]
 pytestmark = pytest.mark.skipif(shutil.which("bash") is None, reason="needs bash")
 
 
@@ -137,7 +137,9 @@ def test_every_stage_starts_and_passes_with_a_stand_in_gpu(tmp_path):
     # both benchmarks' goals are summarised; a missed one does not fail the run
     targets = json.loads((tmp_path / "out" / "summary.json").read_text())["targets"]
     assert [(t["name"], t["status"]) for t in targets] == [
-        ("goal: topk device us", "FAIL"), ("gpu_step fp16 host us per call", "PASS")], targets
+        ("goal: topk device us", "FAIL"), ("gpu_step fp16 host us per call", "PASS"),
+        ("gpu_step 16 buckets fp16 host us per call", "PASS")], targets
+    assert "--bucket-bytes 6553600" in calls, calls
     assert re.search(r"target gpu_step fp16 host us per call .*<= 150 us +PASS", text), text
 
 
