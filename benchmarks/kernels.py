@@ -211,9 +211,13 @@ def cast_cases(bench, n):
     ]
 
 
-def pack_cases(bench):
+def pack_cases(bench, scale=1):
+    """The pack cases on ResNet-50's arrays (161), each ``1/scale`` of its
+    size (flat then) when ``scale`` is not 1."""
     xp = bench.xp
     shapes = json.loads((ROOT / "tests/data/resnet50.json").read_text())["shapes"]
+    if scale != 1:
+        shapes = [(max(1, int(np.prod(s)) // scale),) for s in shapes]
     rng = bench.rng(3)
     arrays = [rng.standard_normal(int(np.prod(s)), dtype=np.float32).reshape(s) for s in shapes]
     n = sum(a.size for a in arrays)
@@ -573,6 +577,8 @@ def main(argv=None):
     ap.add_argument("--repeats", type=int, help="timed repeats (default 20 on a GPU; on the "
                     "CPU 5, or 3 from 10M elements)")
     ap.add_argument("--no-pack", action="store_true", help="skip the resnet50 pack cases")
+    ap.add_argument("--pack-scale", type=int, default=1,
+                    help="the resnet50 pack cases' arrays at 1/this of their sizes (default 1)")
     ap.add_argument("--out", help="directory to write kernels.json into")
     ap.add_argument("--only", help="comma-separated groups to run: cast, select (top-K, "
                     "threshold and top-K passes), sparse, pack (default: all)")
@@ -619,7 +625,7 @@ def main(argv=None):
             run([sparse_case(bench, n)], n)
         _free(bench)
     if not args.no_pack and "pack" in groups:
-        run(pack_cases(bench), TARGET_N)
+        run(pack_cases(bench, args.pack_scale), TARGET_N // args.pack_scale)
     rows.extend(goal_rows(bench, rows))
     print_table(rows)
     failed = [r for r in rows if str(r.get("check", "")).startswith(("FAIL", "error"))]

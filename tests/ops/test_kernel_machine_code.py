@@ -268,13 +268,14 @@ def nvrtc_versions():
     return libs
 
 
-def nvrtc_analyse(lib, archs=NVRTC_ARCHS, sources=SOURCES):
+def nvrtc_analyse(lib, archs=NVRTC_ARCHS, sources=SOURCES, label=None):
     """(NVRTC version, rows as analyse()'s) of the cubins NVRTC ``lib``
-    builds with the options cupy.RawModule hands it (the builds of
-    :func:`nvrtc_builds.build`, shared with test_kernel_sources.py)."""
+    (of ``label``, see :func:`nvrtc_versions`) builds with the options
+    cupy.RawModule hands it (the builds of :func:`nvrtc_builds.build`,
+    shared with test_kernel_sources.py)."""
     import test_kernel_sources
     report, out_dir = nvrtc_builds.build(lib, test_kernel_sources.SOURCES,
-                                         test_kernel_sources.NVRTC_ARCHS)
+                                         test_kernel_sources.nvrtc_archs(label))
     wanted = {"%s.%s" % (Path(s).stem, a) for s in sources for a in archs}
     bad = {k: v for k, v in report["builds"].items()
            if k in wanted and (v[0] != "ok" or "warning" in v[1])}
@@ -307,7 +308,7 @@ def _nvrtc_rows(cache, label, tmp_path_factory):
         lib = nvrtc_versions()[label]
         if isinstance(lib, Exception):
             pytest.fail("NVRTC %s not available: %s" % (label, lib))
-        cache[label] = nvrtc_analyse(lib)
+        cache[label] = nvrtc_analyse(lib, label=label)
     return cache[label]
 
 
@@ -411,5 +412,5 @@ if __name__ == "__main__":
             if isinstance(lib, Exception):
                 print("\nNVRTC %s: %s" % (label, lib))
                 continue
-            version, rows_ = nvrtc_analyse(lib)
+            version, rows_ = nvrtc_analyse(lib, label=label)
             print("\nNVRTC %s\n%s" % (version, format_table(rows_)))
