@@ -73,7 +73,10 @@ def reduce(session, name, arrays, root, op, division, compression=None, state=No
               None if compression is None else getattr(compression, "name", compression))
     if isinstance(state, ReduceState):
         params += (state.name,)
-    kind, wait = session.begin(name, params, checks, lambda: (items, prepared))
+    # a compressed exchange depends on the kind (cupy buckets may be issued
+    # together, see Compression.reduce_all): compared between ranks
+    kind, wait = session.begin(name, params, checks, lambda: (items, prepared),
+                               kind_matters=compression is not None)
     if kind is None:
         return arrays
     scale = 1.0 / session.size if averaging else None

@@ -61,16 +61,18 @@ def params_digest(params):
     return _cached(_params, params, lambda k: repr(k).encode())
 
 
-def describe(params, arrays):
+def describe(params, arrays, kind=None):
     """Short text of one call (``params``: the collective's name and its
-    parameters, see :data:`PARAMETERS`), e.g.
-    ``all_reduce(op=sum, average=False) 3 arrays: float32(4, 5) ...``."""
+    parameters, see :data:`PARAMETERS`; ``kind``: the arrays' kind, when it
+    is compared), e.g. ``all_reduce(op=sum, average=False) 3 arrays:
+    float32(4, 5) ...`` or ``... 3 cupy arrays: ...``."""
     name = params[0]
     shown = ", ".join("%s=%s" % (key, value) for key, value in zip(PARAMETERS[name], params[1:])
                       if value is not None)
     shapes = " ".join("%s%s" % (a.dtype, tuple(a.shape)) for a in arrays[:4])
     more = " ..." if len(arrays) > 4 else ""
-    return "%s(%s) %d arrays: %s%s" % (name, shown, len(arrays), shapes, more)
+    return "%s(%s) %d %sarrays: %s%s" % (name, shown, len(arrays),
+                                         "" if kind is None else kind + " ", shapes, more)
 
 
 def disagreement(rank, seq, code, rows, error_digest):

@@ -88,14 +88,17 @@ class Session:
                               "earlier failure: %s" % (self.rank, name, self.failure),
                               culprits=getattr(self.failure, "culprits", ()))
 
-    def begin(self, name, params, checks, layout=lambda: ([], None), timeout=None):
+    def begin(self, name, params, checks, layout=lambda: ([], None), timeout=None,
+              kind_matters=False):
         """Start collective ``name``: run ``checks()`` (returns the array
         kind; raises CommlibError for bad arguments), then, when the check is
         on, compare the call with every rank: ``params`` (tuple of the call's
-        parameters) and ``layout()`` (the list of arrays whose dtypes and
-        shapes must match, and its PreparedList or None). ``timeout``
-        replaces the watch dog's deadline. Returns (kind, wait) or raises,
-        on every rank alike when the check is on."""
+        parameters), the array kind too when it ``kind_matters`` (a
+        compressed call's exchange depends on it), and ``layout()`` (the
+        list of arrays whose dtypes and shapes must match, and its
+        PreparedList or None). ``timeout`` replaces the watch dog's
+        deadline. Returns (kind, wait) or raises, on every rank alike when
+        the check is on."""
         self.usable(name)
         self.stats.add_collective()
         start = trace.now() if trace.ON else 0.0
@@ -116,13 +119,15 @@ class Session:
             board.arrive(seq)
         elif board is not None:
             digest = arrays = None
+            shown = kind if kind_matters else None
             if error is None:
                 arrays, prepared = layout()
                 digest = (prepared.digest if prepared is not None else
-                          consistency.layout_digest(arrays), consistency.params_digest(params))
+                          consistency.layout_digest(arrays),
+                          consistency.params_digest(params + (shown,)))
             try:
                 board.enter(seq, wait.what, digest, wait.deadline, error,
-                            lambda: consistency.describe(params, arrays))
+                            lambda: consistency.describe(params, arrays, shown))
             except (CommlibError, KeyboardInterrupt) as exc:
                 if exc is not error and not isinstance(exc, ConsistencyError):
                     self.fail(exc)

@@ -280,3 +280,20 @@ def test_a_plan_of_buckets_issued_together_keeps_no_array_alive(gpu, monkeypatch
             del gpu.launches[:]
             gc.collect()
             assert [r() is None for r in refs] == [True] * len(refs), compression
+
+
+@pytest.mark.parametrize("compression", ["topk", "fp16"])
+def test_ranks_that_pass_numpy_and_cupy_to_a_compressed_call_disagree(gpu, compression):
+    # cupy buckets go together, numpy ones one by one: a different exchange,
+    # so the kind is compared between ranks, and both raise naming it
+    from inprocess import run_ranks
+    strategy = TopK(0.02) if compression == "topk" else compression
+
+    def body(comm):
+        xp = gpu.module if comm.rank == 1 else np
+        arrays = [xp.ones(n, np.float32) for n in TOGETHER["sizes"]]
+        with pytest.raises(commlib.ConsistencyError) as info:
+            comm.all_reduce(arrays, op="sum", compression=strategy)
+        return str(info.value)
+    for text in run_ranks(2, body, bucket_bytes=TOGETHER["bucket_bytes"]):
+        assert "numpy arrays" in text and "cupy arrays" in text, text
