@@ -1,5 +1,7 @@
 """A bucket of arrays as one flat vector, for the compression strategies,
 and the buffers they keep between calls."""
+import itertools
+
 import numpy as np
 
 from ..collective.identity_cache import IdentityCache
@@ -59,7 +61,7 @@ def plan_of(buckets, state, make):
     ``state`` (an :class:`IdentityCache` of 4, recognising the list by the
     identity of the buckets' arrays, which a plan must not hold), or None
     when ``make`` declines (its answer is kept too)."""
-    arrays = [a for b in buckets for a in b.arrays]
+    arrays = list(itertools.chain.from_iterable(b.arrays for b in buckets))
     cache = state.get("together")
     if cache is None:
         cache = state["together"] = IdentityCache(4)

@@ -3,6 +3,8 @@ sequences before and after the exchange of a bucket's records, each
 replayed as a CUDA graph once it repeats (:mod:`commlib.ops.graphs`), and
 the plan of a call's buckets reduced together (:class:`Together`, for
 ``Sparsifier.reduce_all``)."""
+import itertools
+
 import numpy as np
 
 from ..ops import graphs, records
@@ -164,12 +166,11 @@ class Together:
             part.bad = counters(b.state, "sum counters", xp, 3, zero=True)[1]
             self.parts.append(part)
             at += width
-        # where each header word and check lies in the reads, and what it must be
-        words = np.arange(len(buckets) * per).reshape(len(buckets), per)
-        self.headers = words[:, :ranks * _payload.HEADER].reshape(len(buckets), ranks,
-                                                                  _payload.HEADER)
-        self.checks = words[:, ranks * _payload.HEADER:]
-        self.slots = np.array(slots, np.int64)[:, None]
+        # the reads when all is well: per bucket, every rank's header is
+        # [slots, 0 non-finite, 0 problem, 0], and both checks count 0
+        self.expected = np.zeros((len(buckets), per), np.int64)
+        self.expected[:, :ranks * _payload.HEADER:_payload.HEADER] = np.array(slots)[:, None]
+        self.expected = self.expected.reshape(-1)
         self.counts = [[k] * ranks for k in slots]
         return self
 
@@ -185,7 +186,7 @@ class Together:
         feedback; the two swap at every call with it) and a key naming
         them: made in the buckets' states when missing or not fit."""
         pairs = [(p.state.get("acc"), p.state.get("residual")) for p in self.parts]
-        key = tuple(id(a) for pair in pairs for a in pair)
+        key = tuple(map(id, itertools.chain.from_iterable(pairs)))
         if key not in self.pairs:
             pairs = []
             for p in self.parts:
@@ -195,7 +196,7 @@ class Together:
                 if strategy.error_feedback:
                     residual = buffer(p.state, "residual", xp, p.n, np.float32, zero=True)
                 pairs.append((acc, residual))
-            key = tuple(id(a) for pair in pairs for a in pair)
+            key = tuple(map(id, itertools.chain.from_iterable(pairs)))
             if len(self.pairs) >= 4:     # and the graphs keyed by the ids let go
                 self.pairs.clear()
                 self.graphs.clear()
@@ -245,10 +246,9 @@ class Together:
 
     def as_expected(self, host):
         """Whether every rank's header of every bucket says a full record,
-        nothing non-finite, no problem, and no entry failed its check."""
-        headers = host[self.headers]
-        return bool((headers[..., 0] == self.slots).all() and not headers[..., 1:].any()
-                    and not host[self.checks].any())
+        nothing non-finite, no problem, and no entry failed its check: the
+        reads as :attr:`expected` has them."""
+        return bool(np.array_equal(host, self.expected))
 
     def sum(self, strategy, buckets, call):
         """Every bucket's sum, times the scale, residual update and copy
