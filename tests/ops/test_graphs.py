@@ -297,3 +297,37 @@ def test_ranks_that_pass_numpy_and_cupy_to_a_compressed_call_disagree(gpu, compr
         return str(info.value)
     for text in run_ranks(2, body, bucket_bytes=TOGETHER["bucket_bytes"]):
         assert "numpy arrays" in text and "cupy arrays" in text, text
+
+
+@pytest.mark.parametrize("compression", ["topk", "fp16"])
+def test_a_warned_nan_in_buckets_issued_together_warns_and_writes_as_numpy(gpu, compression):
+    # nonfinite="warn": the call that holds a NaN (in a later unit) warns
+    # with the numpy path's words and writes its bits, before and after
+    from commlib.compression import FP16
+    import warnings
+    strategy = TopK(0.3, nonfinite="warn") if compression == "topk" else FP16(nonfinite="warn")
+    sizes = TOGETHER["sizes"]
+    rng = np.random.default_rng(21)
+    host = [np.zeros(n, np.float32) for n in sizes]
+    dev = [gpu.module.zeros(n, np.float32) for n in sizes]
+    comms = [commlib.Communicator.single(bucket_bytes=TOGETHER["bucket_bytes"]),
+             commlib.Communicator.single(device=0, bucket_bytes=TOGETHER["bucket_bytes"])]
+    try:
+        for call in range(7):
+            for i, (h, d) in enumerate(zip(host, dev)):
+                h[:] = rng.standard_normal(h.size).astype(np.float32)
+                if call in (3, 5) and i == 4:
+                    h[h.size // 2] = np.nan
+                d.set(h)
+            texts = []
+            for c, arrays in zip(comms, (host, dev)):
+                with warnings.catch_warnings(record=True) as caught:
+                    warnings.simplefilter("always")
+                    c.all_reduce(arrays, op="avg", compression=strategy)
+                texts.append([str(w.message) for w in caught])
+            assert texts[0] == texts[1] and len(texts[0]) == (call in (3, 5)), texts
+            for h, d in zip(host, dev):
+                assert np.array_equal(h.view(np.uint32), d.view(np.ndarray).view(np.uint32))
+    finally:
+        for c in comms:
+            c.close()
