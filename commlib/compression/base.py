@@ -13,7 +13,9 @@ before writing anything if it fails (a :class:`~commlib.errors.CommlibError`
 raised alike on every rank keeps the communicator usable). It may return
 the bucket's completion, a callable that the communicator calls once the
 call's later buckets are issued (DDP's returned future; see
-:meth:`Compression.reduce`). This is the counterpart of PyTorch DDP's
+:meth:`Compression.reduce`). It may also take all of a call's buckets at
+once (:meth:`Compression.reduce_all`: one collective and one launch
+sequence for them all). This is the counterpart of PyTorch DDP's
 communication hook, ``hook(state, bucket) -> Future``, with the state in
 ``bucket.state``; a strategy written by a user is one small file
 (``tests/compression/user_compression.py`` is one).
