@@ -23,7 +23,8 @@ def fused(session, *, items, kind, key, prepared, writeable, step, strategy=None
     for every bucket and every in-place array of the list. With a
     compression ``strategy``, a bucket or array it applies to goes to it
     instead, as a :class:`~commlib.compression.base.Bucket` of ``op``,
-    ``scale`` and the collective's ``wait``;
+    ``scale`` and the collective's ``wait``: all of them at once to its
+    ``reduce_all`` first (:func:`reduce_all`), else one by one (:func:`unit`);
     ``state`` (a :class:`~commlib.collective.reduce_state.ReduceState` or None)
     holds the list's plan and compression state instead of the
     communicator's own tables."""
