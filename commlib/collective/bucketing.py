@@ -148,7 +148,7 @@ class PreparedList:
     """A plan bound to one list of arrays, with its own bucket buffers.
 
     ``kind`` is ``"numpy"`` or ``"cupy"``. Buckets are iterated with
-    :meth:`buckets`; arrays reduced in place with :meth:`direct`.
+    :meth:`buckets`; the arrays reduced in place are ``plan.direct``.
     """
 
     def __init__(self, arrays, plan, kind, writeable):
@@ -159,7 +159,6 @@ class PreparedList:
         #: whether every array has a floating dtype (averaging allowed)
         self.floating = all(dtypes.is_floating(dt) for dt, _ in plan.key[0])
         self._pick = [_getter(b.indices) for b in plan.buckets]
-        self._pick_direct = _getter(plan.direct) if plan.direct else (lambda items: ())
         # a bucket whose arrays already lie back to back in one buffer is
         # reduced where it lies (zero copy); the others get a buffer of their own
         spans = [span(pick(arrays), xp) for pick in self._pick]
@@ -248,9 +247,6 @@ class PreparedList:
             return (buf,)
         return self._pick[i](items)
 
-    def direct(self, items):
-        """Flat views of the arrays reduced in place."""
-        return [a.reshape(-1) for a in self._pick_direct(items)]
 
 
 def _same_items(a, b):

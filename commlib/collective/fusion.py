@@ -44,18 +44,15 @@ def fused(session, *, items, kind, key, prepared, writeable, step, strategy=None
         # the strategy may issue its buckets together (Compression.reduce_all),
         # before the call's other units: the same order on every rank
         split = split_units(prepared, strategy, tables)
-        grouped = None if not split.compressed else reduce_all(
+        grouped = None if not split.compressed or split.declined else reduce_all(
             transport, items, prepared, split, strategy=strategy, op=op, scale=scale,
             wait=wait)
         if grouped is not None:
             completions += grouped
-            units = [(where, index, buf if index is not None else items[where[1]].reshape(-1))
-                     for where, index, buf in split.rest]
-    if units is None:
-        units = [(i, i, buf) for i, buf in prepared.buckets()]
-        units += [(("direct", position), None, flat)
-                  for position, flat in zip(prepared.plan.direct, prepared.direct(items))]
-    for where, index, buf in units:
+            units = split.rest
+    for where, index, buf in units_of(prepared) if units is None else units:
+        if index is None:           # an array reduced in place: its flat view
+            buf = items[where[1]].reshape(-1)
         completions.append(unit(transport, items, prepared, where=where, index=index, buf=buf,
                                 step=step, strategy=strategy, op=op, scale=scale, wait=wait,
                                 tables=tables))
@@ -67,15 +64,26 @@ def fused(session, *, items, kind, key, prepared, writeable, step, strategy=None
             completion(complete, got, rank=transport.rank, label=label, name=strategy.name)
 
 
+def units_of(prepared):
+    """``(where, index, buffer or None)`` of each unit of ``prepared``: its
+    buckets (``where`` and ``index`` the bucket's index, its buffer), then
+    its arrays reduced in place (``where`` ``("direct", position in the
+    list)``, ``index`` and buffer None)."""
+    return ([(i, i, buf) for i, buf in prepared.buckets()]
+            + [(("direct", position), None, None) for position in prepared.plan.direct])
+
+
 class Split:
     """The units of a list (buckets and in-place arrays) that a strategy
     compresses, each as ``(where, index, buffer or None, state)`` (the
     buffer of a bucket, None for an array reduced in place; its state from
     :func:`workspace`), with the state of them all together (``together``)
-    and their bytes; and the other units, as ``(where, index, buffer or
-    None)``."""
+    and their bytes; whether the strategy ``declined`` to reduce them
+    together (it answers alike for a list and settings, see
+    Compression.reduce_all); and the other units, as :func:`units_of`
+    gives them."""
 
-    __slots__ = ("compressed", "together", "nbytes", "rest")
+    __slots__ = ("compressed", "together", "nbytes", "declined", "rest")
 
 
 def split_units(prepared, strategy, tables):
@@ -85,16 +93,20 @@ def split_units(prepared, strategy, tables):
     split = prepared.by_strategy.get(strategy.name)
     if split is None:
         split = prepared.by_strategy[strategy.name] = Split()
-        units = [(i, i, buf) for i, buf in prepared.buckets()]
-        units += [(("direct", position), None, None) for position in prepared.plan.direct]
-        dtypes = [buf.dtype if buf is not None else prepared.plan.key[0][where[1]][0]
-                  for where, _, buf in units]
+        units = units_of(prepared)
+        # (dtype, bytes) of each unit: its bucket's buffer's, or those of
+        # the array's (dtype, size) entry in the plan's layout
+        layout = prepared.plan.key[0]
+        sized = [(buf.dtype, buf.nbytes) if buf is not None else
+                 (layout[where[1]][0], layout[where[1]][0].itemsize * layout[where[1]][1])
+                 for where, _, buf in units]
+        applies = [strategy.applies_to(dt) for dt, _ in sized]
         split.compressed = [(where, index, buf, workspace(prepared, strategy, where, tables))
-                            for (where, index, buf), dt in zip(units, dtypes)
-                            if strategy.applies_to(dt)]
-        split.rest = [u for u, dt in zip(units, dtypes) if not strategy.applies_to(dt)]
+                            for (where, index, buf), yes in zip(units, applies) if yes]
+        split.rest = [u for u, yes in zip(units, applies) if not yes]
         split.together = workspace(prepared, strategy, "together", tables)
-        split.nbytes = sum(buf.nbytes for _, _, buf, _ in split.compressed if buf is not None)
+        split.nbytes = sum(n for (_, n), yes in zip(sized, applies) if yes)
+        split.declined = False
     return split
 
 
@@ -114,13 +126,12 @@ def reduce_all(transport, items, prepared, split, *, strategy, op, scale, wait):
                for where, index, buf, state in split.compressed]
     done = strategy.reduce_all(buckets, split.together)
     if done is None:
+        split.declined = True
         return None
     where, index = split.compressed[0][:2]
     label = label_of(index, where)
     if start:
-        trace.bucket(transport.rank, start, label,
-                     split.nbytes + sum(items[w[1]].nbytes for w, i, _, _ in split.compressed
-                                        if i is None), strategy.name)
+        trace.bucket(transport.rank, start, label, split.nbytes, strategy.name)
     return [None if complete is None else (complete, label) for complete in done]
 
 

@@ -29,6 +29,18 @@ def views(workspace, name, array, make):
     return found[1]
 
 
+def accumulators(workspace, xp, size, error_feedback):
+    """A sparsifier's ``(acc, residual)`` for a bucket of ``size`` values,
+    kept in ``workspace`` (:func:`buffer`): the float32 sum it selects from,
+    and the residual (zero-filled when first made; None without
+    ``error_feedback``). The two swap at every call with error feedback."""
+    acc = buffer(workspace, "acc", xp, size, np.float32)
+    residual = None
+    if error_feedback:
+        residual = buffer(workspace, "residual", xp, size, np.float32, zero=True)
+    return acc, residual
+
+
 def counters(workspace, name, xp, count, zero=False):
     """``count`` 0-d int64 counters for kernels to write, views of one
     :func:`buffer` ``workspace[name]`` (its views kept, see :func:`views`),
@@ -84,11 +96,12 @@ def gather(arrays, workspace):
 
 
 def flat_of(arrays, workspace, size=None):
-    """:func:`gather`'s vector without the copy: the single array's flat
-    view, or ``workspace["flat"]`` (for :func:`copy_in`). ``size``: the
-    arrays' total number of elements when known (see :func:`identity`)."""
+    """:func:`gather`'s vector without the copy: the single array (1-D as
+    it is, else its flat view), or ``workspace["flat"]`` (for
+    :func:`copy_in`). ``size``: the arrays' total number of elements when
+    known (see :func:`identity`)."""
     if len(arrays) == 1:
-        return arrays[0].reshape(-1)
+        return arrays[0] if arrays[0].ndim == 1 else arrays[0].reshape(-1)
     if size is None:
         size = identity(arrays, workspace)[1]
     return buffer(workspace, "flat", array_module(arrays[0]), size, np.float32)

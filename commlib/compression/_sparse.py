@@ -9,7 +9,7 @@ from ..ops import hostselect
 from ..ops.arrays import array_module
 from . import _payload, _sparse_gpu
 from . import nonfinite as _nonfinite
-from ._flat import buffer, copy_in, describe, flat_of, identity, plan_of, scatter
+from ._flat import accumulators, copy_in, describe, flat_of, identity, plan_of, scatter
 from .base import Completion, Compression
 
 
@@ -156,10 +156,7 @@ class Sparsifier(Compression):
         at, size = identity(arrays, workspace)     # addresses: the graphs' keys
         flat = flat_of(arrays, workspace, size)
         xp, n = array_module(flat), flat.size
-        acc = buffer(workspace, "acc", xp, n, np.float32)
-        residual = None
-        if self.error_feedback:
-            residual = buffer(workspace, "residual", xp, n, np.float32, zero=True)
+        acc, residual = accumulators(workspace, xp, n, self.error_feedback)
         slots = self.count_for(n)
         if xp is np:                         # compiled passes
             copy_in(arrays, flat)

@@ -12,7 +12,14 @@ from ..ops.arrays import array_module, zero
 from ..ops.cast import cast
 from ..ops.sparse import scatter_add
 from . import _payload
-from ._flat import buffer, copy_in, counters, flat_of, identity, scatter, views
+from ._flat import accumulators, buffer, copy_in, counters, flat_of, identity, scatter, views
+
+
+def record_parts(record, slots):
+    """``(header, indices, values)``: views of a record of ``slots``
+    entries (:mod:`._payload`), the values as float32."""
+    return (record[:_payload.HEADER], record[_payload.HEADER:_payload.HEADER + slots],
+            record[_payload.HEADER + slots:].view(np.float32))
 
 
 def encode(strategy, arrays, at, residual, flat, acc, slots, workspace):
@@ -36,9 +43,8 @@ def encode(strategy, arrays, at, residual, flat, acc, slots, workspace):
         indices = values = None
     else:
         record = buffer(workspace, "record", xp, _payload.HEADER + 2 * slots, np.int32)
-        header, indices, values = views(workspace, "record parts", record, lambda r: (
-            r[:_payload.HEADER], r[_payload.HEADER:_payload.HEADER + slots],
-            r[_payload.HEADER + slots:].view(np.float32)))
+        header, indices, values = views(workspace, "record parts", record,
+                                        lambda r: record_parts(r, slots))
 
     def issue():
         select_launches(strategy, arrays, flat, residual, acc, header, slots, indices, values,
@@ -52,6 +58,7 @@ def encode(strategy, arrays, at, residual, flat, acc, slots, workspace):
         return record, indices, values
     indices, values = strategy.select(acc)
     return _payload.encode(xp, indices, values, header[1], slots), indices, values
+
 
 def select_launches(strategy, arrays, flat, residual, acc, header, slots, indices, values,
                     workspace):
@@ -67,6 +74,7 @@ def select_launches(strategy, arrays, flat, residual, acc, header, slots, indice
         strategy.select_into(acc, indices, values))
     return selects
 
+
 def sum_launches(arrays, flat, indices, values, counts, scale, acc, residual, sent, bad):
     """cupy buckets: the launches of :func:`finish`: ``flat``
     = the sum of the entries times ``scale``, copied into the arrays,
@@ -81,6 +89,7 @@ def sum_launches(arrays, flat, indices, values, counts, scale, acc, residual, se
     if residual is not None:
         scatter_add(acc, *sent, alpha=-1.0, bad=bad_residual)
     scatter(flat, arrays)
+
 
 def finish(bucket, at, flat, indices, values, counts, acc, residual, sent, fixed):
     """cupy buckets, once every rank's entries are checked: ``flat`` =
@@ -114,13 +123,13 @@ def finish(bucket, at, flat, indices, values, counts, acc, residual, sent, fixed
 
 class Part:
     """One bucket of a :class:`Together` plan."""
-    __slots__ = ("state", "at", "n", "slots", "flat", "record", "header", "indices", "values", "entries",
-                 "exchange", "reads", "reads_at", "bad")
+    __slots__ = ("state", "at", "n", "slots", "flat", "record", "header", "indices", "values",
+                 "entries", "exchange", "reads", "reads_at", "bad")
 
 
 class Together:
     """What ``Sparsifier.reduce_all`` keeps for one list of arrays:
-    per bucket a :class:`_Part` (its arrays' addresses and length, its
+    per bucket a :class:`Part` (its arrays' addresses and length, its
     flat buffer when it has several arrays, its record in the shared
     buffer, its entries and reads), the shared record, gathered and read
     buffers, where every header word lies in the reads, and the launch
@@ -150,9 +159,7 @@ class Together:
             part.state, part.at, part.n, part.slots = b.state, addresses, n, k
             part.flat = flat_of(b.arrays, b.state, n) if len(b.arrays) > 1 else None
             part.record = self.records[at:at + width]
-            part.header = part.record[:_payload.HEADER]
-            part.indices = part.record[_payload.HEADER:_payload.HEADER + k]
-            part.values = part.record[_payload.HEADER + k:].view(np.float32)
+            part.header, part.indices, part.values = record_parts(part.record, k)
             # rank r's record of this bucket starts at r * width + at of
             # the gathered buffer: the entries' check reads it from there
             part.entries = (xp.empty(ranks * k, np.int32), xp.empty(ranks * k, np.float32),
@@ -177,8 +184,7 @@ class Together:
     def flats(self, buckets):
         """Every bucket's flat vector at this call: its buffer, or its one
         array (1-D as it is, else a flat view)."""
-        return [p.flat if p.flat is not None else
-                (b.arrays[0] if b.arrays[0].ndim == 1 else b.arrays[0].reshape(-1))
+        return [p.flat if p.flat is not None else flat_of(b.arrays, p.state)
                 for p, b in zip(self.parts, buckets)]
 
     def buffers(self, strategy):
@@ -188,14 +194,9 @@ class Together:
         pairs = [(p.state.get("acc"), p.state.get("residual")) for p in self.parts]
         key = tuple(map(id, itertools.chain.from_iterable(pairs)))
         if key not in self.pairs:
-            pairs = []
-            for p in self.parts:
-                xp = array_module(self.records)
-                acc = buffer(p.state, "acc", xp, p.n, np.float32)
-                residual = None
-                if strategy.error_feedback:
-                    residual = buffer(p.state, "residual", xp, p.n, np.float32, zero=True)
-                pairs.append((acc, residual))
+            xp = array_module(self.records)
+            pairs = [accumulators(p.state, xp, p.n, strategy.error_feedback)
+                     for p in self.parts]
             key = tuple(map(id, itertools.chain.from_iterable(pairs)))
             if len(self.pairs) >= 4:     # and the graphs keyed by the ids let go
                 self.pairs.clear()
@@ -207,7 +208,7 @@ class Together:
     def select(self, strategy, buckets):
         """Every bucket's selection into its record. Returns the call's
         ``(flats, sent, buffers)``: :meth:`flats`, what each bucket sent
-        (the record's parts, or the arrays :meth:`Sparsifier.select` made)
+        (the record's parts, or the arrays the strategy's ``select`` made)
         and :meth:`buffers`' answer."""
         flats = self.flats(buckets)
         pairs, key = buffers = self.buffers(strategy)

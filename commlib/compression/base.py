@@ -246,7 +246,8 @@ class Compression:
         the call's other buckets'. The answer (None or not) must depend
         only on what every rank has alike (the buckets' lengths and kind,
         the settings), never on this rank's history, so that every rank
-        communicates alike.
+        communicates alike; the communicator asks once per list of arrays
+        and settings, and keeps a None.
 
         Args:
             buckets: the list of :class:`Bucket` objects (each with its own

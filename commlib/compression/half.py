@@ -213,12 +213,13 @@ class HalfPrecision(Compression):
         xp = array_module(buckets[0].arrays[0])
         sizes = [_flat.identity(b.arrays, b.state)[1] for b in buckets]
         wire = xp.empty(sum(sizes), self._storage)
-        counts = xp.zeros(2 * len(buckets), np.int64)
         starts = np.concatenate(([0], np.cumsum(sizes))).tolist()
-        return {"wire": wire, "counts": counts, "graphs": {},
-                "wires": [wire[a:b] for a, b in zip(starts, starts[1:])],
-                "pairs": [(counts[2 * i:2 * i + 1].reshape(()),
-                           counts[2 * i + 1:2 * i + 2].reshape(())) for i in range(len(buckets))]}
+        plan = {"wire": wire, "graphs": {},
+                "wires": [wire[a:b] for a, b in zip(starts, starts[1:])]}
+        # plan["counts"]: (sent, found) of bucket i at 2 i and 2 i + 1
+        _, parts = _flat.counters(plan, "counts", xp, 2 * len(buckets), zero=True)
+        plan["pairs"] = list(zip(parts[0::2], parts[1::2]))
+        return plan
 
     def _settle_all(self, plan, buckets, counts):
         """The end of :meth:`reduce_all`: :meth:`_settle` for each bucket
