@@ -191,18 +191,22 @@ def reduce_step(items, *, root, op, scale, receives, wait, flight):
     """The step of :func:`reduce` for one bucket (``i``) or in-place array
     (``i`` None) of ``items``: reduce over the transport (``root`` None:
     all-reduce; ``flight``: left in flight), scaled by ``scale``, and
-    unpacked where this rank ``receives``."""
+    unpacked where this rank ``receives``. Its ``together(transport,
+    units, prepared)`` takes the units of a cupy list at once (see
+    :func:`commlib.collective.fusion.fused`): every bucket packed, then
+    each unit reduced in turn, then every bucket unpacked, the copies of
+    all buckets issued as one CUDA graph each way (see
+    :meth:`~commlib.collective.bucketing.PreparedList.copy_many`); cupy
+    work is ordered on the stream, so what a transport reads and writes is
+    that of the step one by one."""
     after = now if flight is None else flight.then
 
-    def step(transport, buf, i, prepared):
-        if i is not None and root is None and transport.reduces_parts(buf):
-            transport.all_reduce_parts(prepared.arrays(items, i, buf), buf, op, scale, wait)
-            return
-        if i is not None:
-            prepared.pack(items, i)
+    def exchange(transport, buf, i, prepared):
+        """Unit ``i``'s collective, its bucket packed; the user's own
+        memory scaled (by the transport as it writes an all-reduce's
+        result). Returns whether the unit is a bucket of commlib's own
+        buffer, which the caller unpacks times ``scale``."""
         owned = i is not None and not prepared.zero_copy(i)
-        # the user's own memory is scaled by the transport as it writes the
-        # result; a packed bucket, as it is copied out
         scaled = root is None and not owned
         if root is None and flight is not None:
             transport.all_reduce(buf, op, wait, owned=owned, scale=scale if scaled else None,
@@ -213,8 +217,27 @@ def reduce_step(items, *, root, op, scale, receives, wait, flight):
             transport.reduce(buf, root, op, wait, owned=owned)
         if flight is not None:
             flight.nbytes += buf.nbytes
-        if receives and i is not None and not (scaled and prepared.zero_copy(i)):
-            after(partial(prepared.unpack, items, i, None if scaled else scale))
-        elif receives and scale is not None and not scaled:
+        if receives and not owned and not scaled and scale is not None:
             buf *= scale
+        return owned
+
+    def step(transport, buf, i, prepared):
+        if i is not None and root is None and transport.reduces_parts(buf):
+            transport.all_reduce_parts(prepared.arrays(items, i, buf), buf, op, scale, wait)
+            return
+        if i is not None:
+            prepared.pack(items, i)
+        if exchange(transport, buf, i, prepared) and receives:
+            after(partial(prepared.unpack, items, i, scale))
+
+    def together(transport, units, prepared):
+        packed = tuple(i for _, i, _ in units if i is not None and not prepared.zero_copy(i))
+        if packed:
+            prepared.copy_many(items, packed, "pack")
+        for where, i, buf in units:
+            exchange(transport, items[where[1]].reshape(-1) if i is None else buf, i, prepared)
+        if packed and receives:
+            prepared.copy_many(items, packed, "unpack", scale)
+
+    step.together = together
     return step

@@ -24,7 +24,10 @@ def fused(session, *, items, kind, key, prepared, writeable, step, strategy=None
     compression ``strategy``, a bucket or array it applies to goes to it
     instead, as a :class:`~commlib.compression.base.Bucket` of ``op``,
     ``scale`` and the collective's ``wait``: all of them at once to its
-    ``reduce_all`` first (:func:`reduce_all`), else one by one (:func:`unit`);
+    ``reduce_all`` first (:func:`reduce_all`), else one by one (:func:`unit`).
+    The units of a cupy list that no strategy takes go to the step's
+    ``together(transport, units, prepared)`` at once where it has one (see
+    :func:`commlib.collective.collectives.reduce_step`);
     ``state`` (a :class:`~commlib.collective.reduce_state.ReduceState` or None)
     holds the list's plan and compression state instead of the
     communicator's own tables."""
@@ -50,7 +53,15 @@ def fused(session, *, items, kind, key, prepared, writeable, step, strategy=None
         if grouped is not None:
             completions += grouped
             units = split.rest
-    for where, index, buf in units_of(prepared) if units is None else units:
+    if units is None:
+        units = units_of(prepared)
+        together = strategy is None
+    else:                           # the strategy took its units: the rest are the step's
+        together = True
+    if together and prepared.kind == "cupy" and getattr(step, "together", None) is not None:
+        issue_together(transport, items, units, prepared, step)
+        units = ()
+    for where, index, buf in units:
         if index is None:           # an array reduced in place: its flat view
             buf = items[where[1]].reshape(-1)
         completions.append(unit(transport, items, prepared, where=where, index=index, buf=buf,
@@ -62,6 +73,22 @@ def fused(session, *, items, kind, key, prepared, writeable, step, strategy=None
         values = to_host([getattr(complete, "reads", ()) for complete, _ in pending])
         for (complete, label), got in zip(pending, values):
             completion(complete, got, rank=transport.rank, label=label, name=strategy.name)
+
+
+def issue_together(transport, items, units, prepared, step):
+    """The ``units`` of a cupy list handed to ``step.together`` at once;
+    while tracing, recorded as one ``bucket`` event of all their bytes."""
+    start = trace.now() if trace.ON else 0.0
+    step.together(transport, units, prepared)
+    if start and units:
+        trace.bucket(transport.rank, start, label_of(units[0][1], units[0][0]),
+                     sum(_nbytes(items, u) for u in units), None)
+
+
+def _nbytes(items, unit):
+    """The bytes of a unit ``(where, index, buffer or None)``."""
+    where, _, buf = unit
+    return buf.nbytes if buf is not None else items[where[1]].nbytes
 
 
 def units_of(prepared):

@@ -221,7 +221,11 @@ def bind(direction, arrays, bucket, scale=None):
     arguments are worked out once, here, so a call is the launches alone.
     The arrays and the bucket must stay as they are (the same memory) for
     as long as the callable is used: the owner of both keeps it (see
-    :class:`commlib.collective.bucketing.PreparedList`)."""
+    :class:`commlib.collective.bucketing.PreparedList`). Its attribute
+    ``launches_only`` says whether a call issues kernel launches alone (so
+    may be captured into a CUDA graph, see :mod:`commlib.ops.graphs`): not
+    so for the copies numpy's casting rules govern (float64, integers with
+    a scale), which run as cupy operations."""
     arrays = list(arrays)
     if direction == "pack":
         p = _prepare("pack", arrays, bucket, scale, False, False, "out")
@@ -229,9 +233,10 @@ def bind(direction, arrays, bucket, scale=None):
     else:
         p = _prepare("unpack", arrays, bucket, scale, False, False, "buf")
         generic = functools.partial(unpack_cuda, bucket, arrays, scale)
-    if p.mode == "generic":
-        return generic
-    return functools.partial(_run, p.device, _calls(p, bucket, scale, None, None))
+    copy = generic if p.mode == "generic" else functools.partial(
+        _run, p.device, _calls(p, bucket, scale, None, None))
+    copy.launches_only = p.mode != "generic"
+    return copy
 
 
 def pack_cuda(arrays, out, scale=None, nonfinite=None, unless=None):

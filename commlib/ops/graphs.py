@@ -32,6 +32,7 @@ stream, and the workspaces it uses are those of that stream (see
 itself capturing (a training step captured whole), the launches are issued
 directly, into the caller's graph.
 """
+import threading
 import warnings
 
 from . import _launch
@@ -43,7 +44,7 @@ MAX_GRAPHS = 8
 #: runs of a key before it is captured (the first makes the workspaces)
 CAPTURE_AFTER = 1
 
-_side_streams = {}   # (device, stream ptr) -> the private stream captures are made on
+_side_streams = {}   # (device, stream ptr, thread) -> the private stream captures are made on
 _warned = []         # the first failed capture's error, once warned
 
 
@@ -125,11 +126,13 @@ def _capture(stream, issue, entry):
     """``issue()`` captured into a graph (None, and ``entry.failed`` set,
     when the capture fails)."""
     import cupy
-    device = cupy.cuda.runtime.getDevice()
-    # the caller's stream is held with it, so that its handle is not reused
-    held = _side_streams.get((device, stream.ptr))
+    # one per thread: threads issuing on one stream (ranks of the threads
+    # transport) capture at the same time; the caller's stream is held with
+    # it, so that its handle is not reused
+    where = (cupy.cuda.runtime.getDevice(), stream.ptr, threading.get_ident())
+    held = _side_streams.get(where)
     if held is None:
-        held = _side_streams[device, stream.ptr] = (stream, cupy.cuda.Stream(non_blocking=True))
+        held = _side_streams[where] = (stream, cupy.cuda.Stream(non_blocking=True))
     side = held[1]
     graph = None
     try:

@@ -139,7 +139,8 @@ def bound(direction, arrays, buf, scale=None):
     or ``unpack(buf, arrays, scale)`` (``"unpack"``) as a callable of no
     arguments that repeats it, checked and planned once (the launches
     alone at each call). ``arrays`` and ``buf`` must keep their memory
-    while it is used."""
+    while it is used. Its ``launches_only`` attribute says whether a call
+    is kernel launches alone, which a CUDA graph may capture."""
     if not is_cupy(buf):
         raise ArrayTypeError("buf: expected a cupy array, got %s" % type(buf).__name__)
     from ._pack_cuda import bind

@@ -77,6 +77,28 @@ def test_fusion_cache_remembers_a_repeated_list_and_forgets_dead_arrays():
     assert len(cache._entries) == 0
 
 
+def test_fusion_cache_keeps_lists_used_in_turn():
+    # two lists passed alternately (two models' gradients, say) are each
+    # kept from their second call; a third list seen once is not
+    cache = bucketing.FusionCache(max_entries=2)
+    lists = [[np.ones(4, np.float32)], [np.ones(3, np.float32), np.ones(2, np.float32)]]
+    made = {}
+    for turn in range(3):
+        for i, arrays in enumerate(lists):
+            key, hit = cache.lookup(arrays)
+            assert (hit is not None) == (turn >= 2), (turn, i)
+            if hit is None:
+                made[i] = cache.prepare(key, arrays, bucketing.plan_for(arrays, 1 << 20),
+                                        "numpy", True)
+            else:
+                assert hit is made[i]
+    once = [np.ones(5, np.float32)]
+    key, hit = cache.lookup(once)
+    cache.prepare(key, once, bucketing.plan_for(once, 1 << 20), "numpy", True)
+    assert hit is None and cache.lookup(once)[1] is None
+    assert cache.lookup(lists[0])[1] is made[0] and cache.lookup(lists[1])[1] is made[1]
+
+
 def test_flat_arrays_are_fused_without_a_copy():
     arrays = bucketing.flat_arrays([(3, 4), (5,), (2, 2)], dtype="float32")
     base = arrays[0].base

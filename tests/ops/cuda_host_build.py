@@ -225,6 +225,10 @@ class HostKernels:
         lib.coop_spins.restype = ctypes.c_longlong
         self.spins = 0  # __nanosleep calls (spins on another block's flag) of all launches
         self.names = frozenset(lib.coop_kernels().decode().split())
+        # the host build runs one launch at a time (its blocks, errors and
+        # counts are the library's globals): threads (ranks of the threads
+        # transport) take turns
+        self._one_at_a_time = threading.Lock()
 
     def signature(self, name):
         sig = self.lib.coop_signature(name.encode())
@@ -276,14 +280,14 @@ class HostKernels:
               for s, n in zip(spans, names)])
         cfg = _Config(schedule.order, min(schedule.resident, 1 << 20), schedule.policy,
                       schedule.p_yield, schedule.seed, spin_limit, op_limit)
-        rc = self.lib.coop_launch(name.encode(), grid, block, slots, len(sig), table, len(spans),
-                                  ctypes.byref(cfg))
-        self.spins += self.lib.coop_spins()
+        with self._one_at_a_time:
+            rc = self.lib.coop_launch(name.encode(), grid, block, slots, len(sig), table,
+                                      len(spans), ctypes.byref(cfg))
+            self.spins += self.lib.coop_spins()
+            errors = self.lib.coop_errors().decode(errors="replace") if rc != 0 else ""
         if rc != 0:
             raise KernelFault("%s [%s schedule, grid %d x %d]: %s"
-                              % (name, schedule.name, grid, block,
-                                 self._explain(self.lib.coop_errors().decode(errors="replace"))
-                                 or rc))
+                              % (name, schedule.name, grid, block, self._explain(errors) or rc))
 
     def _explain(self, text):
         """Messages with source paths relative to kernels/ and shared-memory
@@ -348,7 +352,8 @@ class HostCupy:
     that read.
 
     Streams other than the null one capture (``begin_capture`` /
-    ``end_capture``, as cupy's): while one captures, kernel launches and
+    ``end_capture``, as cupy's): while one captures (per thread, as in
+    cupy's relaxed capture mode), kernel launches and
     memsets issued on it are recorded, not run, and any other device work
     (an allocation, an operation run by numpy, a copy, a host read, a
     synchronisation) raises RuntimeError: it has no node to become here
@@ -367,8 +372,19 @@ class HostCupy:
         self.after_launch = None  # called as after_launch(name, args) after each launch
         self.graph_launches = 0
         self.replayed = 0         # of the launches logged, those run by graph launches
-        self.capture = None       # (stream, recorded nodes) while a stream captures
+        # (stream, recorded nodes) while a stream of the thread captures
+        self._thread = threading.local()
         self.module = self._make_module()
+
+    @property
+    def capture(self):
+        """The capture of the calling thread: cupy captures in relaxed
+        mode, so another thread's work goes on while one captures."""
+        return getattr(self._thread, "capture", None)
+
+    @capture.setter
+    def capture(self, value):
+        self._thread.capture = value
 
     def forbid_in_capture(self, what):
         """Raise when a stream captures: ``what`` has no graph node here."""

@@ -331,3 +331,100 @@ def test_a_warned_nan_in_buckets_issued_together_warns_and_writes_as_numpy(gpu, 
     finally:
         for c in comms:
             c.close()
+
+
+# dense calls of a cupy list (no compression): float32 arrays in two buckets
+# and two in place, float64 ones in a bucket (scaled by a cupy operation,
+# not a kernel, when averaging: copied outside the graphs), int32 ones
+# where the op allows them
+def _dense_list(xp, rank, call, op):
+    rng = np.random.default_rng(1000 * call + rank)
+    made = [rng.integers(-50, 50, n).astype(np.float32) for n in TOGETHER["sizes"]]
+    made += [rng.integers(-50, 50, n).astype(np.float64) for n in (3, 10)]
+    if op != "avg":
+        made += [rng.integers(-50, 50, n).astype(np.int32) for n in (4, 7)]
+    return [xp.asarray(a) for a in made]
+
+
+def _dense_expected(size, call, op, root, rank):
+    """The result rank ``rank`` must hold, from every rank's inputs."""
+    inputs = [_dense_list(np, r, call, op) for r in range(size)]
+    if root is not None and rank != root:
+        return inputs[rank]
+    reduce = {"sum": np.sum, "avg": np.sum, "max": np.max}[op]
+    out = [reduce(np.stack(parts), axis=0).astype(parts[0].dtype) for parts in zip(*inputs)]
+    if op == "avg":
+        out = [(o * o.dtype.type(1.0 / size)).astype(o.dtype) for o in out]
+    return out
+
+
+@pytest.mark.parametrize("size", [1, 2, 3, 4])
+@pytest.mark.parametrize("op,root", [("sum", None), ("avg", None), ("max", None),
+                                     ("avg", "last"), ("sum", 0)], ids=str)
+def test_dense_buckets_issued_together_give_the_reduced_values(gpu, size, op, root):
+    # every bucket packed by one launch sequence and unpacked by another,
+    # replayed as graphs from the second call; each rank's results are the
+    # reduction of every rank's inputs, and the numpy path's bits
+    from inprocess import run_ranks
+    root = size - 1 if root == "last" else root
+    calls = 4
+    before = gpu.graph_launches
+
+    def body(comm):
+        # the same arrays at every call, as a training loop's gradients
+        dev, host = _dense_list(gpu.module, comm.rank, 0, op), _dense_list(np, comm.rank, 0, op)
+        for call in range(calls):
+            for d, h, new in zip(dev, host, _dense_list(np, comm.rank, call, op)):
+                h[...] = new
+                d.set(new)
+            for arrays in (dev, host):
+                if root is None:
+                    comm.all_reduce(arrays, op=op)
+                else:
+                    comm.reduce(arrays, root=root, op=op)
+            for d, h, e in zip(dev, host, _dense_expected(comm.size, call, op, root,
+                                                          comm.rank)):
+                got = d.view(np.ndarray)
+                assert got.dtype == h.dtype and np.array_equal(got, h), (call, d.size)
+                if op == "avg":
+                    np.testing.assert_allclose(h, e, rtol=1e-6)
+                else:
+                    assert np.array_equal(h, e), (call, h.size)
+        return comm.rank, comm.size
+    reports = run_ranks(size, body, bucket_bytes=TOGETHER["bucket_bytes"])
+    assert reports == [(r, size) for r in range(size)]
+    # packs and, where a rank receives, unpacks: each rank's calls after the first
+    receiving = size if root is None else 1
+    assert gpu.graph_launches - before >= (calls - 2) * (size + receiving)
+
+
+def test_a_steady_dense_call_is_two_graphs_and_a_collective_per_unit(gpu):
+    xp = gpu.module
+    arrays = [xp.ones(n, np.float32) for n in TOGETHER["sizes"]]
+    with commlib.Communicator.single(device=0, bucket_bytes=TOGETHER["bucket_bytes"]) as comm:
+        for _ in range(3):
+            comm.all_reduce(arrays, op="avg")
+        before, launches, replayed = gpu.graph_launches, len(gpu.launches), gpu.replayed
+        comm.all_reduce(arrays, op="avg")
+        # the two buckets' packs in one graph, their unpacks in another; no
+        # kernel launched one by one (the two in-place arrays are scaled by
+        # the transport: cupy operations)
+        assert gpu.graph_launches - before == 2
+        assert len(gpu.launches) - launches == gpu.replayed - replayed > 0
+        assert all(np.array_equal(a.view(np.ndarray), np.ones(a.size, np.float32))
+                   for a in arrays)
+
+
+def test_dense_units_issued_together_are_one_bucket_event_while_tracing(gpu, monkeypatch):
+    import types
+    from commlib.collective import fusion
+    events = []
+    monkeypatch.setattr(fusion, "trace", types.SimpleNamespace(
+        ON=True, now=lambda: 1.0, bucket=lambda *a, **k: events.append((a, k))))
+    xp = gpu.module
+    arrays = [xp.ones(n, np.float32) for n in TOGETHER["sizes"]]
+    with commlib.Communicator.single(device=0, bucket_bytes=TOGETHER["bucket_bytes"]) as comm:
+        comm.all_reduce(arrays, op="sum")
+    # rank 0, the first unit's label (bucket 0), every unit's bytes, no strategy
+    assert [(a[0], a[2], a[3], a[4]) for a, _ in events] == \
+        [(0, 0, 4 * sum(TOGETHER["sizes"]), None)], events
