@@ -54,13 +54,22 @@ def collectives_on_cupy(comm, rng):
     h = make(rng, "float32", (comm.rank * 3 + 1,))
     values, counts = comm.all_gatherv(cupy.asarray(h))
     assert_equal(to_host(values), np.concatenate(gathered(h)), "cupy all_gatherv")
-    # a repeated list (fusion cache) stays right
-    dev = [cupy.full(100, comm.rank + 1.0, dtype=cupy.float32) for _ in range(50)]
-    for step in range(3):
-        for d in dev:
-            d.fill(comm.rank + 1.0)
-        comm.all_reduce(dev)
-        assert all(float(d[0]) == n * (n + 1) / 2 for d in dev)
+    # a repeated list (fusion cache from the second call; its buckets'
+    # packs and unpacks replayed as CUDA graphs from the third) stays right:
+    # float32 buckets and arrays reduced in place, float64 ones averaged
+    # (copied by cupy operations, outside the graphs)
+    sizes = [(100, "float32")] * 50 + [(7, "float32"), (300001, "float32"), (1, "float32"),
+                                       (33, "float64"), (9, "float64")]
+    dev = [cupy.zeros(m, dtype=dt) for m, dt in sizes]
+    for step in range(6):
+        host = [make(rng, dt, (m,)) for m, dt in sizes]
+        ins = [gathered(h) for h in host]
+        for d, h in zip(dev, host):
+            d.set(h)
+        assert comm.all_reduce(dev, op="avg") is dev
+        for d, i in zip(dev, ins):
+            assert_equal(to_host(d), expected_reduce(i, "avg", n),
+                         "cupy repeated list avg, call %d" % step)
     comm.barrier(timeout=30)
 
 
