@@ -29,6 +29,7 @@ import numpy as np
 from . import dtypes
 from .identity_cache import IdentityCache
 from ..ops import graphs, native, hostcopy
+from ..ops import cast as _cast
 from ..ops import pack as _pack
 from ..ops.arrays import address, array_module
 
@@ -175,6 +176,7 @@ class PreparedList:
         # per (direction, bucket indices, scale), and their CUDA graphs
         self._many = {}
         self._graphs = {}
+        self._counter = None     # the in-place scalings' count of NaN and inf, unread
         #: the communicator's compression state for this plan's layout
         self.workspaces = None
         #: per compression strategy's name, which units it compresses (see
@@ -242,19 +244,31 @@ class PreparedList:
                                                   self._buffers[i], scale)
         return copy
 
-    def copy_many(self, items, indices, direction, scale=None):
+    def float32_in_place(self, items, units):
+        """Of ``units`` (``(where, index, buffer or None)``, see
+        :func:`commlib.collective.fusion.units_of`), the ``where`` of
+        each float32 one whose memory is the user's own (a zero-copy
+        bucket, an array reduced in place), as a tuple."""
+        return tuple(where for where, i, buf in units
+                     if (i is None and items[where[1]].dtype == np.float32)
+                     or (i is not None and self._zero_copy[i] and buf.dtype == np.float32))
+
+    def copy_many(self, items, indices, direction, scale=None, in_place=()):
         """cupy: pack (``direction="pack"``) the buckets ``indices`` (a
         tuple of buckets with buffers of their own, see :meth:`zero_copy`)
-        of ``items``, or unpack them times ``scale`` (``"unpack"``), as one
-        launch sequence, replayed as a CUDA graph once it repeats
-        (:mod:`commlib.ops.graphs`; the arrays and buffers are this list's
-        own, so the key is the arguments). Copies that are not kernel
-        launches alone (numpy's casting rules) are issued directly."""
-        key = (direction, indices, scale)
+        of ``items``, or unpack them times ``scale`` (``"unpack"``) and
+        scale the float32 units ``in_place`` (:meth:`float32_in_place`)
+        where they lie, as one launch sequence, replayed as a CUDA graph
+        once it repeats (:mod:`commlib.ops.graphs`; the arrays and buffers
+        are this list's own, so the key is the arguments). Copies that are
+        not kernel launches alone (numpy's casting rules) are issued
+        directly."""
+        key = (direction, indices, scale, in_place)
         many = self._many.get(key)
         if many is None:
             copies = [self._copy(items, i, direction, scale) for i in indices]
-            captured = tuple(c for c in copies if c.launches_only)
+            captured = tuple(c for c in copies if c.launches_only) + tuple(
+                self._scaling(items, where, scale) for where in in_place)
             direct = tuple(c for c in copies if not c.launches_only)
 
             def issue():
@@ -266,6 +280,20 @@ class PreparedList:
             graphs.replay(self._graphs, key, issue)
         for copy in direct:
             copy()
+
+    def _scaling(self, items, where, scale):
+        """cupy: a callable multiplying the float32 unit ``where`` (a
+        zero-copy bucket's index or ``("direct", position)``) by ``scale``
+        where it lies, one launch of the cast kernel (the rounding of a
+        transport's ``scale``: float32 times float32), counting into a kept
+        counter nobody reads, so that it allocates nothing."""
+        flat = (items[where[1]].reshape(-1) if isinstance(where, tuple)
+                else self._buffers[where])
+        if self._counter is None:
+            with flat.device:
+                self._counter = array_module(flat).zeros((), np.int64)
+        return functools.partial(_cast.cast, flat, np.float32, scale=scale, out=flat,
+                                 nonfinite=self._counter)
 
     def arrays(self, items, i, buf):
         """The arrays of bucket ``i`` of ``items`` (a list slice or tuple; the

@@ -201,18 +201,19 @@ def reduce_step(items, *, root, op, scale, receives, wait, flight):
     that of the step one by one."""
     after = now if flight is None else flight.then
 
-    def exchange(transport, buf, i, prepared):
+    def exchange(transport, buf, i, prepared, scaled_later=False):
         """Unit ``i``'s collective, its bucket packed; the user's own
         memory scaled (by the transport as it writes an all-reduce's
-        result). Returns whether the unit is a bucket of commlib's own
-        buffer, which the caller unpacks times ``scale``."""
+        result, unless the caller scales it later). Returns whether the
+        unit is a bucket of commlib's own buffer, which the caller unpacks
+        times ``scale``."""
         owned = i is not None and not prepared.zero_copy(i)
         scaled = root is None and not owned
+        by_transport = scale if scaled and not scaled_later else None
         if root is None and flight is not None:
-            transport.all_reduce(buf, op, wait, owned=owned, scale=scale if scaled else None,
-                                 defer=flight)
+            transport.all_reduce(buf, op, wait, owned=owned, scale=by_transport, defer=flight)
         elif root is None:
-            transport.all_reduce(buf, op, wait, owned=owned, scale=scale if scaled else None)
+            transport.all_reduce(buf, op, wait, owned=owned, scale=by_transport)
         else:
             transport.reduce(buf, root, op, wait, owned=owned)
         if flight is not None:
@@ -232,12 +233,17 @@ def reduce_step(items, *, root, op, scale, receives, wait, flight):
 
     def together(transport, units, prepared):
         packed = tuple(i for _, i, _ in units if i is not None and not prepared.zero_copy(i))
+        # an all-reduce's scale of the user's own float32 memory is a kernel
+        # after the unpacks, in their graph, not a cupy operation per unit
+        later = () if root is not None or scale is None else prepared.float32_in_place(items,
+                                                                                       units)
         if packed:
             prepared.copy_many(items, packed, "pack")
         for where, i, buf in units:
-            exchange(transport, items[where[1]].reshape(-1) if i is None else buf, i, prepared)
-        if packed and receives:
-            prepared.copy_many(items, packed, "unpack", scale)
+            exchange(transport, items[where[1]].reshape(-1) if i is None else buf, i, prepared,
+                     scaled_later=where in later)
+        if (packed or later) and receives:
+            prepared.copy_many(items, packed, "unpack", scale, in_place=later)
 
     step.together = together
     return step

@@ -398,19 +398,24 @@ def test_dense_buckets_issued_together_give_the_reduced_values(gpu, size, op, ro
     assert gpu.graph_launches - before >= (calls - 2) * (size + receiving)
 
 
-def test_a_steady_dense_call_is_two_graphs_and_a_collective_per_unit(gpu):
+def test_a_steady_dense_call_is_two_graphs_and_a_collective_per_unit(gpu, monkeypatch):
     xp = gpu.module
     arrays = [xp.ones(n, np.float32) for n in TOGETHER["sizes"]]
     with commlib.Communicator.single(device=0, bucket_bytes=TOGETHER["bucket_bytes"]) as comm:
         for _ in range(3):
             comm.all_reduce(arrays, op="avg")
         before, launches, replayed = gpu.graph_launches, len(gpu.launches), gpu.replayed
+        operations = []
+        ufunc = xp.ndarray.__array_ufunc__
+        monkeypatch.setattr(xp.ndarray, "__array_ufunc__",
+                            lambda self, *a, **k: operations.append(a[0]) or ufunc(self, *a, **k))
         comm.all_reduce(arrays, op="avg")
-        # the two buckets' packs in one graph, their unpacks in another; no
-        # kernel launched one by one (the two in-place arrays are scaled by
-        # the transport: cupy operations)
+        # the two buckets' packs in one graph; their unpacks and the two
+        # in-place arrays' scaling in another; no kernel launched one by
+        # one, no cupy operation
         assert gpu.graph_launches - before == 2
         assert len(gpu.launches) - launches == gpu.replayed - replayed > 0
+        assert operations == [], operations
         assert all(np.array_equal(a.view(np.ndarray), np.ones(a.size, np.float32))
                    for a in arrays)
 
