@@ -173,7 +173,8 @@ class PreparedList:
         # objects whenever this PreparedList is used
         self._bound = {}
         # cupy: the copies of several buckets issued together (copy_many),
-        # per (direction, bucket indices, scale), and their CUDA graphs
+        # per (direction, bucket indices, scale, units scaled in place), and
+        # their CUDA graphs
         self._many = {}
         self._graphs = {}
         self._counter = None     # the in-place scalings' count of NaN and inf, unread
