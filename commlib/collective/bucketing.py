@@ -245,14 +245,30 @@ class PreparedList:
                                                   self._buffers[i], scale)
         return copy
 
-    def float32_in_place(self, items, units):
+    def flat(self, items, where):
+        """The 1-D buffer of unit ``where`` (see
+        :func:`commlib.collective.fusion.units_of`): bucket ``where``'s
+        buffer, or the flat view of the array ``("direct", position)`` of
+        ``items`` reduced in place."""
+        return items[where[1]].reshape(-1) if isinstance(where, tuple) else self._buffers[where]
+
+    def sized(self, where, buf):
+        """``(dtype, bytes)`` of unit ``where``: those of its bucket's
+        buffer ``buf``, or of the array's ``(dtype, size)`` entry in the
+        plan's layout (``buf`` None)."""
+        if buf is not None:
+            return buf.dtype, buf.nbytes
+        dtype, size = self.plan.key[0][where[1]]
+        return dtype, dtype.itemsize * size
+
+    def float32_in_place(self, units):
         """Of ``units`` (``(where, index, buffer or None)``, see
         :func:`commlib.collective.fusion.units_of`), the ``where`` of
         each float32 one whose memory is the user's own (a zero-copy
         bucket, an array reduced in place), as a tuple."""
         return tuple(where for where, i, buf in units
-                     if (i is None and items[where[1]].dtype == np.float32)
-                     or (i is not None and self._zero_copy[i] and buf.dtype == np.float32))
+                     if (i is None or self._zero_copy[i])
+                     and self.sized(where, buf)[0] == np.float32)
 
     def copy_many(self, items, indices, direction, scale=None, in_place=()):
         """cupy: pack (``direction="pack"``) the buckets ``indices`` (a
@@ -288,8 +304,7 @@ class PreparedList:
         where it lies, one launch of the cast kernel (the rounding of a
         transport's ``scale``: float32 times float32), counting into a kept
         counter nobody reads, so that it allocates nothing."""
-        flat = (items[where[1]].reshape(-1) if isinstance(where, tuple)
-                else self._buffers[where])
+        flat = self.flat(items, where)
         if self._counter is None:
             with flat.device:
                 self._counter = array_module(flat).zeros((), np.int64)

@@ -235,12 +235,11 @@ def reduce_step(items, *, root, op, scale, receives, wait, flight):
         packed = tuple(i for _, i, _ in units if i is not None and not prepared.zero_copy(i))
         # an all-reduce's scale of the user's own float32 memory is a kernel
         # after the unpacks, in their graph, not a cupy operation per unit
-        later = () if root is not None or scale is None else prepared.float32_in_place(items,
-                                                                                       units)
+        later = () if root is not None or scale is None else prepared.float32_in_place(units)
         if packed:
             prepared.copy_many(items, packed, "pack")
         for where, i, buf in units:
-            exchange(transport, items[where[1]].reshape(-1) if i is None else buf, i, prepared,
+            exchange(transport, prepared.flat(items, where) if i is None else buf, i, prepared,
                      scaled_later=where in later)
         if (packed or later) and receives:
             prepared.copy_many(items, packed, "unpack", scale, in_place=later)

@@ -63,7 +63,7 @@ def fused(session, *, items, kind, key, prepared, writeable, step, strategy=None
         units = ()
     for where, index, buf in units:
         if index is None:           # an array reduced in place: its flat view
-            buf = items[where[1]].reshape(-1)
+            buf = prepared.flat(items, where)
         completions.append(unit(transport, items, prepared, where=where, index=index, buf=buf,
                                 step=step, strategy=strategy, op=op, scale=scale, wait=wait,
                                 tables=tables))
@@ -82,13 +82,7 @@ def issue_together(transport, items, units, prepared, step):
     step.together(transport, units, prepared)
     if start and units:
         trace.bucket(transport.rank, start, label_of(units[0][1], units[0][0]),
-                     sum(_nbytes(items, u) for u in units), None)
-
-
-def _nbytes(items, unit):
-    """The bytes of a unit ``(where, index, buffer or None)``."""
-    where, _, buf = unit
-    return buf.nbytes if buf is not None else items[where[1]].nbytes
+                     sum(prepared.sized(where, buf)[1] for where, _, buf in units), None)
 
 
 def units_of(prepared):
@@ -121,12 +115,7 @@ def split_units(prepared, strategy, tables):
     if split is None:
         split = prepared.by_strategy[strategy.name] = Split()
         units = units_of(prepared)
-        # (dtype, bytes) of each unit: its bucket's buffer's, or those of
-        # the array's (dtype, size) entry in the plan's layout
-        layout = prepared.plan.key[0]
-        sized = [(buf.dtype, buf.nbytes) if buf is not None else
-                 (layout[where[1]][0], layout[where[1]][0].itemsize * layout[where[1]][1])
-                 for where, _, buf in units]
+        sized = [prepared.sized(where, buf) for where, _, buf in units]
         applies = [strategy.applies_to(dt) for dt, _ in sized]
         split.compressed = [(where, index, buf, workspace(prepared, strategy, where, tables))
                             for (where, index, buf), yes in zip(units, applies) if yes]
