@@ -32,7 +32,7 @@ class CollectiveCalls:
         self._session = session
 
     def all_reduce(self, arrays, op="sum", division=False, compression=None, async_op=False,
-                   state=None):
+                   state=None, agree=None):
         """Reduce ``arrays`` over all ranks, in place.
 
         Args:
@@ -50,6 +50,13 @@ class CollectiveCalls:
                 this list's fusion plan and compression state instead of the
                 communicator's per-layout tables; every rank passes one of
                 the same name.
+            agree: None, or a tuple of values every rank must pass alike
+                (e.g. a training step's hyperparameters: ``(("lr", 0.1),)``):
+                the consistency check compares them with the call's other
+                parameters, at no cost on the wire, and names the ranks and
+                values when they differ (not compared with ``check=False``).
+                Plain values only: str, int, float, bool, None and tuples
+                of them.
 
         Returns:
             ``arrays`` (a Work with ``async_op=True``).
@@ -63,7 +70,7 @@ class CollectiveCalls:
                 every rank alike (the communicator stays usable).
         """
         run = partial(collectives.reduce, name="all_reduce", arrays=arrays, root=None, op=op,
-                      division=division, compression=compression, state=state)
+                      division=division, compression=compression, state=state, agree=agree)
         return issuing.issue(self._session, "all_reduce", run, async_op=async_op, arrays=arrays)
 
     def broadcast(self, arrays, root=0):

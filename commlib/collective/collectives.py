@@ -44,7 +44,8 @@ def broadcast(session, arrays, root):
     return arrays
 
 
-def reduce(session, name, arrays, root, op, division, compression=None, state=None):
+def reduce(session, name, arrays, root, op, division, compression=None, state=None,
+           agree=None):
     """all_reduce (``root=None``: every rank receives) or reduce to ``root``;
     ``state``: see :func:`commlib.collective.fusion.fused` (its name is compared between
     ranks like the call's parameters)."""
@@ -58,6 +59,7 @@ def reduce(session, name, arrays, root, op, division, compression=None, state=No
         if state is not None and not isinstance(state, ReduceState):
             raise ArgumentError("rank %d: %s: state must be a commlib.ReduceState or "
                                 "None, got %s" % (session.rank, name, type(state).__name__))
+        validation.check_agree(agree, session.rank, name)
         items = validation.as_list(arrays, rank=session.rank, writeable=receives)[0]
         key, prepared = cache.lookup(items)
         if root is not None:
@@ -70,9 +72,9 @@ def reduce(session, name, arrays, root, op, division, compression=None, state=No
 
     reduce_op = "sum" if op == "avg" else op
     params = (name, reduce_op, averaging, root,
-              None if compression is None else getattr(compression, "name", compression))
-    if isinstance(state, ReduceState):
-        params += (state.name,)
+              None if compression is None else getattr(compression, "name", compression),
+              agree if validation.plain(agree) else "<invalid>",
+              state.name if isinstance(state, ReduceState) else None)
     # a compressed exchange depends on the kind (cupy buckets may be issued
     # together, see Compression.reduce_all): compared between ranks
     kind, wait = session.begin(name, params, checks, lambda: (items, prepared),

@@ -20,8 +20,8 @@ COLLECTIVES = ("all_reduce", "broadcast", "reduce", "all_gather", "all_gatherv",
                "reduce_scatter", "barrier")
 CODES = {name: code for code, name in enumerate(COLLECTIVES)}
 #: names of the parameters in each collective's parameter tuple (after its name)
-PARAMETERS = {"all_reduce": ("op", "average", "root", "compression"),
-              "reduce": ("op", "average", "root", "compression"),
+PARAMETERS = {"all_reduce": ("op", "average", "root", "compression", "agree", "state"),
+              "reduce": ("op", "average", "root", "compression", "agree", "state"),
               "broadcast": ("root",), "all_gather": (), "all_gatherv": ("dtype",),
               "reduce_scatter": ("op",), "barrier": ("timeout",)}
 _CACHE_LIMIT = 1024

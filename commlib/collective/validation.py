@@ -150,3 +150,18 @@ def check_root(root, size, rank):
     if not 0 <= root < size:
         raise ArgumentError("rank %d: root=%d is out of range for a communicator of size %d "
                             "(expected 0 <= root < %d)" % (rank, root, size, size))
+
+
+def plain(value):
+    """Whether ``value`` is a plain value: None, bool, int, float, str, or a
+    tuple of plain values (what a call's fingerprint may hold)."""
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return True
+    return isinstance(value, tuple) and all(map(plain, value))
+
+
+def check_agree(agree, rank, name):
+    """``agree`` (see ``Communicator.all_reduce``): None or a tuple of plain values."""
+    if agree is not None and not (isinstance(agree, tuple) and plain(agree)):
+        raise ArgumentError("rank %d: %s: agree must be None or a tuple of str, int, float, "
+                            "bool, None and tuples of them, got %r" % (rank, name, agree))

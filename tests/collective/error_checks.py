@@ -92,6 +92,25 @@ def consistency_errors(comm):
     else:
         expect(errors.ConsistencyError, ["barrier", "all_reduce"],
                lambda: comm.all_reduce(np.ones(2)))
+    # values to agree on differ on the last rank only (rank 0 when size 1 is
+    # excluded): every rank raises, naming both values and the odd rank out
+    odd = comm.size - 1
+    lr = 0.05 if r == odd else 0.1
+    z = np.full(3, float(r))
+    keep = z.copy()
+    expect(errors.ConsistencyError, ["agree=(('group 0 lr', 0.1),)",
+                                     "agree=(('group 0 lr', 0.05),)", "ranks [%d]" % odd],
+           lambda: comm.all_reduce(z, op="avg", agree=(("group 0 lr", lr),)))
+    assert np.array_equal(z, keep), "written after a disagreement"
+    # a value that is not plain is this rank's argument error
+    if r == 0:
+        expect(errors.ArgumentError, ["agree must be None or a tuple", "rank 0"],
+               lambda: comm.all_reduce(z, agree=[1]))
+    else:
+        expect(errors.ConsistencyError, ["rank 0 rejected its arguments", "agree"],
+               lambda: comm.all_reduce(z, agree=(1,)))
+    comm.all_reduce(z, op="avg", agree=(("group 0 lr", 0.1), ("momentum", 0.9)))
+    assert np.allclose(z, sum(range(comm.size)) / comm.size)
     # agreement afterwards: results are right again
     y = np.full(4, float(r))
     comm.all_reduce(y)
