@@ -1,12 +1,12 @@
 """The :class:`Communicator`: the one object a training loop talks to.
 
-A thin facade: its factories make the parts (:mod:`commlib.startup.bootstrap`), its
-collective methods (:class:`~commlib.collective.calls.CollectiveCalls`, its
-base class) name the call and hand it to
-:mod:`commlib.progress.issuing` (inline, or queued for ``async_op=True``), which runs
-the steps of :mod:`commlib.collective.collectives` on the communicator's
-:class:`~commlib.collective.session.Session` (transports, status board, caches). Every
-collective is safe:
+Its factories make the parts (:mod:`commlib.startup.bootstrap`); each
+collective method names its call and hands it to :meth:`Communicator._issue`,
+which runs it inline (or queues it, ``async_op=True``) as one of the
+functions of :mod:`commlib.collective.collectives`, whose steps are those of
+every call: check and agree, plan, move the data, finish. A call's path to
+the transport is written down in ``docs/internals.md``. Every collective is
+safe:
 
 * **Consistency check** (on by default): before each collective the ranks
   compare fingerprints of their calls on the status board
@@ -21,44 +21,51 @@ collective is safe:
   communicator unusable and never writes into the caller's arrays after
   raising (see docs/failures.md for what they hold).
 
+Every collective may raise, besides the errors each method names:
+ArgumentError or ArrayTypeError (bad arguments, naming the rank and the
+argument; with the consistency check on, the other ranks raise
+ConsistencyError naming that rank), CollectiveTimeoutError (the watch dog's
+deadline passed, naming the ranks that had not arrived), PeerError (a peer
+left or died), TransportError (the MPI or NCCL library failed) and
+ClosedError (closed, or left unusable by an earlier failure).
+
 Integer rule: ``op="avg"`` and ``division=True`` need floating dtypes and
 raise :class:`~commlib.errors.ArrayTypeError` on integer arrays (no silent
 truncation); use ``op="sum"`` and divide yourself.
 """
+import time
+
+from . import settings, trace
+from .collective import collectives
+from .collective.session import Session
+from .errors import ArgumentError
 from .faults import board as _board
 from .startup import bootstrap
-from .collective.calls import CollectiveCalls
-from .collective.session import Session
 
 
-class Communicator(CollectiveCalls):
+class Communicator:
     """Data-parallel collectives over NCCL (cupy arrays) and/or MPI.
 
     Build one with :func:`commlib.init`, :meth:`from_mpi`,
     :meth:`from_nccl_id`, :meth:`single` or :meth:`from_transport`; the
-    constructor takes a factory's parts (see
+    constructor takes a factory's parts and the resolved options
+    (:func:`commlib.settings.options`; see
     :class:`~commlib.collective.session.Session`). Arrays are numpy or cupy
     arrays, or any framework's that speak DLPack (:mod:`commlib.interop`).
 
-    Args:
+    Options (the factories' ``**options``, the same on every rank, checked
+    when the communicator is made):
         bucket_bytes: cap of a fused bucket (default per transport, see
             :mod:`commlib.collective.bucketing`).
         check: compare every call across ranks before it runs (default
             True, or ``COMMLIB_CHECK``).
         timeout: the watch dog's deadline per collective, seconds (default
             600, or ``COMMLIB_WATCHDOG_TIMEOUT``; ``math.inf`` or
-            ``COMMLIB_WATCHDOG_ENABLE=0`` for none). Every rank passes the
-            same options; they are checked when the communicator is made.
-
-    The collectives (``all_reduce``, ``broadcast``, ``reduce``,
-    ``all_gather``, ``reduce_scatter``, ``all_gatherv``, ``barrier``) are
-    the methods of its base class,
-    :class:`~commlib.collective.calls.CollectiveCalls`, where the errors
-    every collective may raise are listed.
+            ``COMMLIB_WATCHDOG_ENABLE=0`` for none).
     """
 
-    def __init__(self, **parts_and_options):
-        super().__init__(Session(**parts_and_options))
+    def __init__(self, *, options, **parts):
+        self._session = Session(options=options, **parts)
 
     # -- construction (see commlib.startup.bootstrap) ----------------------------------
     @classmethod
@@ -86,7 +93,7 @@ class Communicator(CollectiveCalls):
                 that differ between ranks, or a rank that cannot make its
                 communicator: raised on every rank.
         """
-        return cls(**bootstrap.parts_from_mpi(mpi_comm, device, backend, options), **options)
+        return cls(**bootstrap.parts_from_mpi(mpi_comm, device, backend, options))
 
     @classmethod
     def from_nccl_id(cls, nccl_id, rank, size, device=None, *, local_rank=None,
@@ -110,7 +117,7 @@ class Communicator(CollectiveCalls):
             BackendUnavailableError: cupy, NCCL or the GPU are not usable.
         """
         return cls(**bootstrap.parts_from_nccl_id(nccl_id, rank, size, device, local_rank,
-                                                  local_size, options), **options)
+                                                  local_size, settings.options(**options)))
 
     @classmethod
     def from_transport(cls, transport, *, cupy_transport=None, local_rank=None,
@@ -134,8 +141,9 @@ class Communicator(CollectiveCalls):
             ArgumentError: a bad option, or a ``transport`` that is not a
                 Transport.
         """
-        return cls(**bootstrap.parts_from_transport(transport, cupy_transport, local_rank,
-                                                    local_size, device), **options)
+        options = settings.options(**options)
+        return cls(options=options, **bootstrap.parts_from_transport(
+            transport, cupy_transport, local_rank, local_size, device))
 
     @classmethod
     def single(cls, device=None, **options):
@@ -149,7 +157,168 @@ class Communicator(CollectiveCalls):
         Returns:
             The Communicator (rank 0 of 1).
         """
-        return cls(**bootstrap.parts_single(device), **options)
+        options = settings.options(**options)
+        return cls(options=options, **bootstrap.parts_single(device))
+
+    # -- the collectives ------------------------------------------------------------------
+    def all_reduce(self, arrays, op="sum", division=False, compression=None, async_op=False,
+                   state=None, agree=None):
+        """Reduce ``arrays`` over all ranks, in place.
+
+        Args:
+            arrays: one array or a list (numpy, cupy, or any DLPack array).
+            op: ``"sum"``, ``"avg"``, ``"max"``, ``"min"`` or ``"prod"``.
+            division: True divides the sum by ``size`` (same as ``"avg"``).
+            compression: None, ``"fp16"`` or ``"bf16"`` (float32 arrays
+                travel as float16 / bfloat16, see
+                :mod:`commlib.compression.half`) or a
+                :class:`~commlib.compression.Compression`.
+            async_op: True returns a :class:`commlib.Work` at once; the
+                arrays belong to it until its ``wait()``, which returns them
+                and raises every error, argument errors included.
+            state: a :class:`commlib.ReduceState` the caller owns, holding
+                this list's fusion plan and compression state instead of the
+                communicator's per-layout tables; every rank passes one of
+                the same name.
+            agree: None, or a tuple of values every rank must pass alike
+                (e.g. a training step's hyperparameters: ``(("lr", 0.1),)``):
+                the consistency check compares them with the call's other
+                parameters, at no cost on the wire, and names the ranks and
+                values when they differ (not compared with ``check=False``).
+                Plain values only: str, int, float, bool, None and tuples
+                of them.
+
+        Returns:
+            ``arrays`` (a Work with ``async_op=True``).
+
+        Raises:
+            ArrayTypeError: ``"avg"`` or ``division=True`` on integer arrays
+                (no silent truncation: use ``"sum"`` and divide yourself).
+            NonFiniteError: a compression's non-finite check, on every rank
+                alike (the communicator stays usable).
+            PayloadError: a rank's compressed payload was malformed, on
+                every rank alike (the communicator stays usable).
+        """
+        return self._issue("all_reduce", arrays, async_op, collectives.reduce, arrays, None,
+                           op, division, compression, state, agree)
+
+    def broadcast(self, arrays, root=0):
+        """Copy rank ``root``'s ``arrays`` into every rank's, in place.
+
+        Args:
+            arrays: one array or a list, of the same shapes on every rank.
+            root: the rank whose arrays are sent.
+
+        Returns:
+            ``arrays``.
+
+        Raises:
+            ArgumentError: ``root`` is not a rank (``0 <= root < size``).
+        """
+        return self._issue("broadcast", arrays, False, collectives.broadcast, arrays, root)
+
+    def reduce(self, arrays, root=0, op="sum", division=False):
+        """Reduce ``arrays`` into rank ``root``'s arrays, in place; other
+        ranks' arrays are left unchanged.
+
+        Args:
+            arrays: one array or a list.
+            root: the rank that receives the result.
+            op, division: as in :meth:`all_reduce`.
+
+        Returns:
+            ``arrays``.
+
+        Raises:
+            ArgumentError: ``root`` is not a rank, or ``op`` is unknown.
+            ArrayTypeError: ``"avg"`` or ``division=True`` on integer arrays.
+        """
+        return self._issue("reduce", arrays, False, collectives.reduce, arrays, root, op,
+                           division, None, None, None)
+
+    def all_gather(self, array):
+        """Every rank's ``array``, stacked.
+
+        Args:
+            array: one array, of the same shape and dtype on every rank.
+
+        Returns:
+            A new array of shape ``(size, *array.shape)``, of ``array``'s
+            kind and dtype (a framework's array comes back as its type).
+
+        Raises:
+            ConsistencyError: (consistency check on) the ranks' shapes or
+                dtypes differ.
+        """
+        return self._issue("all_gather", array, False, collectives.all_gather, array)
+
+    def reduce_scatter(self, array, op="sum"):
+        """Reduce ``array`` (flattened) over all ranks and return this
+        rank's block (block r goes to rank r).
+
+        Args:
+            array: one array whose ``size`` is a multiple of ``size``.
+            op: as in :meth:`all_reduce`.
+
+        Returns:
+            A new 1-D array of ``array.size // size`` elements.
+
+        Raises:
+            ArgumentError: ``array.size`` is not a multiple of ``size``, or
+                ``op`` is unknown.
+        """
+        return self._issue("reduce_scatter", array, False, collectives.reduce_scatter, array,
+                           op)
+
+    def all_gatherv(self, array):
+        """Every rank's 1-D ``array`` (lengths may differ), concatenated in
+        rank order.
+
+        Args:
+            array: a 1-D array, of one dtype on every rank.
+
+        Returns:
+            ``(values, counts)``: a new 1-D array and the int64 numpy array
+            of per-rank lengths.
+
+        Raises:
+            ArgumentError: ``array`` is not 1-D.
+        """
+        return self._issue("all_gatherv", array, False, collectives.all_gatherv, array)
+
+    def barrier(self, timeout=None):
+        """Block until every rank has called barrier.
+
+        Args:
+            timeout: seconds, replacing the watch dog's deadline for this
+                call (every rank passes the same), or None.
+
+        Raises:
+            ArgumentError: ``timeout`` is not a positive number or None.
+        """
+        return self._issue("barrier", None, False, collectives.barrier, timeout)
+
+    def _issue(self, name, arrays, async_op, collective, *args):
+        """Run ``collective(session, *args)``, collective ``name`` on
+        ``arrays``: inline when nothing is queued (its time counted as
+        blocked), else on the progress queue after the queued ones
+        (returning its :class:`~commlib.progress.work.Work` with
+        ``async_op``, else waiting for it)."""
+        session = self._session
+        if async_op is not True and async_op is not False:
+            raise ArgumentError("rank %d: %s: async_op must be True or False, got %r"
+                                % (session.rank, name, async_op))
+        if async_op or not session.idle():
+            work = session.submit(name, lambda: collective(session, *args), arrays, async_op)
+            return work if async_op else work.wait()
+        start = time.perf_counter()
+        try:
+            return collective(session, *args)
+        finally:
+            end = time.perf_counter()
+            session.stats.add_blocked(end - start)
+            if trace.ON:
+                trace.collective(session.rank, name, start, end, False)
 
     # -- properties --------------------------------------------------------------
     rank = property(lambda self: self._session.rank, doc="this process's rank")
@@ -179,8 +348,9 @@ class Communicator(CollectiveCalls):
     @property
     def async_threaded(self):
         """Whether asynchronous collectives run on a progress thread (None:
-        decided by the transports, see :func:`commlib.progress.issuing.threaded`);
-        settable before the first asynchronous collective."""
+        decided by the transports, see
+        :meth:`~commlib.collective.session.Session.threaded`); settable
+        before the first asynchronous collective."""
         return self._session.async_threaded
 
     @async_threaded.setter
@@ -198,7 +368,7 @@ class Communicator(CollectiveCalls):
             transport that carries arrays of ``kind``.
         """
         session = self._session
-        return session.bucket_bytes_for(session.transport(kind))
+        return session.bucket_bytes_for(session.routes[kind])
 
     def transport_for(self, kind):
         """The transport that carries arrays of ``kind``.
@@ -210,7 +380,7 @@ class Communicator(CollectiveCalls):
             Its name: ``"shm"``, ``"mpi"``, ``"nccl"``, ``"local"``,
             ``"threads"``, or a transport of one's own's.
         """
-        return self._session.transport(kind).name
+        return self._session.routes[kind].name
 
     # -- lifetime -----------------------------------------------------------------------
     def close(self):

@@ -141,3 +141,39 @@ def trace_path():
     """Where ``COMMLIB_TRACE`` asks the trace to be written (see
     :mod:`commlib.trace` for the path rule), or None: no trace."""
     return os.environ.get(TRACE, "").strip() or None
+
+
+#: a communicator's options (``Communicator.from_mpi(**options)`` and the
+#: other factories)
+OPTIONS = ("bucket_bytes", "check", "timeout")
+
+
+def options(**given):
+    """A communicator's options, checked once and resolved against the
+    environment (``COMMLIB_CHECK``, the watch-dog variables): a dict of
+    :data:`OPTIONS`.
+
+    Args:
+        bucket_bytes: a positive int, or None (each transport's default).
+        check: the consistency check, a bool, or None (``COMMLIB_CHECK``,
+            default on).
+        timeout: the watch dog's deadline, see :func:`timeout`.
+
+    Raises:
+        ArgumentError: an unknown option, ``bucket_bytes`` that is not a
+            positive int, or a timeout that is not positive seconds.
+    """
+    unknown = sorted(set(given) - set(OPTIONS))
+    if unknown:
+        raise ArgumentError("unknown communicator option%s %s; the options are %s"
+                            % ("s" if len(unknown) > 1 else "", ", ".join(unknown),
+                               ", ".join(OPTIONS)))
+    bucket_bytes, check = given.get("bucket_bytes"), given.get("check")
+    if bucket_bytes is not None and (isinstance(bucket_bytes, bool)
+                                     or not hasattr(bucket_bytes, "__index__")
+                                     or bucket_bytes < 1):
+        raise ArgumentError("bucket_bytes must be a positive int (bytes), got %r"
+                            % (bucket_bytes,))
+    return {"bucket_bytes": None if bucket_bytes is None else int(bucket_bytes),
+            "check": flag(CHECK, True) if check is None else bool(check),
+            "timeout": timeout(given.get("timeout"))}

@@ -42,8 +42,8 @@ id (a ``thread_name`` event names it: the caller's thread, e.g.
 * ``transport`` -- a call handed to a transport (``shm.all_reduce``...):
   ``transport``, ``call``, ``bytes`` (the buffer's bytes, as counted);
 * ``wait`` -- ``wait for peers``: a polling wait of
-  :func:`commlib.faults.waiting.poll` that did not find its requests done
-  at once (inside a transport call); ``Work.wait`` on the caller's thread;
+  :func:`commlib.faults.waiting.until` that did not find its answer at once
+  (inside a transport call); ``Work.wait`` on the caller's thread;
 * ``inflight`` -- an async event (``"b"``/``"e"``) from the start of an
   all-reduce left in flight to its completion on the progress thread;
 * ``user`` -- the program's own work, marked with :func:`span`.

@@ -5,6 +5,7 @@ communicator's own logic without mpiexec.
 """
 import threading
 
+from commlib import settings
 from commlib.faults import board
 from commlib.communicator import Communicator
 from commlib.transport.threads import ThreadGroup, ThreadTransport
@@ -22,7 +23,7 @@ def communicators(size, **options):
         threads = ThreadTransport(group, rank)
         comms.append(Communicator(rank=rank, size=size, local_rank=rank, local_size=size,
                                   routes={"numpy": threads, "cupy": threads}, board=status,
-                                  **options))
+                                  options=settings.options(**options)))
     return comms
 
 

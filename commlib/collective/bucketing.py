@@ -26,7 +26,7 @@ from typing import NamedTuple, Tuple
 
 import numpy as np
 
-from . import dtypes
+from . import consistency, dtypes
 from .identity_cache import IdentityCache
 from ..ops import graphs, native, hostcopy
 from ..ops import cast as _cast
@@ -146,11 +146,36 @@ def _getter(indices):
     return operator.itemgetter(*indices)
 
 
+def label_of(index, where):
+    """A unit's name in a trace: its bucket index, or ``"direct N"``."""
+    return index if index is not None else "direct %d" % where[1]
+
+
+class Split:
+    """The units of a list (see :attr:`PreparedList.units`) that a
+    compression strategy compresses (``compressed``: ``(where, index,
+    buffer or None, state)``, its state from :meth:`PreparedList.workspace`),
+    with the state of them all together (``together``), their bytes, their
+    names in a trace (``labels``, see :func:`label_of`), and the other units
+    (``rest``)."""
+
+    __slots__ = ("compressed", "together", "nbytes", "rest", "labels", "_arrays")
+
+    def buckets(self, items):
+        """``(arrays, state)`` of each compressed unit of ``items``: a
+        bucket's arrays (its buffer alone when they lie back to back in it),
+        or the array reduced in place itself (not a new flat view of it at
+        every call: a strategy's plan recognises arrays by their identity)."""
+        arrays = self._arrays
+        return [(arrays(items, index, buf) if index is not None else (items[where[1]],), state)
+                for where, index, buf, state in self.compressed]
+
+
 class PreparedList:
     """A plan bound to one list of arrays, with its own bucket buffers.
 
-    ``kind`` is ``"numpy"`` or ``"cupy"``. Buckets are iterated with
-    :meth:`buckets`; the arrays reduced in place are ``plan.direct``.
+    ``kind`` is ``"numpy"`` or ``"cupy"``. Its :attr:`units` are its
+    buckets, then the arrays reduced in place (``plan.direct``).
     """
 
     def __init__(self, arrays, plan, kind, writeable):
@@ -180,11 +205,18 @@ class PreparedList:
         self._counter = None     # the in-place scalings' count of NaN and inf, unread
         #: the communicator's compression state for this plan's layout
         self.workspaces = None
-        #: per compression strategy's name, which units it compresses (see
-        #: commlib.collective.fusion.split_units): worked out once per list
+        #: per compression strategy's name, the :class:`Split` of the units
+        #: it compresses (see :meth:`split`): worked out once per list
         self.by_strategy = {}
+        #: ``(where, index, buffer or None)`` of each unit: the buckets
+        #: (``where`` and ``index`` the bucket's index, its buffer), then
+        #: the arrays reduced in place (``where`` ``("direct", position in
+        #: the list)``, ``index`` and buffer None)
+        self.units = ([(i, i, buf) for i, buf in enumerate(self._buffers)]
+                      + [(("direct", position), None, None) for position in plan.direct])
+        self._copied = {}         # see copied()
         #: the consistency check's digest of the arrays' dtypes and shapes
-        self.digest = None
+        self.digest = consistency.layout_digest(arrays)
         # numpy: one C call per bucket copies every array (see ops/hostcopy.py)
         self._hostcopy = kind == "numpy" and hostcopy.available()
         if kind == "numpy":
@@ -247,7 +279,7 @@ class PreparedList:
 
     def flat(self, items, where):
         """The 1-D buffer of unit ``where`` (see
-        :func:`commlib.collective.fusion.units_of`): bucket ``where``'s
+        :attr:`units`): bucket ``where``'s
         buffer, or the flat view of the array ``("direct", position)`` of
         ``items`` reduced in place."""
         return items[where[1]].reshape(-1) if isinstance(where, tuple) else self._buffers[where]
@@ -263,23 +295,51 @@ class PreparedList:
 
     def float32_in_place(self, units):
         """Of ``units`` (``(where, index, buffer or None)``, see
-        :func:`commlib.collective.fusion.units_of`), the ``where`` of
+        :attr:`units`), the ``where`` of
         each float32 one whose memory is the user's own (a zero-copy
         bucket, an array reduced in place), as a tuple."""
         return tuple(where for where, i, buf in units
                      if (i is None or self._zero_copy[i])
                      and self.sized(where, buf)[0] == np.float32)
 
+    def copied(self, units, transport=None):
+        """The indices of the buckets among ``units`` (:attr:`units`, or a
+        :class:`Split`'s ``rest``) whose data go through their own buffer
+        (a tuple): every bucket not reduced where its arrays lie (see
+        :meth:`zero_copy`), but those ``transport`` (an all-reduce's; None
+        for other collectives) reduces from the arrays themselves
+        (``reduces_parts``). Worked out once per list of units and transport."""
+        key = (id(units), None if transport is None else transport.name)
+        found = self._copied.get(key)
+        if found is None:
+            found = self._copied[key] = tuple(
+                i for _, i, buf in units if i is not None and not self._zero_copy[i]
+                and not (transport is not None and transport.reduces_parts(buf)))
+        return found
+
+    def unpacking(self, items, indices, scale, in_place=()):
+        """A callable that unpacks the buckets ``indices`` of ``items``
+        times ``scale`` (and scales the cupy units ``in_place``), see
+        :meth:`copy_many`."""
+        return functools.partial(self.copy_many, items, indices, "unpack", scale, in_place)
+
     def copy_many(self, items, indices, direction, scale=None, in_place=()):
-        """cupy: pack (``direction="pack"``) the buckets ``indices`` (a
-        tuple of buckets with buffers of their own, see :meth:`zero_copy`)
-        of ``items``, or unpack them times ``scale`` (``"unpack"``) and
-        scale the float32 units ``in_place`` (:meth:`float32_in_place`)
-        where they lie, as one launch sequence, replayed as a CUDA graph
-        once it repeats (:mod:`commlib.ops.graphs`; the arrays and buffers
-        are this list's own, so the key is the arguments). Copies that are
-        not kernel launches alone (numpy's casting rules) are issued
-        directly."""
+        """Pack (``direction="pack"``) the buckets ``indices`` (a tuple of
+        buckets with buffers of their own, see :meth:`zero_copy`) of
+        ``items``, or unpack them times ``scale`` (``"unpack"``). numpy:
+        one compiled copy per bucket. cupy: also scale the float32 units
+        ``in_place`` (:meth:`float32_in_place`) where they lie; every copy
+        is one launch sequence, replayed as a CUDA graph once it repeats
+        (:mod:`commlib.ops.graphs`; the arrays and buffers are this list's
+        own, so the key is the arguments); copies that are not kernel
+        launches alone (numpy's casting rules) are issued directly."""
+        if self.kind == "numpy":
+            for i in indices:
+                if direction == "pack":
+                    self.pack(items, i)
+                else:
+                    self.unpack(items, i, scale)
+            return
         key = (direction, indices, scale, in_place)
         many = self._many.get(key)
         if many is None:
@@ -310,6 +370,37 @@ class PreparedList:
                 self._counter = array_module(flat).zeros((), np.int64)
         return functools.partial(_cast.cast, flat, np.float32, scale=scale, out=flat,
                                  nonfinite=self._counter)
+
+    def split(self, strategy, tables):
+        """The :class:`Split` of this list's units for ``strategy`` (its
+        ``applies_to``), made once per strategy name; the units' states
+        live in ``tables`` (see :meth:`workspace`)."""
+        split = self.by_strategy.get(strategy.name)
+        if split is None:
+            split = self.by_strategy[strategy.name] = Split()
+            sized = [self.sized(where, buf) for where, _, buf in self.units]
+            applies = [strategy.applies_to(dt) for dt, _ in sized]
+            split.compressed = [(where, index, buf, self.workspace(strategy, where, tables))
+                                for (where, index, buf), yes in zip(self.units, applies) if yes]
+            split.rest = [u for u, yes in zip(self.units, applies) if not yes]
+            split.together = self.workspace(strategy, "together", tables)
+            split.nbytes = sum(n for (_, n), yes in zip(sized, applies) if yes)
+            split.labels = [label_of(index, where) for where, index, _, _ in split.compressed]
+            split._arrays = self.arrays
+        return split
+
+    def workspace(self, strategy, where, tables):
+        """The dict a compression strategy keeps for one unit (``where``;
+        ``"together"`` for all of them) of this list's layout (its plan's
+        key) in ``tables`` (the communicator's, or a ReduceState's): it
+        lasts as long as they do, so error-feedback residuals carry over
+        between calls with arrays of the same shapes. It is keyed by the
+        strategy's settings (its ``name``), not the object: a new object
+        with the same settings continues where the last one stopped, on
+        every rank alike."""
+        if self.workspaces is None:
+            self.workspaces = tables.setdefault(self.plan.key, {})
+        return self.workspaces.setdefault((strategy.name, where), {})
 
     def arrays(self, items, i, buf):
         """The arrays of bucket ``i`` of ``items`` (a list slice or tuple; the

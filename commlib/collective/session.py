@@ -1,39 +1,50 @@
 """What a communicator is made of while it lives: its transports and how
 arrays are routed to them, the status board, options, caches and counters,
-and the steps every collective takes (begin: checks and the consistency
-check; run: the data phase; fail; close). :class:`Session` is the
-communicator's internal state, shared by :mod:`commlib.collective.collectives`,
-:mod:`commlib.collective.fusion` and :mod:`commlib.progress.issuing`; users hold a
+the queue of asynchronous collectives, and the steps every collective takes
+(:meth:`Session.begin`: checks and the consistency check;
+:meth:`Session.data_phase`: the data moves; :meth:`Session.fail`;
+:meth:`Session.close`). :class:`Session` is the communicator's internal
+state, used by :mod:`commlib.collective.collectives`; users hold a
 :class:`~commlib.Communicator`, which keeps one.
 """
+import contextlib
 import time
+import weakref
 
 from ..faults import board as _board
-from ..startup import bootstrap, lifetime
-from . import bucketing, consistency, validation
+from ..progress import inflight
+from ..progress.work import Progress, gpu_order
+from ..startup import lifetime
+from . import bucketing, consistency
 from .. import settings, trace
 from ..errors import (ArgumentError, ClosedError, CommlibError, ConsistencyError, NonFiniteError,
                       PayloadError)
-from .stats import CommStats, CountingTransport
-from ..faults.waiting import Wait, background, relaxed
+from .stats import CommStats, TracedTransport
+from ..faults.waiting import Wait
 
 #: errors a collective raises alike on every rank, after which it stays usable
 AGREED = (NonFiniteError, PayloadError)
 
 
 class Session:
-    """The state of one communicator (see the module docstring)."""
+    """The state of one communicator (see the module docstring).
 
-    def __init__(self, *, rank, size, local_rank, local_size, routes, transports=None,
-                 device=None, board=None, segment=None, bucket_bytes=None, check=None,
-                 timeout=None):
-        """A session of the parts a communicator's factory made: ``routes``: ``{"numpy": transport, "cupy":
-        transport}``, the :class:`~commlib.transport.base.Transport` that
-        carries arrays of each kind; ``transports``: every transport the
-        communicator owns, fails and closes (default: those of ``routes``);
-        ``board``: the status board of the consistency check and the watch
-        dog (None: no check); ``segment``: shared memory to close last."""
-        options = bootstrap.check_options(bucket_bytes, check, timeout)
+    Args:
+        rank, size, local_rank, local_size, device: as the communicator's
+            properties.
+        routes: ``{"numpy": transport, "cupy": transport}``, the
+            :class:`~commlib.transport.base.Transport` that carries arrays
+            of each kind.
+        options: the resolved options (:func:`commlib.settings.options`).
+        transports: every transport the communicator owns, fails and
+            closes (default: those of ``routes``).
+        board: the status board of the consistency check and the watch
+            dog (None: no check).
+        segment: shared memory to close last.
+    """
+
+    def __init__(self, *, rank, size, local_rank, local_size, routes, options, transports=None,
+                 device=None, board=None, segment=None):
         trace.from_environment()
         if not isinstance(routes, dict) or set(routes) != {"numpy", "cupy"}:
             raise ArgumentError("Communicator: routes must be a dict with the keys 'numpy' and "
@@ -47,11 +58,12 @@ class Session:
         #: every transport, the one in front of another first
         self.transports = list(transports or dict.fromkeys(routes.values()))
         self.stats = CommStats()
-        #: what collectives call: each transport behind a front counting its bytes
-        self.counted = {id(t): CountingTransport(t, self.stats) for t in self.transports}
+        #: while tracing, what collectives call: each transport behind a
+        #: front recording its calls
+        self.traced = {id(t): TracedTransport(t) for t in self.transports}
         self.progress = None     # the queue of asynchronous collectives, made on first use
         self.side = None         # the side stream of asynchronous GPU collectives
-        #: run asynchronous collectives on a thread (None: decide, see commlib.progress.issuing.threaded)
+        #: run asynchronous collectives on a thread (None: decide, see threaded())
         self.async_threaded = None
         #: asynchronous all-reduces over MPI in flight at once (see commlib.progress.inflight)
         self.async_depth = settings.async_depth()
@@ -60,7 +72,8 @@ class Session:
         self.timeout = options["timeout"]
         self.board, self.segment = board, segment
         self.fusion = bucketing.FusionCache()
-        self.workspaces = {}     # compression state, see commlib.collective.fusion.workspace
+        #: compression state per list layout (see PreparedList.split)
+        self.workspaces = {}
         self.seq = 0             # collectives entered
         self.failure = None      # the error that left the communicator unusable
         self.closed = False
@@ -68,14 +81,14 @@ class Session:
                                                   close=self.close_at_exit)
         if board is not None:
             board.warn_after = settings.stall_warning()
-        self.relaxed_board = self.sleeping_board(board)
         if size > 1:
             self.registration.open()
 
     def transport(self, kind):
-        """The transport for arrays of ``kind`` (see ``routes``), behind its
-        byte counter."""
-        return self.counted[id(self.routes[kind])]
+        """The transport for arrays of ``kind`` (see ``routes``); while
+        tracing, behind the front that records its calls."""
+        transport = self.routes[kind]
+        return self.traced[id(transport)] if trace.ON else transport
 
     def bucket_bytes_for(self, transport):
         return self.bucket_bytes or bucketing.default_bucket_bytes(transport.name)
@@ -88,23 +101,77 @@ class Session:
                               "earlier failure: %s" % (self.rank, name, self.failure),
                               culprits=getattr(self.failure, "culprits", ()))
 
-    def begin(self, name, params, checks, layout=lambda: ([], None), timeout=None,
-              kind_matters=False):
-        """Start collective ``name``: run ``checks()`` (returns the array
-        kind; raises CommlibError for bad arguments), then, when the check is
-        on, compare the call with every rank: ``params`` (tuple of the call's
-        parameters), the array kind too when it ``kind_matters`` (a
-        compressed call's exchange depends on it), and ``layout()`` (the
-        list of arrays whose dtypes and shapes must match, and its
-        PreparedList or None). ``timeout`` replaces the watch dog's
-        deadline. Returns (kind, wait) or raises, on every rank alike when
-        the check is on."""
+    # -- the progress queue of asynchronous collectives --------------------------------
+    def idle(self):
+        """Whether nothing is queued: a blocking collective runs inline."""
+        return self.progress is None or self.progress.idle()
+
+    def submit(self, name, run, arrays, async_op):
+        """Queue ``run()``, the whole collective ``name`` on ``arrays``,
+        after the queued ones (GPU stream order for cupy arrays); returns
+        its :class:`~commlib.progress.work.Work`."""
+        self.usable(name)
+        progress = self.progress
+        if progress is None:
+            progress = self.progress = self.start_progress()
+        gpu = gpu_order(self, arrays)
+        call = run if gpu is None else (lambda: gpu.run(run))
+        if trace.ON:
+            call = trace.queued(self.rank, name, call, async_op)
+        return progress.submit(call, arrays, gpu)
+
+    def start_progress(self):
+        me = weakref.ref(self)
+
+        def fail(exc):          # Ctrl-C in a wait, or a collective failing in flight
+            session = me()
+            if session is not None and session.failure is None:
+                session.fail(exc)
+
+        gone = ClosedError("rank %d: the communicator is gone" % self.rank)
+        return Progress(self.stats, self.threaded(), fail,
+                        name="commlib-progress-rank%d" % self.rank, depth=self.async_depth,
+                        on_error=fail, failed=lambda: getattr(me(), "failure", gone),
+                        rank=self.rank)
+
+    def threaded(self):
+        """Whether asynchronous collectives run on a progress thread: unless
+        ``async_threaded`` says otherwise, when there is no MPI transport or
+        MPI provides ``MPI_THREAD_MULTIPLE`` (else they run deferred, when
+        waited for)."""
+        if self.async_threaded is not None:
+            return bool(self.async_threaded)
+        return all(t.thread_safe() for t in self.transports)
+
+    def in_flight(self, kind, items, wait):
+        """For an all-reduce of ``items`` executing on the progress thread:
+        an :class:`~commlib.progress.inflight.InFlight` when its data phase
+        may leave its requests in flight (see :func:`commlib.progress.inflight.start`),
+        else None."""
+        progress = self.progress
+        if kind != "numpy" or progress is None or not items:
+            return None
+        return inflight.start(progress, self.routes[kind], items, wait)
+
+    # -- the steps of every collective ---------------------------------------------------
+    def begin(self, name, params, checks, timeout=None, kind_matters=False):
+        """Start collective ``name``: run ``checks()`` (raises CommlibError
+        for bad arguments; returns a tuple whose first three entries are the
+        array kind, the list of arrays whose dtypes and shapes must match on
+        every rank, and its PreparedList or None), then, when the check is
+        on, compare the call with every rank: ``params`` (tuple of the
+        call's parameters), the array kind too when it ``kind_matters`` (a
+        compressed call's exchange depends on it), and the arrays' layout.
+        ``timeout`` replaces the watch dog's deadline. Returns ``(wait,
+        checked)``: the collective's :class:`~commlib.faults.waiting.Wait`
+        and what ``checks()`` returned; raises, on every rank alike when the
+        check is on."""
         self.usable(name)
         self.stats.add_collective()
         start = trace.now() if trace.ON else 0.0
-        error = kind = None
+        error = checked = None
         try:
-            kind = checks()
+            checked = checks()
         except CommlibError as exc:
             error = exc
         if start:
@@ -113,44 +180,48 @@ class Session:
         timeout = self.timeout if timeout is None else timeout
         wait = Wait(None if timeout is None else time.monotonic() + timeout, seq,
                     consistency.CODES[name], self.board, self.rank)
-        board = self.board if self.relaxed_board is None or not (
-            relaxed() or background() is not None) else self.relaxed_board
+        board = self.board
+        kind, arrays, prepared = checked[:3] if error is None else (None, (), None)
         if board is not None and not self.check:
             board.arrive(seq)
         elif board is not None:
-            digest = arrays = None
+            digest = None
             shown = kind if kind_matters else None
             if error is None:
-                arrays, prepared = layout()
                 digest = (prepared.digest if prepared is not None else
                           consistency.layout_digest(arrays),
                           consistency.params_digest(params + (shown,)))
             try:
-                board.enter(seq, wait.what, digest, wait.deadline, error,
-                            lambda: consistency.describe(params, arrays, shown))
+                board.enter(wait, digest, error, lambda: consistency.describe(params, arrays,
+                                                                              shown))
             except (CommlibError, KeyboardInterrupt) as exc:
                 if exc is not error and not isinstance(exc, ConsistencyError):
                     self.fail(exc)
                 raise
         if start:
-            trace.began(self, name, seq, kind, params, layout()[0] if error is None else (),
-                        start, board is not None and self.check)
+            trace.began(self, name, seq, kind, params, arrays, start,
+                        board is not None and self.check)
         if error is not None:
             raise error
-        return kind, wait
+        return wait, checked
 
-    @staticmethod
-    def sleeping_board(board):
-        """For the progress thread: a second view of the same status board
-        whose compiled waits sleep between short spins
-        (:class:`commlib.faults.waiting.SleepingWaits`; without the compiled loops
-        the Python waits sleep on a relaxed thread anyway); None when there
-        is no status board."""
-        if not isinstance(board, _board.StatusBoard):
-            return None
-        twin = _board.StatusBoard(board.memory, board.rank, board.size, sleeping=True)
-        twin.warn_after = board.warn_after
-        return twin
+    @contextlib.contextmanager
+    def data_phase(self, deferred=False):
+        """The data phase of a collective, the body of a ``with`` block: any
+        failure but an agreed one (:data:`AGREED`) leaves the communicator
+        unusable. Unless it is ``deferred`` (its requests left in flight,
+        see :meth:`in_flight`), the collectives in flight complete first."""
+        progress = self.progress
+        if not deferred and progress is not None and progress.may_defer() \
+                and progress.in_flight():
+            progress.complete_flight()
+        try:
+            yield
+        except AGREED:
+            raise
+        except BaseException as exc:
+            self.fail(exc)
+            raise
 
     def fail(self, exc):
         """A collective failed: the communicator is unusable from now on and
@@ -163,36 +234,6 @@ class Session:
                                  blame=getattr(exc, "culprits", ()))
             for transport in self.transports:
                 transport.fail("%s: %s" % (type(exc).__name__, exc))
-
-    def run(self, phase, *args, deferred=False, **named):
-        """The data phase of a collective, ``phase(*args, **named)``: any
-        failure but an agreed one leaves the communicator unusable. Unless
-        it is ``deferred`` (its requests left in flight, see
-        :func:`commlib.progress.issuing.in_flight`), the collectives in flight
-        complete first."""
-        progress = self.progress
-        if not deferred and progress is not None and progress.may_defer() \
-                and progress.in_flight():
-            progress.complete_flight()
-        try:
-            return phase(*args, **named)
-        except AGREED:
-            raise
-        except BaseException as exc:
-            self.fail(exc)
-            raise
-
-    def array_checks(self, arrays, writeable=True, floating=False):
-        return validation.check_arrays(arrays, rank=self.rank, device=self.device,
-                                       writeable=writeable, floating=floating)
-
-    def one_array(self, name, array):
-        """``array``, the one array collective ``name`` takes, as a numpy or
-        cupy array (a view of another framework's, see :mod:`commlib.interop`)."""
-        if isinstance(array, (list, tuple)):
-            raise ArgumentError("rank %d: %s takes one array, got a %s"
-                                % (self.rank, name, type(array).__name__))
-        return validation.as_list(array, name, self.rank)[0][0]
 
     def close(self, reason):
         if self.closed:

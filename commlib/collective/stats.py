@@ -1,6 +1,6 @@
-"""What a communicator has done: :class:`CommStats` (``comm.stats``) and
-:class:`CountingTransport`, the thin front through which the communicator
-hands every buffer to a transport, counting its bytes.
+"""What a communicator has done: :class:`CommStats` (``comm.stats``), and
+:class:`TracedTransport`, the front through which the communicator hands
+every buffer to a transport while tracing.
 
 ``bytes_sent`` counts the payload this rank handed to its transports, after
 compression: for every transport call, the bytes of the buffer it was given
@@ -8,9 +8,9 @@ to contribute (an all-reduce's buffer, a broadcast's buffer on every rank, a
 gather's send buffer; a barrier counts 0). What travels on the wire
 depends on the transport's algorithm (a ring all-reduce sends about
 ``2 (n-1)/n`` times that); the count is the same on every transport.
-While tracing (:mod:`commlib.trace`), each call is also recorded as a
-``transport`` event with the same bytes, so those events' bytes add up to
-``bytes_sent``.
+The collectives count them where they hand a buffer over. While tracing
+(:mod:`commlib.trace`), each call is also recorded as a ``transport`` event
+with the same bytes, so those events' bytes add up to ``bytes_sent``.
 """
 from .. import trace
 
@@ -72,43 +72,34 @@ class CommStats:
         return "CommStats(%s)" % ", ".join("%s=%r" % kv for kv in self.snapshot().items())
 
 
-class CountingTransport:
-    """``transport`` with every collective's send bytes added to ``stats``;
-    everything else (``name``, ``rank``, ``reduces_parts``, ...) is the
-    transport's own."""
+class TracedTransport:
+    """``transport`` with every collective call recorded as a ``transport``
+    event of the bytes it was handed (what the communicator's collectives
+    call while tracing, see :meth:`Session.transport
+    <commlib.collective.session.Session.transport>`); everything else
+    (``name``, ``rank``, ``reduces_parts``, ...) is the transport's own."""
 
-    def __init__(self, transport, stats):
-        self.transport, self.stats = transport, stats
+    def __init__(self, transport):
+        self.transport = transport
         self.name, self.rank, self.size = transport.name, transport.rank, transport.size
 
     def __getattr__(self, name):
         return getattr(self.transport, name)
 
 
-def _counting(name, at=0):
-    """A CountingTransport method forwarding ``name``; argument ``at`` is
-    the buffer whose bytes are counted."""
+def _traced(name, at=0):
+    """A TracedTransport method forwarding ``name``; argument ``at`` is the
+    buffer whose bytes are recorded (None: no bytes)."""
     def call(self, *args, **kwargs):
-        nbytes = args[at].nbytes
-        self.stats.bytes_sent += nbytes
-        if not trace.ON:
-            return getattr(self.transport, name)(*args, **kwargs)
+        nbytes = 0 if at is None else args[at].nbytes
         return trace.transport_call(self.rank, self.name, name, nbytes,
                                     getattr(self.transport, name), args, kwargs)
     call.__name__ = name
     return call
 
 
-def _barrier(self, *args, **kwargs):
-    """The transport's barrier (0 bytes), recorded while tracing."""
-    if not trace.ON:
-        return self.transport.barrier(*args, **kwargs)
-    return trace.transport_call(self.rank, self.name, "barrier", 0, self.transport.barrier,
-                                args, kwargs)
-
-
 for _name in ("all_reduce", "broadcast", "reduce", "all_gather", "all_gatherv",
               "reduce_scatter"):
-    setattr(CountingTransport, _name, _counting(_name))
-CountingTransport.all_reduce_parts = _counting("all_reduce_parts", at=1)
-CountingTransport.barrier = _barrier
+    setattr(TracedTransport, _name, _traced(_name))
+TracedTransport.all_reduce_parts = _traced("all_reduce_parts", at=1)
+TracedTransport.barrier = _traced("barrier", at=None)

@@ -12,7 +12,8 @@ import numpy as np
 from . import dtypes
 from .. import interop
 from ..errors import ArgumentError, ArrayTypeError, DeviceMismatchError
-from ..ops.arrays import is_cupy
+from ..ops import native
+from ..ops.arrays import address, is_cupy
 
 _KINDS = {"numpy": "numpy.ndarray", "cupy": "cupy.ndarray"}
 
@@ -124,13 +125,48 @@ def _check_writeable(arrays, rank, what, kind):
         i = _first(arrays, lambda a: not a.flags.writeable)
         raise ArrayTypeError("rank %d: %s[%d] is read-only; in-place collectives write "
                              "their result into it" % (rank, what, i))
-    if len(set(map(id, arrays))) != len(arrays):
-        seen = {}
-        for i, a in enumerate(arrays):
-            if id(a) in seen:
-                raise ArgumentError("rank %d: %s[%d] is the same array as %s[%d]; each "
-                                    "array may appear once" % (rank, what, i, what, seen[id(a)]))
-            seen[id(a)] = i
+    shared = first_overlap(arrays)
+    if shared is not None:
+        i, j = shared
+        how = ("is the same array as" if arrays[i] is arrays[j] else
+               "shares memory with")
+        raise ArgumentError("rank %d: %s[%d] %s %s[%d]; in-place collectives write each "
+                            "element once, so every array must have memory of its own (pass "
+                            "each array once, and no overlapping views)"
+                            % (rank, what, j, how, what, i))
+
+
+def first_overlap(arrays):
+    """``(i, j)``, ``i < j``, of the first two of ``arrays`` (C-contiguous
+    numpy or cupy arrays of one kind) whose memory meets, or None (empty
+    arrays hold none): one compiled pass for numpy arrays."""
+    ext = native.module()
+    if ext is not None and not is_cupy(arrays[0]):
+        found = ext.first_overlap(arrays)
+        if not isinstance(found, int):
+            return found
+    extents = sorted((address(a), address(a) + a.nbytes, i)
+                     for i, a in enumerate(arrays) if a.nbytes)
+    furthest = None
+    for start, end, i in extents:
+        if furthest is not None and start < furthest[1]:
+            return min(i, furthest[2]), max(i, furthest[2])
+        if furthest is None or end > furthest[1]:
+            furthest = (start, end, i)
+    return None
+
+
+def check_still_writeable(arrays, rank, what="arrays"):
+    """Of a list of numpy arrays checked before (a list passed again), raise
+    ArrayTypeError naming the first one made read-only since, before
+    anything is written (one compiled pass where it is built)."""
+    ext = native.module()
+    first = ext.first_readonly(arrays) if ext is not None else -2
+    if first == -2:
+        first = next((i for i, a in enumerate(arrays) if not a.flags.writeable), -1)
+    if first >= 0:
+        raise ArrayTypeError("rank %d: %s[%d] is read-only; in-place collectives write "
+                             "their result into it" % (rank, what, first))
 
 
 def check_op(op, division, rank):

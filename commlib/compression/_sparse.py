@@ -190,15 +190,15 @@ class Sparsifier(Compression):
         and are judged at once, bucket by bucket only when one of them
         fails.
 
-        Declines (None: :meth:`reduce` per bucket) for numpy buckets and
-        for counts that vary by rank. ``state`` keeps the plan of a list
-        of arrays (:class:`._sparse_gpu.Together`, see :func:`._flat.plan_of`).
+        numpy buckets, and counts that vary by rank, are reduced one by one
+        (:meth:`reduce`). ``state`` keeps the plan of a list of arrays
+        (:class:`._sparse_gpu.Together`, see :func:`._flat.plan_of`).
         """
         if array_module(buckets[0].arrays[0]) is np:
-            return None
+            return super().reduce_all(buckets, state)
         plan = plan_of(buckets, state, functools.partial(_sparse_gpu.Together.make, self))
         if plan is None:
-            return None
+            return super().reduce_all(buckets, state)
         call = plan.select(self, buckets)
         buckets[0].all_gather(plan.records, plan.gathered)
         plan.split()

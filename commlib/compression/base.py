@@ -1,24 +1,28 @@
 """The interface of a compression strategy: :class:`Compression`, and the
 :class:`Bucket` it is handed.
 
-A strategy is a small object of settings with one method that does the
-work, ``reduce(bucket)``: it receives one bucket of arrays (float32 arrays
-of one call, fused by the communicator), the operation, the scale of an
-average and a dict of its own state for that bucket, and communicates
-through the bucket's three methods (``all_reduce``, ``all_gather``,
-``all_gatherv``), which carry the call's deadline and watch for peers that
-leave, exactly like every other collective. It must leave the reduced,
-scaled result in ``bucket.arrays``, the same on every rank, and raise
-before writing anything if it fails (a :class:`~commlib.errors.CommlibError`
-raised alike on every rank keeps the communicator usable). It may return
-the bucket's completion, a callable that the communicator calls once the
-call's later buckets are issued (DDP's returned future; see
-:meth:`Compression.reduce`). It may also take all of a call's buckets at
-once (:meth:`Compression.reduce_all`: one collective and one launch
-sequence for them all). This is the counterpart of PyTorch DDP's
-communication hook, ``hook(state, bucket) -> Future``, with the state in
-``bucket.state``; a strategy written by a user is one small file
-(``tests/compression/user_compression.py`` is one).
+The communicator hands a strategy every bucket of a call that it applies
+to at once: :meth:`Compression.reduce_all(buckets, state)
+<Compression.reduce_all>`, the counterpart of PyTorch DDP's communication
+hook ``hook(state, bucket) -> Future`` for all of a call's buckets, with
+states the caller may own (a :class:`~commlib.ReduceState`). It returns
+what completes them (DDP's futures: one entry per bucket, None or a
+completion, run in bucket order once every unit of the call was issued).
+
+A strategy that works bucket by bucket defines only :meth:`Compression.reduce`:
+the base class's ``reduce_all`` calls it for each bucket. A bucket holds
+float32 arrays of one call (fused by the communicator), the operation, the
+scale of an average and a dict of the strategy's own state for that
+bucket; the strategy communicates through the bucket's three methods
+(``all_reduce``, ``all_gather``, ``all_gatherv``), which carry the call's
+deadline and watch for peers that leave, exactly like every other
+collective. It must leave the reduced, scaled result in ``bucket.arrays``,
+the same on every rank, and raise before writing anything if it fails (a
+:class:`~commlib.errors.CommlibError` raised alike on every rank keeps the
+communicator usable). A strategy written by a user is one small file
+(``tests/compression/user_compression.py`` is one). A strategy never
+decides for another rank: whatever it does must be what every rank does
+with the same buckets and settings.
 """
 from ..ops.arrays import to_host
 
@@ -49,14 +53,21 @@ class Bucket:
         wait: the call's :class:`~commlib.faults.waiting.Wait` (deadline, and
             the peers to watch), passed to every transport call.
         state: as the attribute.
+        stats: the communicator's :class:`~commlib.CommStats`, counting
+            the bytes handed to the transport, or None.
     """
 
-    __slots__ = ("arrays", "op", "scale", "state", "rank", "size", "_transport", "_wait")
+    __slots__ = ("arrays", "op", "scale", "state", "rank", "size", "_transport", "_wait",
+                 "_stats")
 
-    def __init__(self, transport, arrays, op, scale, wait, state):
+    def __init__(self, transport, arrays, op, scale, wait, state, stats=None):
         self.arrays, self.op, self.scale, self.state = arrays, op, scale, state
         self.rank, self.size = transport.rank, transport.size
-        self._transport, self._wait = transport, wait
+        self._transport, self._wait, self._stats = transport, wait, stats
+
+    def _count(self, buf):
+        if self._stats is not None:
+            self._stats.bytes_sent += buf.nbytes
 
     def all_reduce(self, buf, op=None, fmt=None, owned=False):
         """Reduce the contiguous array ``buf`` over every rank, in place.
@@ -66,9 +77,8 @@ class Bucket:
                 rank.
             op: ``"sum"``, ``"max"``, ``"min"`` or ``"prod"``; default (None)
                 the bucket's :attr:`op`.
-            fmt: ``"bfloat16"`` for uint16 buffers holding bfloat16 bits
-                (``"float16"`` for float16 ones may pick a faster operator);
-                None otherwise.
+            fmt: ``"bfloat16"`` for uint16 buffers holding bfloat16 bits;
+                None otherwise (the buffer's dtype says what it holds).
             owned: ``buf`` is the strategy's own buffer, which the transport
                 may write into directly (else it stages the result, so that
                 a failure never leaves half a result in memory the user
@@ -81,6 +91,7 @@ class Bucket:
             ClosedError: the transport was left unusable by an earlier
                 failure.
         """
+        self._count(buf)
         self._transport.all_reduce(buf, op or self.op, self._wait, fmt=fmt, owned=owned)
 
     def all_gather(self, send, out):
@@ -99,6 +110,7 @@ class Bucket:
             ClosedError: the transport was left unusable by an earlier
                 failure.
         """
+        self._count(send)
         self._transport.all_gather(send, out, self._wait)
 
     def all_gatherv(self, send, out, counts):
@@ -118,6 +130,7 @@ class Bucket:
             ClosedError: the transport was left unusable by an earlier
                 failure.
         """
+        self._count(send)
         self._transport.all_gatherv(send, out, counts, self._wait)
 
 
@@ -233,39 +246,34 @@ class Compression:
         raise NotImplementedError
 
     def reduce_all(self, buckets, state):
-        """Optionally, all-reduce every bucket of one call together.
-
-        A strategy may issue its work for all of a call's buckets at once
-        (one kernel sequence for every bucket, one collective for every
-        bucket's payload) instead of bucket by bucket, which saves host
-        time per bucket. The default declines, and :meth:`reduce` is called
-        for each bucket.
+        """All-reduce every bucket of one call: what the communicator calls.
 
         The buckets are the call's buckets and in-place arrays that the
         strategy applies to, in order; their communication comes before
-        the call's other buckets'. The answer (None or not) must depend
-        only on what every rank has alike (the buckets' lengths and kind,
-        the settings), never on this rank's history, so that every rank
-        communicates alike; the communicator asks once per list of arrays
-        and settings, and keeps a None.
+        the call's other buckets'. The base class calls :meth:`reduce` for
+        each bucket in turn. A strategy may instead issue its work for all
+        of them at once (one kernel sequence for every bucket, one
+        collective for every bucket's payload), which saves host time per
+        bucket; how it communicates must depend only on what every rank has
+        alike (the buckets' lengths and kind, the settings), never on this
+        rank's history or data, so that every rank communicates alike.
 
         Args:
             buckets: the list of :class:`Bucket` objects (each with its own
-                ``state``, as :meth:`reduce` would get them).
+                ``state``, as :meth:`reduce` gets them).
             state: a dict of the strategy's own, kept between calls for
                 this list layout (as the buckets' are).
 
         Returns:
-            None to have :meth:`reduce` called per bucket; else a list of
-            one entry per bucket, each as :meth:`reduce` returns (None, or
-            a completion), called in order once every bucket of the call
-            is issued (a single completion may finish every bucket).
+            A list of one entry per bucket, each as :meth:`reduce` returns
+            (None, or a completion), run in order once every unit of the
+            call is issued (a single completion may finish every bucket).
 
         Raises:
             As :meth:`reduce`, with nothing written to a bucket that was
             not finished.
         """
-        return None
+        return [self.reduce(bucket) for bucket in buckets]
 
     def __repr__(self):
         return self.name

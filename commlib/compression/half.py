@@ -13,10 +13,12 @@ average does not. The reduction itself runs in the half format (as NCCL's
 does), so results carry its rounding (relative error about 2**-11 per
 addition for float16, 2**-8 for bfloat16); a float16 value beyond 65504
 becomes inf (bfloat16 has float32's range). bfloat16 travels as uint16 bit
-patterns, reduced by NCCL's bfloat16 type or an MPI operator that widens to
-float32 and rounds back to nearest even; numpy float16 wires take the same
-kind of MPI operator (both compiled, :mod:`commlib.ops.hostcast`), not the
-shared-memory reducer. Other dtypes are not compressed.
+patterns. Every transport reduces the wire in its format: NCCL's float16
+and bfloat16 types, the shared-memory reducer's and the MPI operators'
+compiled loops, which widen to float32 and round back to nearest even
+(:mod:`commlib.ops.hostcast`). Other dtypes are not compressed. A call's
+buckets travel together, in one wire and one all-reduce
+(:meth:`HalfPrecision.reduce_all`).
 
 ``nonfinite`` (see :mod:`.nonfinite`) looks at the reduced half-precision
 result, whose bits are the same on every rank, so every rank decides alike:
@@ -71,6 +73,7 @@ class HalfPrecision(Compression):
         short = {"float16": "fp16", "bfloat16": "bf16"}[fmt]
         self.name = short if nonfinite == "raise" else "%s(nonfinite=%r)" % (short, nonfinite)
         # the wire buffer's dtype, and the format the transport must be told
+        # (bfloat16 travels as uint16 bits; float16 says so by its dtype)
         self._storage = storage_dtype(fmt)
         self._wire_fmt = fmt if fmt == "bfloat16" else None
 
@@ -131,7 +134,9 @@ class HalfPrecision(Compression):
         else:                        # the arrays cast into their parts of the wire and back
             sent = _flat.cast_parts(arrays, wire, workspace,
                                     np.float32(1) if scale is None else np.float32(scale))
-            self._all_reduce(bucket, wire)
+            # overflow is counted and reported by _settle, not warned by numpy
+            with np.errstate(over="ignore", invalid="ignore"):
+                bucket.all_reduce(wire, fmt=self._wire_fmt, owned=True)
             found = np.array(hostcast.count_nonfinite(wire, self.fmt), np.int64)
             if not (found and guarded):
                 _flat.cast_parts(arrays, wire, workspace, into_wire=False)
@@ -160,7 +165,7 @@ class HalfPrecision(Compression):
 
         store = workspace.setdefault("graphs", {})
         graphs.replay(store, ("cast in", at, None if scale is None else float(scale)), cast_in)
-        self._all_reduce(bucket, wire)
+        bucket.all_reduce(wire, fmt=self._wire_fmt, owned=True)
         graphs.replay(store, ("cast back", at, guarded), cast_back)
         return sent, found
 
@@ -174,36 +179,45 @@ class HalfPrecision(Compression):
         _pack.unpack(wire, arrays, unless=found if guarded else None)
 
     def reduce_all(self, buckets, state):
-        """cupy buckets: every bucket of the call reduced together (see
+        """Every bucket of the call reduced together (see
         :meth:`~commlib.compression.base.Compression.reduce_all`), with the
         results and errors of :meth:`reduce` bucket by bucket: their wires
-        lie back to back in one buffer, cast into by one launch sequence
-        (one pack launch per bucket), all-reduced in one call and cast back
-        by another (guarded per bucket), both replayed as CUDA graphs once
-        they repeat; every bucket's counts come to the host in one read.
-        Declines (None) for numpy buckets. ``state`` keeps the plan of a
-        list of arrays (see :func:`._flat.plan_of`): the wire and counts
-        and the graphs, none of the arrays."""
-        if array_module(buckets[0].arrays[0]) is np:
-            return None
+        lie back to back in one buffer, all-reduced in one call, and every
+        bucket's counts come to the host in one read. numpy: each bucket's
+        arrays cast into their part of the wire and back by the compiled
+        host cast. cupy: the casts in are one launch sequence (one pack
+        launch per bucket), the casts back another (guarded per bucket),
+        both replayed as CUDA graphs once they repeat. ``state`` keeps the
+        plan of a list of arrays (see :func:`._flat.plan_of`): the wire and
+        counts and the graphs, none of the arrays."""
         plan = _flat.plan_of(buckets, state, self._plan)
         scale, guarded = buckets[0].scale, self.nonfinite == "raise"
+        counts, pairs, wires = plan["counts"], plan["pairs"], plan["wires"]
+        if type(counts) is np.ndarray:
+            factor = np.float32(1) if scale is None else np.float32(scale)
+            for i, (b, wire) in enumerate(zip(buckets, wires)):
+                counts[2 * i] = _flat.cast_parts(b.arrays, wire, b.state, factor)
+            with np.errstate(over="ignore", invalid="ignore"):
+                buckets[0].all_reduce(plan["wire"], fmt=self._wire_fmt, owned=True)
+            for i, (b, wire) in enumerate(zip(buckets, wires)):
+                counts[2 * i + 1] = found = hostcast.count_nonfinite(wire, self.fmt)
+                if not (found and guarded):
+                    _flat.cast_parts(b.arrays, wire, b.state, into_wire=False)
+        else:
+            def cast_in():
+                zero(counts)
+                for b, wire, (sent, _) in zip(buckets, wires, pairs):
+                    _pack.pack(b.arrays, wire, scale=scale, nonfinite=sent)
 
-        def cast_in():
-            zero(plan["counts"])
-            for b, wire, (sent, _) in zip(buckets, plan["wires"], plan["pairs"]):
-                _pack.pack(b.arrays, wire, scale=scale, nonfinite=sent)
+            def cast_back():
+                for b, wire, (_, found) in zip(buckets, wires, pairs):
+                    self._cast_back(b.arrays, wire, found, guarded)
 
-        def cast_back():
-            for b, wire, (_, found) in zip(buckets, plan["wires"], plan["pairs"]):
-                self._cast_back(b.arrays, wire, found, guarded)
-
-        graphs.replay(plan["graphs"], ("cast in", None if scale is None else float(scale)),
-                      cast_in)
-        self._all_reduce(buckets[0], plan["wire"])
-        graphs.replay(plan["graphs"], ("cast back", guarded), cast_back)
-        return [Completion((plan["counts"],), functools.partial(self._settle_all, plan,
-                                                                buckets))] \
+            graphs.replay(plan["graphs"], ("cast in", None if scale is None else float(scale)),
+                          cast_in)
+            buckets[0].all_reduce(plan["wire"], fmt=self._wire_fmt, owned=True)
+            graphs.replay(plan["graphs"], ("cast back", guarded), cast_back)
+        return [Completion((counts,), functools.partial(self._settle_all, plan, buckets))] \
             + [None] * (len(buckets) - 1)
 
     def _plan(self, buckets):
@@ -230,16 +244,6 @@ class HalfPrecision(Compression):
             return
         for b, wire, (sent, _), n in zip(buckets, plan["wires"], plan["pairs"], found):
             self._settle(b, wire, sent, int(n))
-
-    def _all_reduce(self, bucket, wire):
-        # overflow is counted and reported by _settle, not warned by numpy
-        # (the MPI transport reduces half formats with numpy ufuncs)
-        # numpy float16 wires name their format too, which sends them to the
-        # MPI transport's compiled float16 operator rather than the
-        # shared-memory reducer's numpy float16 ufunc (several times slower)
-        fmt = self.fmt if type(wire) is np.ndarray else self._wire_fmt
-        with np.errstate(over="ignore", invalid="ignore"):    # the wire buffer is commlib's
-            bucket.all_reduce(wire, fmt=fmt, owned=True)
 
     def _settle(self, bucket, wire, sent, found):
         """The end of :meth:`reduce`, once ``found``, the number of NaN and

@@ -94,10 +94,9 @@ class StatusBoard:
     numpy array of at least ``size * LINE_BYTES`` bytes, zero-filled when
     made, shared by all ``size`` ranks). :meth:`join` before use."""
 
-    def __init__(self, memory, rank, size, sleeping=False):
+    def __init__(self, memory, rank, size):
         """A view of the status board in ``memory`` for rank ``rank`` of
-        ``size``; ``sleeping``: its compiled waits sleep between short spins
-        (:class:`commlib.faults.waiting.SleepingWaits`, for a progress thread)."""
+        ``size``."""
         self.rank, self.size = rank, size
         self.memory = memory[:size * LINE_BYTES]
         self.words = self.memory.view(np.int64)
@@ -105,9 +104,7 @@ class StatusBoard:
         self._gone = self.words[GONE:]        # for waits that watch for ranks leaving
         self._mine = self._lines[rank]
         self._ext = native.module()
-        if sleeping and self._ext is not None:
-            self._ext = waiting.SleepingWaits(self._ext)
-        self.warn_after = None                # seconds, see enter()
+        self.warn_after = None                # seconds, see check_waiting()
 
     @property
     def gone_words(self):
@@ -124,45 +121,50 @@ class StatusBoard:
         return bool((self._lines[:, PID] != 0).all())
 
     # -- entering a collective -------------------------------------------------
-    def enter(self, seq, what, digest, deadline, error=None, describe=None):
-        """Enter collective number ``seq`` (1, 2, ...; the code ``what`` of
-        :data:`~commlib.collective.consistency.COLLECTIVES`) with ``digest`` (two int64,
-        :func:`commlib.collective.consistency.digest`), and wait for every rank to enter
-        it. ``deadline``: ``time.monotonic()`` value or None. ``error``: this
-        rank's argument error, or None; ``describe()``: text of this call,
-        used only when fingerprints differ.
+    def enter(self, wait, digest, error=None, describe=None):
+        """Enter collective ``wait.seq`` (1, 2, ...; the code ``wait.what``
+        of :data:`~commlib.collective.consistency.COLLECTIVES`; ``wait``: its
+        :class:`~commlib.faults.waiting.Wait`) with ``digest`` (two int64,
+        see :mod:`commlib.collective.consistency`), and wait for every rank
+        to enter it. ``error``: this rank's argument error, or None;
+        ``describe()``: text of this call, used only when fingerprints
+        differ.
 
-        Returns when every rank entered ``seq`` with the same fingerprint and
-        no error. Raises ConsistencyError (or ``error``) when they differ,
+        Returns when every rank entered with the same fingerprint and no
+        error. Raises ConsistencyError (or ``error``) when they differ,
         PeerError or CollectiveTimeoutError when a rank left, died or did not
-        come (this rank is then marked gone at ``seq``).
+        come (this rank is then marked gone at ``wait.seq``).
         """
+        seq, what = wait.seq, wait.what
         d0, d1 = ERROR_DIGEST if error is not None else digest
-        when = time.monotonic_ns()
-        ext, publish = self._ext, True
-        while True:
+        slot, publish = (d0, d1, what, time.monotonic_ns()), [True]
+        ext = self._ext
+
+        def step(slice_s):
             if ext is not None:
                 code = ext.board_enter(self.words, STRIDE, self.size, self.rank, ENTERED, GONE,
-                                       SLOT, seq, d0, d1, what, when, publish, deadline, SLICE_S)
+                                       SLOT, seq, d0, d1, what, slot[3], publish[0],
+                                       wait.deadline, slice_s)
             else:
-                code = self._enter_py(seq, (d0, d1, what, when), publish, deadline)
-            publish = False
-            if code == 0 and error is None:
-                return
-            if code >= 0:
-                return self._disagree(seq, what, error, describe, deadline)
-            if code <= -2:
-                raise self._left(-2 - code, seq, what)
-            self.check_waiting(seq, what, deadline, entering=True)
+                code = self._enter_py(seq, slot, publish[0], slice_s)
+            publish[0] = False
+            return None if code == -1 else code
 
-    def _enter_py(self, seq, slot, publish, deadline):
-        """board_enter's loop in Python (no compiled loops; x86-64 order)."""
+        code = waiting.until(step, wait, late=lambda: self.not_arrived(seq))
+        if code == 0 and error is None:
+            return
+        if code >= 0:
+            return self._disagree(wait, error, describe)
+        raise self._left(-2 - code, seq, what)
+
+    def _enter_py(self, seq, slot, publish, slice_s):
+        """board_enter's look in Python (no compiled loops; x86-64 order)."""
         at = SLOT + (seq & 1) * SLOT_WORDS
         if publish:
             self._mine[at:at + SLOT_WORDS] = slot
             self._mine[ENTERED] = seq
         code = waiting.spin_py(self._lines[:, ENTERED], seq, self._lines[:, GONE], seq,
-                               self.rank, waiting.slice_end(deadline))
+                               self.rank, slice_s)
         if code != 0:
             return code
         same = (self._lines[:, at:at + 2] == np.array(slot[:2])).all()
@@ -173,30 +175,32 @@ class StatusBoard:
         (the consistency check is off), for messages about who is late."""
         self._mine[ENTERED] = seq
 
-    def wait_words(self, word, target, seq, what, deadline):
+    def wait_words(self, word, target, wait):
         """Wait until every rank's ``word`` is at least ``target``, watching
-        for ranks leaving collective ``seq`` (``what``)."""
-        while True:
-            if self._ext is not None:
-                code = self._ext.wait_flags(self.words[word:], self.rank, self.size, STRIDE,
-                                            target, False, deadline, SLICE_S, self._gone,
-                                            STRIDE, seq)
+        for ranks leaving collective ``wait.seq``."""
+        seq, ext = wait.seq, self._ext
+
+        def step(slice_s):
+            if ext is not None:
+                code = ext.wait_flags(self.words[word:], self.rank, self.size, STRIDE, target,
+                                      False, wait.deadline, slice_s, self._gone, STRIDE, seq)
             else:
                 code = waiting.spin_py(self._lines[:, word], target, self._lines[:, GONE], seq,
-                                       self.rank, waiting.slice_end(deadline))
-            if code == 0:
-                return
-            if code <= -2:
-                raise self._left(-2 - code, seq, what)
-            self.check_waiting(seq, what, deadline)
+                                       self.rank, slice_s)
+            return None if code == -1 else code
 
-    def _disagree(self, seq, what, error, describe, deadline):
+        code = waiting.until(step, wait)
+        if code <= -2:
+            raise self._left(-2 - code, seq, wait.what)
+
+    def _disagree(self, wait, error, describe):
         """Fingerprints differ (or a rank rejected its arguments): exchange
         texts and raise on every rank."""
+        seq, what = wait.seq, wait.what
         text = ("ERROR " + str(error)) if error is not None else describe()
         self.write_text(text)
         self._mine[TEXT_SEQ] = seq
-        self.wait_words(TEXT_SEQ, seq, seq, what, deadline)
+        self.wait_words(TEXT_SEQ, seq, wait)
         at = SLOT + (seq & 1) * SLOT_WORDS
         rows = [(tuple(self._lines[r, at:at + 2]), self.read_text(r)) for r in range(self.size)]
         failure = consistency.disagreement(self.rank, seq, what, rows,
@@ -206,16 +210,17 @@ class StatusBoard:
         raise failure
 
     # -- watching the others ---------------------------------------------------------
-    def check_waiting(self, seq, what, deadline, entering=False):
-        """Called between slices of a wait in collective ``seq`` (``entering``:
-        the wait for every rank to enter it): raise when the deadline passed
-        or a rank died; warn once after :attr:`warn_after` seconds."""
+    def check_waiting(self, wait, late=None):
+        """Called between the steps of a wait in collective ``wait.seq``
+        (see :meth:`Wait.check <commlib.faults.waiting.Wait.check>`): raise
+        when a rank among ``late`` (the ranks that had not arrived; every
+        other rank when None) left or died, or the deadline passed; say once,
+        after :attr:`warn_after` seconds, whom this rank waits for."""
+        seq, what, deadline = wait.seq, wait.what, wait.deadline
         now = time.monotonic()
-        late = self.not_arrived(seq) if entering else None
         self.check_peers(seq, what, late)
         if deadline is not None and now >= deadline:
-            raise self.give_up(seq, what, CollectiveTimeoutError,
-                               self.timeout_text(seq, what, late), late or ())
+            raise wait.timeout(late)
         if self.warn_after is not None and late:
             since = self._mine[SLOT + (seq & 1) * SLOT_WORDS + 3]
             if since and now - since * 1e-9 > self.warn_after:
@@ -290,7 +295,7 @@ class StatusBoard:
         culprits = (blamed if blamed >= 0 else r,)
         hint = ""
         if uneven:
-            counts = settled_counts(self, seq, leaving=False)
+            counts = self.settled_counts(seq, leaving=False)
             culprits = uneven_culprits(counts)
             hint = "; uneven number of steps: %s (every rank must call the same collectives)" \
                 % steps_text(counts, culprits, self.rank)
@@ -323,8 +328,7 @@ class StatusBoard:
         PeerError when a rank entered a later collective (uneven number of
         steps: this rank stopped early), left earlier or died, and
         CollectiveTimeoutError at the deadline naming the ranks still busy."""
-        pause = 1e-5
-        while True:
+        def step(_):
             busy = []
             for r in range(self.size):
                 line = self._lines[r]
@@ -332,7 +336,7 @@ class StatusBoard:
                 if r == self.rank or gone == completed + 1 and entered <= completed:
                     continue
                 if entered > completed:
-                    counts = settled_counts(self, completed, leaving=True)
+                    counts = self.settled_counts(completed, leaving=True)
                     culprits = uneven_culprits(counts)
                     raise PeerError(
                         "rank %d: this rank left after collective #%d but %s: uneven number "
@@ -348,14 +352,40 @@ class StatusBoard:
                                     % (self.rank, r, pid), culprits=(r,))
                 busy.append(r)
             if not busy:
-                return
+                return True
             if deadline is not None and time.monotonic() >= deadline:
                 raise CollectiveTimeoutError(
                     "rank %d: closing after collective #%d timed out waiting for %s"
                     % (self.rank, completed, "; ".join(self.where(r) for r in busy)),
                     culprits=busy)
-            time.sleep(pause)
-            pause = min(2e-3, pause * 2)
+            return None
+
+        waiting.until(step, waiting.Wait(rank=self.rank), pace="sleep")
+
+    def settled_counts(self, mine, leaving, wait_s=SETTLE_S):
+        """{rank: collectives it entered} once each rank's count is known
+        (it left, died, entered a collective after ``mine``, or, while this
+        rank waits inside collective ``mine`` (``leaving`` False), entered
+        ``mine`` too), or after ``wait_s`` seconds: ranks still on their way
+        are left out. This rank counts ``mine``."""
+        end = time.monotonic() + wait_s
+
+        def step(_):
+            counts, pending = {self.rank: mine}, False
+            for r in range(self.size):
+                if r == self.rank:
+                    continue
+                line = self._lines[r]
+                gone, entered = int(line[GONE]), int(line[ENTERED])   # one read each
+                pid = int(line[PID])
+                if (gone or entered > mine or (entered == mine and not leaving)
+                        or (pid and not _alive(pid))):
+                    counts[r] = entered
+                else:
+                    pending = True
+            return counts if not pending or time.monotonic() >= end else None
+
+        return waiting.until(step, waiting.Wait(rank=self.rank), pace="sleep")
 
     # -- text ------------------------------------------------------------------------
     def write_text(self, text, where=TEXT):
@@ -393,33 +423,3 @@ def steps_text(counts, culprits, me):
                                                                    item[1][0]))]
     blamed = "this rank" if tuple(culprits) == (me,) else ranks_text(culprits)
     return "%s; blaming %s" % (", ".join(parts), blamed)
-
-
-
-
-def settled_counts(board, mine, leaving, wait_s=SETTLE_S):
-    """On ``board`` (a :class:`StatusBoard`): {rank: collectives it
-    entered} once each rank's count is known
-    (it left, died, entered a collective after ``mine``, or, while this
-    rank waits inside collective ``mine`` (``leaving`` False), entered
-    ``mine`` too), or after ``wait_s`` seconds: ranks still on their way
-    are left out. This rank counts ``mine``."""
-    end = time.monotonic() + wait_s
-    pause = 1e-5
-    while True:
-        counts, pending = {board.rank: mine}, False
-        for r in range(board.size):
-            if r == board.rank:
-                continue
-            line = board._lines[r]
-            gone, entered = int(line[GONE]), int(line[ENTERED])   # one read each
-            pid = int(line[PID])
-            if (gone or entered > mine or (entered == mine and not leaving)
-                    or (pid and not _alive(pid))):
-                counts[r] = entered
-            else:
-                pending = True
-        if not pending or time.monotonic() >= end:
-            return counts
-        time.sleep(pause)
-        pause = min(2e-3, pause * 2)

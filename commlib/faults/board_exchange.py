@@ -9,6 +9,8 @@ more exchange, so a rank that closes while another enters a collective
 naming the ranks that have not arrived when a deadline passes, or noticing
 a rank that left without closing before the deadline.
 """
+import time
+
 import numpy as np
 
 from ..collective import consistency
@@ -36,8 +38,9 @@ class ExchangeBoard:
         self.transport.all_gather(mine, out, Wait(deadline, seq, what, None, self.rank))
         return out.reshape(self.size, -1)
 
-    def enter(self, seq, what, digest, deadline, error=None, describe=None):
+    def enter(self, wait, digest, error=None, describe=None):
         """As :meth:`StatusBoard.enter <commlib.faults.board.StatusBoard.enter>`."""
+        seq, what, deadline = wait.seq, wait.what, wait.deadline
         d0, d1 = ERROR_DIGEST if error is not None else digest
         rows = self._gather([seq, what, d0, d1], np.int64, seq, what, deadline)
         closed = [r for r in range(self.size) if rows[r, 1] == CLOSE]
@@ -73,6 +76,13 @@ class ExchangeBoard:
 
     def check_peers(self, seq, what, ranks=None):
         """Nothing to watch without shared memory."""
+
+    def check_waiting(self, wait, late=None):
+        """Between the steps of a wait: raise CollectiveTimeoutError once
+        ``wait``'s deadline passed (no peers to watch without shared
+        memory)."""
+        if wait.deadline is not None and time.monotonic() >= wait.deadline:
+            raise wait.timeout(late)
 
     def timeout_text(self, seq, what, late):
         return ("%s did not complete before its deadline (which ranks had not arrived is not "

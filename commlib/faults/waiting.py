@@ -1,13 +1,16 @@
-"""How a collective waits for its peers.
+"""How a collective waits for its peers: one bounded wait.
 
 The communicator hands every transport call (and every compression
 strategy) a :class:`Wait` instead of a bare deadline: the collective's
 deadline (``time.monotonic()`` seconds, or None for none), its sequence
-number and code, and the status board to watch. :func:`poll` is the one
-polling loop of the library: it calls ``done()`` back to back and, every
-:data:`commlib.faults.board.SLICE_S` seconds, lets :meth:`Wait.check` raise when the
-deadline passed or a peer left or died (Python runs signal handlers between
-polls too, so Ctrl-C ends a wait).
+number and code, and the status board to watch. :func:`until` is the one
+waiting loop of the library: it calls a step (an MPI request's test, a
+compiled spin on words in shared memory, a look at the status board) until
+the step has an answer and, every :data:`CHECK_EVERY_S` seconds, lets
+:meth:`Wait.check` raise when the deadline passed or a peer left or died
+(Python runs signal handlers between steps, so Ctrl-C ends a wait). How
+often it looks and whether it sleeps in between depends on the thread
+(:func:`set_relaxed`, :func:`set_background`), never on the step.
 """
 import os
 import threading
@@ -64,18 +67,18 @@ class Backoff:
     (or longer while the thread's background says so, see
     :func:`set_background`); none either (and back to the shortest) while
     the thread is not relaxed (:func:`relaxed`: the caller's thread waits
-    for this work)."""
+    for this work), unless it sleeps ``always``."""
 
     __slots__ = ("_calls", "_sleep")
 
     def __init__(self):
         self._calls, self._sleep = 0, RELAXED_SLEEP_S[0]
 
-    def pause(self):
+    def pause(self, always=False):
         self._calls += 1
         if self._calls <= RELAXED_SPINS:
             return
-        if not relaxed():
+        if not (always or relaxed()):
             self._sleep = RELAXED_SLEEP_S[0]
             return
         longest = RELAXED_SLEEP_S[1]
@@ -102,11 +105,13 @@ class Wait:
     def check(self, late=None):
         """Raise PeerError when a peer left or died, CollectiveTimeoutError
         when the deadline passed (naming ``late``: the ranks known not to
-        have arrived, if any)."""
+        have arrived, if any); the status board also says once, after a
+        while, whom this rank waits for (see
+        :meth:`~commlib.faults.board.StatusBoard.check_waiting`)."""
         board = self.board
         if board is not None:
-            board.check_peers(self.seq, self.what)
-        if self.deadline is not None and time.monotonic() >= self.deadline:
+            board.check_waiting(self, late)
+        elif self.deadline is not None and time.monotonic() >= self.deadline:
             raise self.timeout(late)
 
     def timeout(self, late=None):
@@ -123,115 +128,87 @@ class Wait:
             "not called it" % (self.rank, label(self.what, self.seq)), culprits=late or ())
 
 
-class SleepingWaits:
-    """The compiled waits of ``ext`` (``commlib._hostloops``: ``board_enter``,
-    ``wait_flags``) with the same arguments and results, for a relaxed
-    thread or one with a background poll (:func:`background`): each call
-    spins only briefly in C at a time (deadline and slice set to zero),
-    calls the background poll and sleeps with backoff between (relaxed
-    only), until the slice it was given has passed."""
-
-    def __init__(self, ext):
-        self._ext = ext
-
-    def __getattr__(self, name):
-        return getattr(self._ext, name)
-
-    def board_enter(self, words, stride, nranks, rank, entered_at, gone_at, slot_at, seq,
-                    d0, d1, what, when, publishing, deadline, slice_s):
-        def once(publishing, deadline, slice_s):
-            return self._ext.board_enter(words, stride, nranks, rank, entered_at, gone_at,
-                                         slot_at, seq, d0, d1, what, when, publishing,
-                                         deadline, slice_s)
-        return _in_short_spins(once, publishing, deadline, slice_s)
-
-    def wait_flags(self, flags, rank, nranks, stride, seq, first, deadline, slice_s, gone,
-                   gone_stride, board_seq):
-        def once(first, deadline, slice_s):
-            return self._ext.wait_flags(flags, rank, nranks, stride, seq, first, deadline,
-                                        slice_s, gone, gone_stride, board_seq)
-        return _in_short_spins(once, first, deadline, slice_s)
-
-
-def _in_short_spins(once, publish, deadline, slice_s):
-    """Call ``once(publish, deadline, slice_s)`` with no deadline and no
-    slice (one look in C) until it returns other than -1 or ``slice_s``
-    (or the deadline) passed, publishing only the first time; the thread's
-    background poll and a backoff sleep between calls."""
-    until = time.monotonic() + slice_s
-    if deadline is not None:
-        until = min(until, deadline)
-    backoff, poll = Backoff(), background()
-    while True:
-        code = once(publish, 0.0, 0.0)
-        if code != -1 or time.monotonic() >= until:
-            return code
-        publish = False
-        if poll is not None:
-            poll()
-        backoff.pause()
-
-
 #: a Wait with no deadline and nothing to watch
 FOREVER = Wait()
 
 
-def poll(done, wait):
-    """Call ``done()`` until it returns True, checking ``wait`` every
-    :data:`CHECK_EVERY_S` seconds; relaxed (:func:`relaxed`) with sleeps
-    between polls; calling the thread's :func:`background` poll between
-    polls. While tracing, a wait that polled is a ``wait for peers`` event."""
-    start = trace.now() if trace.ON else 0.0
+def until(step, wait, late=None, pace="auto"):
+    """Call ``step(slice_s)`` until it returns something other than None,
+    and return that: the one bounded wait of the library.
+
+    ``step`` looks once, or spins (in C, without the GIL) for up to
+    ``slice_s`` seconds, and returns None while the wait goes on; it may
+    raise. Between its calls the thread's :func:`background` poll runs; a
+    relaxed thread (:func:`relaxed`, ``pace="auto"``) or a wait of
+    ``pace="sleep"`` sleeps between them with backoff (:class:`Backoff`),
+    and its steps get no slice (one look each), as they do while there is a
+    background poll; and every :data:`CHECK_EVERY_S` seconds
+    ``wait.check(late())`` raises when ``wait``'s deadline passed or a peer
+    left or died (``late``: a callable naming the ranks known not to have
+    arrived, or None). While tracing, a wait that did not find its answer
+    at once is a ``wait for peers`` event of ``wait.rank`` (none for
+    :data:`FOREVER`, which has no rank).
+
+    Args:
+        step: a callable of one float, the seconds it may spin.
+        wait: the collective's :class:`Wait`.
+        late: None, or a callable returning the ranks that have not arrived.
+        pace: ``"auto"`` (as the thread is), ``"sleep"`` (a wait nobody
+            hurries, such as ``close``'s) or ``"spin"`` (never sleeps, full
+            slices: the peers are known to follow within microseconds, as
+            in the shared-memory reducer's synchronisations).
+
+    Returns:
+        What ``step`` returned.
+
+    Raises:
+        CollectiveTimeoutError, PeerError: from :meth:`Wait.check`.
+        Whatever ``step`` or the background poll raises.
+    """
+    result = step(0.0)
+    if result is not None:
+        return result
+    start = trace.now() if trace.ON and wait is not FOREVER else 0.0
     clock = time.monotonic
-    next_check = clock() + CHECK_EVERY_S
-    polls = 0
-    backoff = Backoff() if relaxed() else None
     poll = background()
-    while not done():
-        polls += 1
+    backoff = Backoff() if pace == "sleep" or (pace == "auto" and relaxed()) else None
+    slice_s = 0.0 if backoff is not None or (poll is not None and pace == "auto") \
+        else CHECK_EVERY_S
+    next_check = clock() + CHECK_EVERY_S
+    steps = 0
+    while True:
+        steps += 1
         if poll is not None:
             poll()
         if backoff is not None:
-            backoff.pause()
-            if clock() >= next_check:
-                wait.check()
-                next_check = clock() + CHECK_EVERY_S
-        elif polls % _POLLS_PER_CLOCK == 0 and clock() >= next_check:
-            wait.check()
+            backoff.pause(always=pace == "sleep")
+        if (slice_s or backoff is not None or steps % _POLLS_PER_CLOCK == 0) \
+                and clock() >= next_check:
+            wait.check(None if late is None else late())
             next_check = clock() + CHECK_EVERY_S
-    if start and polls:
-        trace.peer_wait(wait.rank, start)
+        result = step(slice_s)
+        if result is not None:
+            if start:
+                trace.peer_wait(wait.rank, start)
+            return result
 
 
-def spin_py(words, target, gone, seq, rank, until, may_sleep=True):
+def spin_py(words, target, gone, seq, rank, slice_s):
     """Python twin of the compiled wait (``commlib/native/flag_wait.c``):
     ``words`` and ``gone`` are per-rank numpy views (``gone`` may be None).
     Returns 0 when every other rank's word reached ``target``, -2 - r when
-    rank r left (``0 < gone[r] <= seq``), -1 once ``until`` passed. On a
-    relaxed thread (:func:`relaxed`) it sleeps between polls instead of
-    yielding, unless ``may_sleep`` is False; it calls the thread's
-    :func:`background` poll now and then."""
+    rank r left (``0 < gone[r] <= seq``), -1 once ``slice_s`` seconds
+    passed (after one look when it is 0); yields the CPU between looks
+    after a while, as the compiled wait does."""
+    end = time.monotonic() + slice_s
     polls = 0
-    backoff = Backoff() if may_sleep and relaxed() else None
-    poll = background()
     for r in range(len(words)):
         while r != rank and words[r] < target:
             if gone is not None and 0 < gone[r] <= seq:
                 return -2 - r
             polls += 1
-            if poll is not None and polls % _POLLS_PER_CLOCK == 0:
-                poll()
-            if backoff is not None or polls > _SPINS:
-                if backoff is not None:
-                    backoff.pause()
-                else:
-                    os.sched_yield()
-                if time.monotonic() >= until:
+            if polls > _SPINS or slice_s <= 0:
+                if time.monotonic() >= end:
                     return -1
+                os.sched_yield()
     return 0
-
-
-def slice_end(deadline):
-    """When a wait's next slice ends: :data:`CHECK_EVERY_S` from now, or the deadline."""
-    until = time.monotonic() + CHECK_EVERY_S
-    return until if deadline is None else min(until, deadline)

@@ -7,7 +7,8 @@
 #include "streaming.h"
 
 enum { T_FLOAT32 = COMMLIB_T_FLOAT32, T_FLOAT64 = COMMLIB_T_FLOAT64,
-       T_INT32 = COMMLIB_T_INT32, T_INT64 = COMMLIB_T_INT64 };
+       T_INT32 = COMMLIB_T_INT32, T_INT64 = COMMLIB_T_INT64,
+       T_FLOAT16 = COMMLIB_T_FLOAT16, T_BFLOAT16 = COMMLIB_T_BFLOAT16 };
 enum { OP_SUM = COMMLIB_OP_SUM, OP_PROD = COMMLIB_OP_PROD, OP_MAX = COMMLIB_OP_MAX };
 
 /* numpy's semantics: integers wrap (computed unsigned, so no undefined
@@ -41,9 +42,22 @@ DEFINE_COMBINE(int32, int32_t, uint32_t, MAX_INT, MIN_INT)
 DEFINE_COMBINE(int64, int64_t, uint64_t, MAX_INT, MIN_INT)
 DEFINE_COMBINE(uint8, uint8_t, uint32_t, MAX_INT, MIN_INT)
 
+/* float16 / bfloat16: out = narrow(op(widen(x), widen(y))) by commlib_cast
+ * (hostcast.c), whose operation codes follow the host reduction's. */
+static void combine_half(int type, int op, char *out, const char *x, const char *y,
+                         Py_ssize_t len)
+{
+    static const int cast_ops[] = {CAST_OP_SUM, CAST_OP_PROD, CAST_OP_MAX, CAST_OP_MIN};
+    const int fmt = type == T_FLOAT16 ? CAST_F16 : CAST_BF16;
+    if (out != x)
+        memcpy(out, x, (size_t)len * 2);
+    commlib_cast(y, fmt, out, fmt, len, 1.0f, 0, cast_ops[op]);
+}
+
 static void combine(int type, int op, char *out, const char *x, const char *y, Py_ssize_t len)
 {
     switch (type) {
+    case T_FLOAT16: case T_BFLOAT16: combine_half(type, op, out, x, y, len); break;
     case T_FLOAT32: combine_float32(op, (float *)out, (const float *)x, (const float *)y, len); break;
     case T_FLOAT64: combine_float64(op, (double *)out, (const double *)x, (const double *)y, len); break;
     case T_INT32: combine_int32(op, (int32_t *)out, (const int32_t *)x, (const int32_t *)y, len); break;
@@ -52,10 +66,14 @@ static void combine(int type, int op, char *out, const char *x, const char *y, P
     }
 }
 
-/* out[j] *= scale, in the element type (as numpy's `out *= scale`). */
+/* out[j] *= scale, in the element type (as numpy's `out *= scale`; the half
+ * formats widened, scaled in float32 and rounded back, as commlib_cast). */
 static void scale_floats(int type, char *out, Py_ssize_t len, double scale)
 {
-    if (type == T_FLOAT32) {
+    if (type == T_FLOAT16 || type == T_BFLOAT16) {
+        const int fmt = type == T_FLOAT16 ? CAST_F16 : CAST_BF16;
+        commlib_cast(out, fmt, out, fmt, len, (float)scale, 1, CAST_OP_NONE);
+    } else if (type == T_FLOAT32) {
         float s = (float)scale, *o = (float *)out;
         for (Py_ssize_t j = 0; j < len; ++j)
             o[j] *= s;

@@ -118,9 +118,11 @@ static PyObject *py_reduce_share(PyObject *self, PyObject *const *args, Py_ssize
     int streaming = PyObject_IsTrue(args[10]);
     if (PyErr_Occurred())
         return NULL;
+    /* the element size of each type code (native.h) */
+    static const Py_ssize_t type_size[COMMLIB_T_COUNT] = {4, 8, 4, 8, 1, 2, 2};
     PyArray_Descr *descr = first_descr(parts);
     if (descr == NULL || !PyTuple_Check(slots) || type < 0 || type >= COMMLIB_T_COUNT || op < 0
-            || op >= COMMLIB_OP_COUNT || itemsize <= 0 || itemsize > 8 || begin < 0
+            || op >= COMMLIB_OP_COUNT || itemsize != type_size[type] || begin < 0
             || begin > end || begin % itemsize || end % itemsize)
         return PyLong_FromLong(-1);
     Py_ssize_t nranks = PyTuple_GET_SIZE(slots);
@@ -175,6 +177,80 @@ static PyObject *py_same_items(PyObject *self, PyObject *const *args, Py_ssize_t
         if (x[i] != y[i])
             Py_RETURN_FALSE;
     Py_RETURN_TRUE;
+}
+
+/* first_readonly(items) -> the index of the first numpy array of the list
+ * or tuple `items` that is not writeable, or -1. */
+static PyObject *py_first_readonly(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (check_nargs("first_readonly", nargs, 1))
+        return NULL;
+    PyObject *items = args[0];
+    if (!PyTuple_Check(items) && !PyList_Check(items))
+        return PyLong_FromLong(-2);
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(items);
+    PyObject **x = PySequence_Fast_ITEMS(items);
+    for (Py_ssize_t i = 0; i < n; ++i)
+        if (PyArray_Check(x[i]) && !PyArray_ISWRITEABLE((PyArrayObject *)x[i]))
+            return PyLong_FromSsize_t(i);
+    return PyLong_FromLong(-1);
+}
+
+typedef struct {
+    uintptr_t start, end;
+    Py_ssize_t index;
+} extent;
+
+static int by_start(const void *a, const void *b)
+{
+    const extent *x = (const extent *)a, *y = (const extent *)b;
+    if (x->start != y->start)
+        return x->start < y->start ? -1 : 1;
+    return x->index < y->index ? -1 : (x->index > y->index);
+}
+
+/* first_overlap(items) -> (i, j), i < j, of two C-contiguous numpy arrays of
+ * `items` (a list or tuple of C-contiguous numpy arrays) whose memory meets,
+ * or None; -1 when an item is not such an array. Empty arrays hold no memory. */
+static PyObject *py_first_overlap(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (check_nargs("first_overlap", nargs, 1))
+        return NULL;
+    PyObject *items = args[0];
+    if (!PyTuple_Check(items) && !PyList_Check(items))
+        return PyLong_FromLong(-1);
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(items), m = 0;
+    PyObject **x = PySequence_Fast_ITEMS(items);
+    extent *e = PyMem_Malloc((size_t)(n > 0 ? n : 1) * sizeof(extent));
+    if (e == NULL)
+        return PyErr_NoMemory();
+    for (Py_ssize_t i = 0; i < n; ++i) {
+        if (!PyArray_Check(x[i]) || !PyArray_IS_C_CONTIGUOUS((PyArrayObject *)x[i])) {
+            PyMem_Free(e);
+            return PyLong_FromLong(-1);
+        }
+        PyArrayObject *a = (PyArrayObject *)x[i];
+        Py_ssize_t bytes = PyArray_NBYTES(a);
+        if (bytes <= 0)
+            continue;
+        e[m].start = (uintptr_t)PyArray_DATA(a);
+        e[m].end = e[m].start + (uintptr_t)bytes;
+        e[m].index = i;
+        ++m;
+    }
+    qsort(e, (size_t)m, sizeof(extent), by_start);
+    Py_ssize_t furthest = 0;
+    for (Py_ssize_t k = 1; k < m; ++k) {
+        if (e[k].start < e[furthest].end) {
+            Py_ssize_t i = e[furthest].index, j = e[k].index;
+            PyMem_Free(e);
+            return Py_BuildValue("(nn)", i < j ? i : j, i < j ? j : i);
+        }
+        if (e[k].end > e[furthest].end)
+            furthest = k;
+    }
+    PyMem_Free(e);
+    Py_RETURN_NONE;
 }
 
 /* The memory of a 1-D array of at least `words` 8-byte elements that waits
@@ -538,6 +614,8 @@ static PyMethodDef methods[] = {
     {"copy", (PyCFunction)(void (*)(void))py_copy, METH_FASTCALL, NULL},
     {"reduce_share", (PyCFunction)(void (*)(void))py_reduce_share, METH_FASTCALL, NULL},
     {"same_items", (PyCFunction)(void (*)(void))py_same_items, METH_FASTCALL, NULL},
+    {"first_readonly", (PyCFunction)(void (*)(void))py_first_readonly, METH_FASTCALL, NULL},
+    {"first_overlap", (PyCFunction)(void (*)(void))py_first_overlap, METH_FASTCALL, NULL},
     {"wait_flags", (PyCFunction)(void (*)(void))py_wait_flags, METH_FASTCALL, NULL},
     {"board_enter", (PyCFunction)(void (*)(void))py_board_enter, METH_FASTCALL, NULL},
     {"cast", (PyCFunction)(void (*)(void))py_cast, METH_FASTCALL, NULL},

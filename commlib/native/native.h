@@ -12,8 +12,11 @@ void commlib_copy(const commlib_span *spans, Py_ssize_t n, char *flat, int to_ar
                   Py_ssize_t skip_begin, Py_ssize_t skip_end, Py_ssize_t total, int streaming);
 
 /* hostreduce.c */
+/* float16 and bfloat16 (uint16 bits) are reduced as commlib_cast does:
+ * both sides widened to float32, the op there, rounded back to nearest even
+ * with the canonical NaN, at every step in rank order. */
 enum { COMMLIB_T_FLOAT32, COMMLIB_T_FLOAT64, COMMLIB_T_INT32, COMMLIB_T_INT64,
-       COMMLIB_T_UINT8, COMMLIB_T_COUNT };
+       COMMLIB_T_UINT8, COMMLIB_T_FLOAT16, COMMLIB_T_BFLOAT16, COMMLIB_T_COUNT };
 enum { COMMLIB_OP_SUM, COMMLIB_OP_PROD, COMMLIB_OP_MAX, COMMLIB_OP_MIN, COMMLIB_OP_COUNT };
 void commlib_reduce_share(const commlib_span *spans, Py_ssize_t n, Py_ssize_t itemsize,
                           int type, int op, char *const *slots, int nranks, int rank, char *result,

@@ -21,17 +21,7 @@ available = native.available
 unavailable_reason = native.unavailable_reason
 
 
-def _copy(arrays, buf, to_arrays, skip, streaming=False):
-    ext = native.module()
-    if ext is None:
-        raise BackendUnavailableError(native.unavailable_reason())
-    itemsize = arrays[0].dtype.itemsize if arrays and type(arrays[0]) is np.ndarray else 1
-    begin, end = (0, 0) if skip is None else skip
-    return ext.copy(arrays, buf, itemsize, to_arrays, begin * itemsize, end * itemsize,
-                    streaming) >= 0
-
-
-def gather(arrays, out, skip=None, streaming=False):
+def gather(arrays, out, skip=None, streaming=False, to_arrays=0):
     """Copy ``arrays`` (a tuple or list of C-contiguous numpy arrays of one
     dtype) into ``out`` (a writeable C-contiguous numpy array of that dtype,
     at least their total size) back to back, as
@@ -41,15 +31,22 @@ def gather(arrays, out, skip=None, streaming=False):
     reads next; see ``commlib/native/streaming.h``). Returns True, or False
     with nothing copied when an array does not qualify or they do not fit.
     Raises :class:`~commlib.errors.ArrayTypeError` when ``out`` is not a
-    writeable C-contiguous numpy array."""
-    return _copy(arrays, out, 0, skip, streaming)
+    writeable C-contiguous numpy array, BackendUnavailableError without the
+    compiled loops. ``to_arrays=1`` copies the other way (:func:`scatter`)."""
+    ext = native.module()
+    if ext is None:
+        raise BackendUnavailableError(native.unavailable_reason())
+    itemsize = arrays[0].dtype.itemsize if arrays and type(arrays[0]) is np.ndarray else 1
+    begin, end = (0, 0) if skip is None else skip
+    return ext.copy(arrays, out, itemsize, to_arrays, begin * itemsize, end * itemsize,
+                    streaming) >= 0
 
 
 def scatter(src, arrays, skip=None):
     """The reverse of :func:`gather`: consecutive pieces of ``src`` go into
     the (writeable) arrays, except elements [begin, end) of ``skip``.
     Returns True, or False with nothing copied."""
-    return _copy(arrays, src, 1, skip)
+    return gather(arrays, src, skip, False, 1)
 
 
 def gather_any(arrays, out):

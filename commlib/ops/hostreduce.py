@@ -6,32 +6,43 @@ elements ``[lo, hi)`` of every rank's slot. Its own contribution to that
 range never needs to pass through its slot: :func:`reduce_share` reads it
 from the arrays, and writes the result both to the shared result region and
 back into the arrays, so rank r neither packs nor unpacks its own share.
-Results are bit-identical to the numpy ufunc reduction in rank order.
+Results are bit-identical to the numpy ufunc reduction in rank order; for
+float16 and bfloat16 (bfloat16 as ``ml_dtypes`` arrays, or uint16 bits with
+``fmt="bfloat16"``) to :func:`commlib.ops.hostcast.reduce_into` in rank
+order (each step widened to float32 and rounded back to nearest even).
 """
+
+import numpy as np
 
 from ..errors import CommlibError
 from . import native
 
-_TYPES = {"float32": 0, "float64": 1, "int32": 2, "int64": 3, "uint8": 4}
+_TYPES = {"float32": 0, "float64": 1, "int32": 2, "int64": 3, "uint8": 4, "float16": 5,
+          "bfloat16": 6}
+#: the type code of uint16 bits of bfloat16 (``fmt="bfloat16"``)
+BFLOAT16_BITS = 6
 _OPS = {"sum": 0, "prod": 1, "max": 2, "min": 3}
 _codes = {}             # numpy dtype -> type code, or -1 (dtype.name is slow)
 
 
-def _type_code(dtype):
+def _type_code(dtype, fmt=None):
+    if fmt is not None:
+        return BFLOAT16_BITS if fmt == "bfloat16" and dtype == np.uint16 else -1
     code = _codes.get(dtype)
     if code is None:
         code = _codes[dtype] = _TYPES.get(dtype.name, -1) if dtype.isnative else -1
     return code
 
 
-def supports(dtype, op):
-    """Whether :func:`reduce_share` takes ``dtype`` (numpy dtype) and ``op``
-    and the compiled module is available. float16 and bfloat16 are not
-    taken (numpy reduces them)."""
-    return _type_code(dtype) >= 0 and op in _OPS and native.available()
+def supports(dtype, op, fmt=None):
+    """Whether :func:`reduce_share` takes ``dtype`` (numpy dtype) holding
+    ``fmt`` (None, or ``"bfloat16"`` for uint16 bits) and ``op``, and the
+    compiled module is available."""
+    return _type_code(dtype, fmt) >= 0 and op in _OPS and native.available()
 
 
-def reduce_share(parts, slots, rank, result, begin, end, op, scale=None, streaming=False):
+def reduce_share(parts, slots, rank, result, begin, end, op, scale=None, streaming=False,
+                 fmt=None):
     """Reduce elements ``[begin, end)`` of a bucket over all ranks.
 
     ``parts``: this rank's arrays (tuple or list of C-contiguous writeable
@@ -42,7 +53,8 @@ def reduce_share(parts, slots, rank, result, begin, end, op, scale=None, streami
     ``op`` (``"sum"``, ``"prod"``, ``"max"``, ``"min"``), times ``scale``
     (float, floating dtypes only) if given, and is written to ``result``
     (with non-temporal stores when ``streaming``: see
-    ``commlib/native/streaming.h``) and into ``parts``. Raises
+    ``commlib/native/streaming.h``) and into ``parts``. ``fmt``:
+    ``"bfloat16"`` when the arrays are uint16 bits of bfloat16. Raises
     :class:`~commlib.errors.CommlibError` when an argument does not qualify
     (nothing is written then).
     """
@@ -51,7 +63,7 @@ def reduce_share(parts, slots, rank, result, begin, end, op, scale=None, streami
     done = -1
     if ext is not None:
         size = dtype.itemsize
-        done = ext.reduce_share(parts, slots, rank, result, size, _type_code(dtype),
+        done = ext.reduce_share(parts, slots, rank, result, size, _type_code(dtype, fmt),
                                 _OPS.get(op, -1), begin * size, end * size,
                                 None if scale is None else float(scale), streaming)
     if done < 0:

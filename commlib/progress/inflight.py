@@ -39,6 +39,24 @@ def now(fn):
     fn()
 
 
+def start(progress, transport, items, wait):
+    """For an all-reduce of ``items`` (numpy arrays) over ``transport``
+    executing on ``progress``'s thread: an :class:`InFlight` (registered
+    with ``progress``, with ``wait``, the collective's own) when its data
+    phase may leave its requests in flight: pipelining on, a transport that
+    :meth:`~commlib.transport.base.Transport.defers` them, and no memory
+    shared with a collective in flight (else None: it runs whole, after
+    them)."""
+    if not progress.may_defer() or not transport.defers(items[0]):
+        return None
+    flight = InFlight(wait, holds=items)
+    earlier = progress.in_flight()
+    if earlier and any(overlap(flight.spans(), f.spans()) for f in earlier):
+        return None
+    progress.defer(flight)
+    return flight
+
+
 class InFlight:
     """One started collective: its ``parts`` (objects with ``test()``, True
     once complete and raising on failure, and ``abandon()``), in the order

@@ -31,7 +31,7 @@ import ctypes
 import threading
 import time
 
-from .. import trace
+from .. import interop, trace
 from ..faults import waiting
 from ..errors import ClosedError
 from .inflight import Pacer
@@ -190,6 +190,22 @@ class GpuOrder:
     def order_after(self):
         if self._completed is not None:
             self._cupy.cuda.get_current_stream().wait_event(self._completed)
+
+
+def gpu_order(session, arrays):
+    """A :class:`GpuOrder` for an asynchronous collective of ``session`` (a
+    communicator's :class:`~commlib.collective.session.Session`: its
+    ``device`` and the ``side`` stream it makes here on first use) when
+    ``arrays`` (an array or a list) hold cupy arrays (or another
+    framework's CUDA arrays); else None."""
+    items = arrays if isinstance(arrays, (list, tuple)) else [arrays]
+    if session.device is None or arrays is None or not any(map(interop.on_gpu, items)):
+        return None
+    import cupy
+    if session.side is None:
+        with cupy.cuda.Device(session.device):
+            session.side = cupy.cuda.Stream(non_blocking=True)
+    return GpuOrder(cupy, session.device, session.side)
 
 
 class Progress:

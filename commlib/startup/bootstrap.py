@@ -203,25 +203,6 @@ def nccl_segment(nccl_id, size, nbytes):
 # constructor other than the options (rank, size, local rank and size,
 # device, transports, status board, shared segment).
 
-def check_options(bucket_bytes=None, check=None, timeout=None):
-    """The constructor options, checked and resolved against the environment
-    (``COMMLIB_CHECK``, the watch-dog variables).
-
-    Raises:
-        ArgumentError: ``bucket_bytes`` is not a positive int, or a timeout
-            is not positive seconds.
-        TypeError: an unknown option name.
-    """
-    if bucket_bytes is not None and (isinstance(bucket_bytes, bool)
-                                     or not isinstance(bucket_bytes, (int, np.integer))
-                                     or bucket_bytes < 1):
-        raise ArgumentError("bucket_bytes must be a positive int (bytes), got %r"
-                            % (bucket_bytes,))
-    return {"bucket_bytes": None if bucket_bytes is None else int(bucket_bytes),
-            "check": settings.flag(settings.CHECK, True) if check is None else bool(check),
-            "timeout": settings.timeout(timeout)}
-
-
 def gpu_count():
     import cupy
     return cupy.cuda.runtime.getDeviceCount()
@@ -267,7 +248,7 @@ def parts_from_mpi(mpi_comm, device, backend, options):
         comm.Free()
         raise
     return dict(parts, rank=rank, size=size, local_rank=local_rank, local_size=local_size,
-                device=device)
+                device=device, options={k: mine[k] for k in settings.OPTIONS})
 
 
 def _check_launch(MPI):
@@ -289,7 +270,7 @@ def _choices(rank, local_rank, local_size, device, backend, options):
         if backend not in (None, "mpi", "nccl"):
             raise ArgumentError("rank %d: backend must be None, 'mpi' or 'nccl', got %r"
                                 % (rank, backend))
-        mine = dict(check_options(**options), backend=backend,
+        mine = dict(settings.options(**options), backend=backend,
                     shm=settings.flag(settings.SHM, True), stores=settings.shm_stores())
         if backend != "mpi":
             reason = nccl_unavailable_reason()
@@ -302,8 +283,6 @@ def _choices(rank, local_rank, local_size, device, backend, options):
             device = default_device(local_rank)
     except CommlibError as exc:
         error = exc
-    except TypeError as exc:      # an unknown option name
-        error = ArgumentError("rank %d: %s" % (rank, exc))
     mine["nccl_usable"] = reason is None and backend != "mpi"
     return mine, error, device
 
@@ -341,7 +320,8 @@ def _mpi_transports(comm, rank, size, one_node, mine, use_nccl, device):
 
 
 def parts_from_nccl_id(nccl_id, rank, size, device, local_rank, local_size, options):
-    """The parts of :meth:`Communicator.from_nccl_id` (see there)."""
+    """The parts of :meth:`Communicator.from_nccl_id` (see there), with
+    its ``options`` (resolved, :func:`commlib.settings.options`)."""
     from ..faults.board import LINE_BYTES, StatusBoard
     from ..faults.board_exchange import ExchangeBoard
     if not isinstance(nccl_id, NcclId):
@@ -353,7 +333,6 @@ def parts_from_nccl_id(nccl_id, rank, size, device, local_rank, local_size, opti
     if size < 1 or not 0 <= rank < size:
         raise ArgumentError("rank=%d, size=%d: expected size >= 1 and 0 <= rank < size"
                             % (rank, size))
-    check_options(**options)
     reason = nccl_unavailable_reason()
     if reason is not None:
         raise BackendUnavailableError("rank %d: from_nccl_id needs NCCL: %s" % (rank, reason))
@@ -380,7 +359,7 @@ def parts_from_nccl_id(nccl_id, rank, size, device, local_rank, local_size, opti
         board = ExchangeBoard(nccl, rank, size)
     return dict(rank=rank, size=size, local_rank=local_rank, local_size=local_size,
                 device=device, routes={"numpy": nccl, "cupy": nccl}, board=board,
-                segment=segment)
+                segment=segment, options=options)
 
 
 def parts_single(device):

@@ -1,8 +1,8 @@
 """MPI transport (mpi4py): numpy buffers, and cupy buffers staged through host
 memory unless the MPI library is CUDA-aware.
 
-Every collective is issued in its non-blocking form and polled
-(:func:`commlib.faults.waiting.poll`) until done, so every rank uses the same form,
+Every collective is issued in its non-blocking form and tested
+(:func:`commlib.faults.waiting.until`) until done, so every rank uses the same form,
 a deadline can end the wait, a peer that leaves is noticed, and Ctrl-C
 interrupts it. A request given up on (deadline, a peer left, an interrupt)
 stays alive inside MPI: its buffers are kept referenced for the life of the
@@ -204,22 +204,23 @@ class MpiTransport(Transport):
         if spare is not None:
             self._spares.append(spare)
 
-    def _in_place(self, buf, owned, run, writes=True, copy_in=True, scale=None, defer=None):
-        """Call ``run(out, piece)`` for consecutive pieces of ``buf`` of at
-        most ``chunk_bytes``, the result going to ``out``: the piece itself
-        when ``owned`` (or ``writes`` is False), else a staging buffer,
-        filled with the piece first if ``copy_in``, and copied back times
-        ``scale`` (None: 1) after ``run`` returned, so a collective that
-        fails never writes into ``buf``. ``defer`` (an InFlight): ``run``
-        only starts the requests, and the copies back wait until every
-        request of the collective completed; each piece then has a staging
-        buffer of its own."""
+    def _pieces(self, buf, owned, writes=True, copy_in=True, scale=None, defer=None):
+        """Yield ``(out, piece)`` for consecutive pieces of ``buf`` of at
+        most ``chunk_bytes``; the caller runs its collective on each, the
+        result going to ``out``: the piece itself when ``owned`` (or
+        ``writes`` is False), else a staging buffer, filled with the piece
+        first if ``copy_in``, and copied back times ``scale`` (None: 1) when
+        the caller asks for the next piece, so a collective that fails (the
+        caller's loop raises) never writes into ``buf``. ``defer`` (an
+        InFlight): the caller only starts the requests, and the copies back
+        wait until every request of the collective completed; each piece
+        then has a staging buffer of its own."""
         after = now if defer is None else defer.then
         step = max(1, self.chunk_bytes // max(1, buf.itemsize))
         for start in range(0, buf.size, step):
             piece = buf[start:start + step] if buf.size > step else buf
             if owned or not writes:
-                run(piece, piece)
+                yield piece, piece
                 if writes and scale is not None:
                     after(partial(scale_in_place, piece, scale))
                 continue
@@ -232,7 +233,7 @@ class MpiTransport(Transport):
                 stage = spare[:piece.nbytes].view(piece.dtype)
             if copy_in:
                 stage[...] = piece
-            run(stage, piece)
+            yield stage, piece
             after(partial(self._copy_out, stage, piece, scale, spare))
 
     def _spec(self, buf):
@@ -254,7 +255,7 @@ class MpiTransport(Transport):
             defer.add(_Started(self, name, request, args))
             return
         try:
-            waiting.poll(request.Test, wait)
+            waiting.until(lambda _: request.Test() or None, wait)
         except BaseException as exc:
             self.abandon(request, args, name, type(exc).__name__)
             if isinstance(exc, MPI.Exception):
@@ -292,18 +293,17 @@ class MpiTransport(Transport):
             raise ValueError("a deferred all_reduce takes host buffers only")
         mop, mtype = _mpi_op(h.dtype, op, fmt), _mpi_type(h.dtype)
         IN_PLACE = mpi().IN_PLACE
-
-        def run(out, piece):       # a staged piece is sent from where it lies
+        for out, piece in self._pieces(h, owned or h is not buf, copy_in=False, scale=scale,
+                                       defer=defer):
+            # a staged piece is sent from where it lies
             self._call("Iallreduce", wait, IN_PLACE if out is piece else [piece, mtype],
                        [out, mtype], mop, defer=defer)
-
-        self._in_place(h, owned or h is not buf, run, copy_in=False, scale=scale, defer=defer)
         self._write_back(buf, h)
 
     def broadcast(self, buf, root, wait=waiting.FOREVER, owned=False):
         h = self._host(buf)
-        self._in_place(h, owned or h is not buf, lambda out, piece: self._call(
-            "Ibcast", wait, self._spec(out), root=root), writes=self.rank != root)
+        for out, _ in self._pieces(h, owned or h is not buf, writes=self.rank != root):
+            self._call("Ibcast", wait, self._spec(out), root=root)
         if self.rank != root:
             self._write_back(buf, h)
 
@@ -311,14 +311,11 @@ class MpiTransport(Transport):
         MPI = mpi()
         h = self._host(buf)
         mop = _mpi_op(h.dtype, op)
-
-        def run(out, piece):
+        for out, _ in self._pieces(h, owned or h is not buf, writes=self.rank == root):
             if self.rank == root:
                 self._call("Ireduce", wait, MPI.IN_PLACE, self._spec(out), mop, root=root)
             else:
                 self._call("Ireduce", wait, self._spec(out), None, mop, root=root)
-
-        self._in_place(h, owned or h is not buf, run, writes=self.rank == root)
         if self.rank == root:
             self._write_back(buf, h)
 

@@ -4,10 +4,12 @@ buffers are staged through device memory.
 Collectives are enqueued on the current cupy stream and return without a
 host synchronisation (stream order makes the result visible to later work on
 that stream). With a deadline, the call records an event and hands it to
-:class:`NcclWatch`, a daemon thread that polls the events in flight (and
-``check_async_error()``): when one misses its deadline, or a peer leaves the
-status board, it aborts the NCCL communicator so no kernel stays blocked,
-and the transport's next call raises. ``barrier`` waits on the host.
+:class:`NcclWatch`, a daemon thread that polls the events in flight and
+NCCL's asynchronous error (``check_async_error()``): when a collective
+misses its deadline (CollectiveTimeoutError), a peer leaves the status
+board (PeerError) or NCCL reports an error (TransportError, with NCCL's
+text), it aborts the NCCL communicator so no kernel stays blocked, and the
+transport's next call raises that error. ``barrier`` waits on the host.
 An aborted collective may leave partial sums in the arrays it was writing;
 nothing writes into them after the abort.
 """
@@ -18,7 +20,7 @@ import time
 from ..faults import waiting
 from ..startup.gpu import nccl_module
 from ..collective.consistency import label
-from ..errors import BackendUnavailableError, CollectiveTimeoutError, CommlibError
+from ..errors import BackendUnavailableError, CommlibError, TransportError
 from ..ops.arrays import is_cupy
 from .base import Transport, scale_in_place
 
@@ -59,13 +61,14 @@ class NcclWatch:
                         with self._lock:
                             self._pending.remove((event, wait))
                         continue
+                    self.transport.comm.check_async_error()
                     wait.check()
-                except CommlibError as exc:
+                except CommlibError as exc:      # a deadline passed, a peer left
                     self._fail(exc)
                     return
-                except Exception as exc:        # check_async_error and the like
-                    self._fail(CollectiveTimeoutError(
-                        "rank %d: NCCL failed in %s: %s"
+                except Exception as exc:        # NCCL's asynchronous error
+                    self._fail(TransportError(
+                        "rank %d: NCCL reported an error in %s: %s"
                         % (wait.rank, label(wait.what, wait.seq), exc)))
                     return
 
@@ -229,7 +232,7 @@ class NcclTransport(Transport):
                                 self._stream().ptr)
             self._finish(wait)
             event = self._stream().record()
-            waiting.poll(lambda: self.watch.check() or event.done, wait)
+            waiting.until(lambda _: self.watch.check() or event.done or None, wait)
 
     def close(self):
         """Destroy the NCCL communicator (abort it after a failure)."""

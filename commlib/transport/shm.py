@@ -3,9 +3,10 @@ ranks of one node.
 
 When every rank of a communicator lives on one node, the communicator
 reduces numpy arrays with :class:`SharedMemoryTransport`: all-reduces of at
-least :data:`MIN_BYTES` (a fused bucket straight from its arrays) go through
-shared memory, everything else (smaller ones, bfloat16 wires, cupy arrays,
-the other collectives) to the MPI transport it was given.
+least :data:`MIN_BYTES` (a fused bucket straight from its arrays) of every
+supported dtype, float16 and bfloat16 included, go through shared memory,
+everything else (smaller ones, cupy arrays, the other collectives) to the
+MPI transport it was given.
 
 :class:`SharedMemoryReducer` does the all-reduce, ``capacity_bytes`` at a
 time: each rank copies its data into its own slot of the shared memory,
@@ -14,7 +15,10 @@ all slots (in rank order) into a shared result region, the ranks synchronise
 again, and every rank copies the whole result region out. Every rank reads
 the same result bytes, so results are bit-identical across ranks, and each
 element is ``op(...op(op(x0, x1), x2)..., x(n-1))`` in rank order, computed
-in the data's dtype as the numpy ufunc does (deterministic from run to run).
+in the data's dtype as the numpy ufunc does (deterministic from run to run);
+float16 and bfloat16 (uint16 bits with ``fmt="bfloat16"``) as
+:func:`commlib.ops.hostcast.reduce_into`, the other transports' rounding:
+each step widened to float32 and rounded back to nearest even.
 
 The data is a list of arrays (a fused bucket's gradients, or one array):
 they are copied straight into the slot and out of the result, with no
@@ -58,7 +62,7 @@ import numpy as np
 from ..faults import waiting
 from ..collective.dtypes import UFUNCS, supported_fast
 from ..errors import ArgumentError, ArrayTypeError
-from ..ops import hostcopy, hostreduce, native
+from ..ops import hostcast, hostcopy, hostreduce, native
 from .base import Transport
 
 
@@ -80,6 +84,53 @@ _ALIGN = 4096             # alignment of slots and the result region, bytes
 
 def _round_up(x, to):
     return (x + to - 1) // to * to
+
+
+def _half(dtype, fmt):
+    """Whether ``dtype`` holding ``fmt`` is float16 or bfloat16."""
+    return fmt is not None or dtype.name in ("float16", "bfloat16")
+
+
+def _half_scale(scale, fmt):
+    """``scale`` rounded to the half format ``fmt`` (``"float16"`` or
+    ``"bfloat16"``), as numpy rounds a Python float that multiplies an array
+    of that dtype (``out *= scale``), as a float."""
+    if fmt == "float16":
+        return float(np.float16(scale))
+    bits = np.empty(1, np.uint16)
+    hostcast.cast_into(np.array([scale], np.float32), bits)
+    wide = np.empty(1, np.float32)
+    hostcast.cast_into(bits, wide)
+    return float(wide[0])
+
+
+def _scale(out, scale, fmt):
+    """``out *= scale`` in ``out``'s format (the half formats through
+    float32, rounded back as :func:`commlib.ops.hostcast.cast_into`; the
+    scale rounded to the format first, see :func:`_half_scale`)."""
+    if _half(out.dtype, fmt):
+        wire = out.reshape(-1).view(np.uint16) if fmt is not None else out.reshape(-1)
+        hostcast.cast_into(wire, wire, np.float32(scale))
+    else:
+        out *= scale
+
+
+def _reduce_share(slots, out, lo, hi, op, scale, fmt):
+    """Without the compiled share: elements ``[lo, hi)`` of every rank's
+    slot reduced into ``out`` in rank order (numpy's ufunc; the half formats
+    by :func:`commlib.ops.hostcast.reduce_into`), times ``scale``."""
+    with np.errstate(all="ignore"):      # overflow to inf is silent, as in MPI
+        if _half(out.dtype, fmt):
+            out[...] = slots[0][lo:hi]
+            for r in range(1, len(slots)):
+                hostcast.reduce_into(slots[r][lo:hi], out, op)
+        else:
+            ufunc = UFUNCS[op]
+            ufunc(slots[0][lo:hi], slots[1][lo:hi], out=out)
+            for r in range(2, len(slots)):
+                ufunc(out, slots[r][lo:hi], out=out)
+        if scale is not None:
+            _scale(out, scale, fmt)
 
 
 class SharedMemoryReducer:
@@ -178,7 +229,7 @@ class SharedMemoryReducer:
         ranks leaving end the wait)."""
         if self.sync == "barrier":
             request = self._comm.Ibarrier()
-            waiting.poll(request.Test, wait)
+            waiting.until(lambda _: request.Test() or None, wait)
             return
         stride = _LINE // 8
         board = wait.board
@@ -187,29 +238,28 @@ class SharedMemoryReducer:
         flags = self._control
         if ext is None:
             flags[self.rank * stride] = seq
-        first = True
-        # never relaxed (see waiting.relaxed): every rank is inside this
-        # collective, so the peers' flags follow within microseconds; a
-        # progress thread sleeping between these polls paid up to 0.5 ms per
-        # piece (two syncs per 2 MiB)
-        while True:
+        first = [True]
+
+        def step(slice_s):
             if ext is not None:      # spins in C, without the GIL
-                found = ext.wait_flags(flags, self.rank, self.size, stride, seq, first,
-                                       wait.deadline, waiting.CHECK_EVERY_S, gone, gone_stride,
-                                       wait.seq)
-                first = False
+                found = ext.wait_flags(flags, self.rank, self.size, stride, seq, first[0],
+                                       wait.deadline, slice_s, gone, gone_stride, wait.seq)
+                first[0] = False
             else:
                 found = waiting.spin_py(flags[:self.size * stride:stride], seq,
                                         None if gone is None else
                                         gone[:self.size * gone_stride:gone_stride],
-                                        wait.seq, self.rank, waiting.slice_end(wait.deadline),
-                                        may_sleep=False)
-            if found == 0:
-                return
+                                        wait.seq, self.rank, slice_s)
             if found <= -2:
                 board.check_peers(wait.seq, wait.what, [-2 - found])
-            late = [r for r in range(self.size) if flags[r * stride] < seq]
-            wait.check(late)
+            return True if found == 0 else None
+
+        # never sleeping (see waiting.until): every rank is inside this
+        # collective, so the peers' flags follow within microseconds; a
+        # progress thread sleeping between these looks paid up to 0.5 ms per
+        # piece (two syncs per 2 MiB)
+        waiting.until(step, wait, late=lambda: [r for r in range(self.size)
+                                                if flags[r * stride] < seq], pace="spin")
 
     def _views_for(self, dtype):
         """(slots, result) for ``dtype``: a tuple of every rank's slot, and
@@ -225,11 +275,12 @@ class SharedMemoryReducer:
         return found
 
     # -- the collective ----------------------------------------------------------
-    def all_reduce(self, buf, op, wait=waiting.FOREVER, scale=None):
+    def all_reduce(self, buf, op, wait=waiting.FOREVER, scale=None, fmt=None):
         """Reduce ``buf`` (1-D C-contiguous writeable numpy array, any length:
-        pieces of ``capacity_bytes`` one after the other) with ``op``
+        one window after the other, see :meth:`windows`) with ``op``
         (``"sum"``, ``"max"``, ``"min"``, ``"prod"``) over all ranks, in place,
-        times ``scale`` (float, or None for no scaling).
+        times ``scale`` (float, or None for no scaling); ``fmt="bfloat16"``:
+        ``buf`` is uint16 holding bfloat16 bits.
 
         Returns True when done, False (``buf`` untouched, no communication)
         when this reducer cannot take the call: not a numpy array or an
@@ -238,34 +289,50 @@ class SharedMemoryReducer:
         :class:`~commlib.faults.waiting.Wait`. A failure raises with each element
         of ``buf`` holding either its input or its result.
         """
-        if type(buf) is not np.ndarray:
+        if type(buf) is not np.ndarray or not self.takes(buf.dtype, 0, fmt):
             return False
         if buf.ndim != 1 or not buf.flags.c_contiguous or not buf.flags.writeable:
             raise ArrayTypeError("commlib: all_reduce needs a 1-D C-contiguous writeable array")
-        step = max(1, self.capacity_bytes // buf.itemsize)
-        for start in range(0, max(buf.size, 1), step):
-            piece = buf[start:start + step]
-            # False can only come on the first piece: nothing has been touched then
-            if not self.all_reduce_parts((piece,), piece.size, buf.dtype, op, scale, wait):
-                return False
+        for piece in self.windows(buf):
+            self.all_reduce_parts((piece,), piece.size, buf.dtype, op, scale, wait, fmt)
         return True
 
-    def all_reduce_parts(self, parts, count, dtype, op, scale=None, wait=waiting.FOREVER):
+    def windows(self, buf):
+        """``buf`` (1-D) as consecutive pieces of one window each (one
+        empty piece for an empty ``buf``)."""
+        step = max(1, self.capacity_bytes // buf.itemsize)
+        return [buf[start:start + step] for start in range(0, max(buf.size, 1), step)]
+
+    def takes(self, dtype, nbytes, fmt=None):
+        """Whether :meth:`all_reduce_parts` takes ``nbytes`` of ``dtype``
+        holding ``fmt`` (one window at most)."""
+        return nbytes <= self.capacity_bytes and (
+            supported_fast(dtype) if fmt is None else fmt == "bfloat16" and dtype == np.uint16)
+
+    def all_reduce_parts(self, parts, count, dtype, op, scale=None, wait=waiting.FOREVER,
+                         fmt=None):
         """All-reduce, in place, the concatenation of ``parts`` (a tuple or
         list of C-contiguous writeable numpy arrays of ``dtype``, ``count``
         elements in all, any shapes) and multiply it by ``scale`` (float, or
-        None for no scaling). Returns False, touching nothing, when the
-        reducer cannot take it (see :meth:`all_reduce`).
+        None for no scaling); ``fmt`` as in :meth:`all_reduce`. Returns
+        True, or False, touching nothing, when the reducer does not take
+        them (more than one window, an unsupported dtype: see :meth:`takes`).
+
+        Raises:
+            ArgumentError: ``op`` is unknown, or the reducer is closed;
+                nothing is touched.
         """
-        ufunc = UFUNCS.get(op)
-        if ufunc is None:
+        if op not in UFUNCS:
             raise ArgumentError("commlib: op must be one of %s, got %r" % (sorted(UFUNCS), op))
-        if not supported_fast(dtype) or count * dtype.itemsize > self.capacity_bytes:
+        if not self.takes(dtype, count * dtype.itemsize, fmt):
             return False
+        if scale is not None and _half(dtype, fmt):
+            # as numpy's `out *= scale` of a float16 (or bfloat16) array
+            scale = _half_scale(scale, fmt or dtype.name)
         if self.size == 1 or count == 0:
             if scale is not None:
                 for part in parts:
-                    part *= scale
+                    _scale(part, scale, fmt)
             return True
         if self._mem is None:
             raise ArgumentError("commlib: the shared-memory reducer is closed")
@@ -276,22 +343,17 @@ class SharedMemoryReducer:
         compiled = hostcopy.available()
         streaming = self.streaming
         # this rank's own share: straight from and to the parts, or via its slot
-        own = (lo, hi) if hostreduce.supports(dtype, op) else None
+        own = (lo, hi) if hostreduce.supports(dtype, op, fmt) else None
         if not (compiled and hostcopy.gather(parts, slot, own, streaming)):
             own = None
             hostcopy.gather_any(parts, slot)
         self._seq += 2
         self._wait_all(self._seq - 1, wait)
         if own is not None:
-            hostreduce.reduce_share(parts, slots, rank, result, lo, hi, op, scale, streaming)
+            hostreduce.reduce_share(parts, slots, rank, result, lo, hi, op, scale, streaming,
+                                    fmt)
         else:
-            out = result[lo:hi]
-            with np.errstate(all="ignore"):      # overflow to inf is silent, as in MPI
-                ufunc(slots[0][lo:hi], slots[1][lo:hi], out=out)
-                for r in range(2, n):
-                    ufunc(out, slots[r][lo:hi], out=out)
-                if scale is not None:
-                    out *= scale
+            _reduce_share(slots, result[lo:hi], lo, hi, op, scale, fmt)
         self._wait_all(self._seq, wait)
         if not (compiled and hostcopy.scatter(result, parts, own)):
             hostcopy.scatter_any(result, parts)
@@ -329,23 +391,26 @@ class SharedMemoryTransport(Transport):
         """Bytes of shared memory for ``size`` ranks."""
         return SharedMemoryReducer.bytes_needed(size, WINDOW_BYTES)
 
-    def _takes(self, buf):
-        return type(buf) is np.ndarray and buf.nbytes >= MIN_BYTES and supported_fast(buf.dtype)
+    def _takes(self, buf, fmt=None):
+        return type(buf) is np.ndarray and buf.nbytes >= MIN_BYTES and (
+            supported_fast(buf.dtype) if fmt is None else fmt == "bfloat16"
+            and buf.dtype == np.uint16)
 
-    def _run(self, method, *args):
-        """Run a reducer ``method``; a failure leaves this transport unusable."""
+    def all_reduce(self, buf, op, wait=waiting.FOREVER, fmt=None, owned=False, scale=None):
+        """See :meth:`Transport.all_reduce`: numpy buffers of at least
+        :data:`MIN_BYTES` in shared memory, window by window; the rest
+        through the MPI transport."""
+        if not self._takes(buf, fmt):
+            self.fallback.all_reduce(buf, op, wait, fmt, owned, scale)
+            return
         self.check_usable()
+        reducer = self.reducer
         try:
-            return method(*args)
+            for piece in reducer.windows(buf):
+                reducer.all_reduce_parts((piece,), piece.size, buf.dtype, op, scale, wait, fmt)
         except BaseException as exc:
             self.fail("all_reduce failed (%s)" % type(exc).__name__)
             raise
-
-    def all_reduce(self, buf, op, wait=waiting.FOREVER, fmt=None, owned=False, scale=None):
-        if fmt is None and self._takes(buf):
-            self._run(self.reducer.all_reduce, buf, op, wait, scale)
-        else:
-            self.fallback.all_reduce(buf, op, wait, fmt, owned, scale)
 
     def reduces_parts(self, buf):
         """Buckets of one window at most (larger ones are packed and reduced
@@ -353,8 +418,13 @@ class SharedMemoryTransport(Transport):
         return self._takes(buf) and buf.nbytes <= self.reducer.capacity_bytes
 
     def all_reduce_parts(self, parts, buf, op, scale, wait=waiting.FOREVER):
-        if not self._run(self.reducer.all_reduce_parts, parts, buf.size, buf.dtype, op, scale,
-                         wait):
+        self.check_usable()
+        try:
+            taken = self.reducer.all_reduce_parts(parts, buf.size, buf.dtype, op, scale, wait)
+        except BaseException as exc:
+            self.fail("all_reduce failed (%s)" % type(exc).__name__)
+            raise
+        if not taken:
             raise ArgumentError("commlib: the shared-memory transport cannot take a bucket of "
                                 "%d bytes of %s" % (buf.nbytes, buf.dtype))
 

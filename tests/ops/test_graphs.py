@@ -420,16 +420,18 @@ def test_a_steady_dense_call_is_two_graphs_and_a_collective_per_unit(gpu, monkey
                    for a in arrays)
 
 
-def test_dense_units_issued_together_are_one_bucket_event_while_tracing(gpu, monkeypatch):
+def test_dense_units_issued_together_are_a_bucket_event_each_while_tracing(gpu, monkeypatch):
     import types
-    from commlib.collective import fusion
+    from commlib.collective import collectives
     events = []
-    monkeypatch.setattr(fusion, "trace", types.SimpleNamespace(
+    monkeypatch.setattr(collectives, "trace", types.SimpleNamespace(
         ON=True, now=lambda: 1.0, bucket=lambda *a, **k: events.append((a, k))))
     xp = gpu.module
     arrays = [xp.ones(n, np.float32) for n in TOGETHER["sizes"]]
     with commlib.Communicator.single(device=0, bucket_bytes=TOGETHER["bucket_bytes"]) as comm:
         comm.all_reduce(arrays, op="sum")
-    # rank 0, the first unit's label (bucket 0), every unit's bytes, no strategy
+    # rank 0, each unit's label and bytes, no strategy: 4 KiB buckets of
+    # arrays 0, 1, 3 (742 floats) and 5, 6 (338); arrays 2 and 4 in place
     assert [(a[0], a[2], a[3], a[4]) for a, _ in events] == \
-        [(0, 0, 4 * sum(TOGETHER["sizes"]), None)], events
+        [(0, 0, 4 * 742, None), (0, 1, 4 * 338, None), (0, "direct 2", 4 * 2900, None),
+         (0, "direct 4", 4 * 6000, None)], events

@@ -223,10 +223,11 @@ def test_waits_call_the_background_poll_and_raise_its_error():
     waiting.set_background(poll)
     try:
         with pytest.raises(ClosedError, match="in flight failed"):
-            waiting.spin_py(words, 1, None, 1, 0, time.monotonic() + 5)
+            waiting.until(lambda s: None if waiting.spin_py(words, 1, None, 1, 0, s) == -1
+                          else True, waiting.Wait())
         calls.clear()
         with pytest.raises(ClosedError, match="in flight failed"):
-            waiting.poll(lambda: False, waiting.Wait())
+            waiting.until(lambda _: None, waiting.Wait())
     finally:
         waiting.set_background(None)
     assert waiting.background() is None
