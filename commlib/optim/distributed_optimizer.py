@@ -268,7 +268,7 @@ class DistributedOptimizer:
                 a clip_norm with a Partial compression; a group's bad hyperparameter.
             ArrayTypeError: ``grads`` that are no arrays.
             ConsistencyError: on every rank, naming the ranks and both values, when their
-                rule, groups' hyperparameters, loss scale, micro-batches or clip_norm differ
+                rule, hyperparameters, loss scale, nonfinite, micro-batches or clip_norm differ
                 (every all-reduce of an update carries them: ``agree=``).
             NonFiniteError: on every rank, with ``nonfinite="raise"``; also, unless
                 ``nonfinite="skip"``, from a compression whose own ``nonfinite`` is

@@ -47,13 +47,16 @@ class TrainingStep:
     def agreement(self, hypers, micro):
         """What the ranks must agree on in this update (``agree=`` of its
         all-reduces): the rule and every group's hyperparameters
-        (``hypers``, validated), the loss scale, and (but inside
-        ``join()``, where ranks that have finished bring none) the update's
-        number of micro-batches ``micro`` when more than one."""
+        (``hypers``, validated), the loss scale (or ``nonfinite=``, which
+        decides alike what a NaN does), and (but inside ``join()``, where
+        ranks that have finished bring none) the update's number of
+        micro-batches ``micro`` when more than one."""
         agree = self.groups.agreement(hypers)
         scaler = self.guard.loss_scaler
         if scaler is not None:
             agree += (("loss scale", scaler.scale),)
+        elif self.guard.mode is not None:
+            agree += (("nonfinite", self.guard.mode),)
         if micro > 1 and not self.join.joining:
             agree += (("micro-batches", int(micro)),)
         return agree

@@ -296,7 +296,8 @@ def check_agree(comm):
     """Every all-reduce of an update carries what the ranks must agree on:
     one rank (rank 0 too) with another lr in a group, a scheduler stepped
     on that rank only (the buckets started by grad_ready), another loss
-    scale, clip_norm, rule, number of micro-batches or (partial update) lr
+    scale, nonfinite mode, clip_norm, rule, number of micro-batches or
+    (partial update) lr
     raises ConsistencyError on every rank naming the rank, the group and
     both values, before any parameter is written (a partial update's
     window all-reduce comes after its local update); afterwards the
@@ -343,6 +344,10 @@ def check_agree(comm):
             comm, params, SGD(0.1), loss_scaler=DynamicLossScaler(2.0 ** (11 if mine else 10)))
         disagreement(lambda: opt.step(grads_of(RANK, 3)), odd,
                      ["('loss scale', 1024.0)", "('loss scale', 2048.0)"], params)
+        opt = commlib.DistributedOptimizer(comm, params, SGD(0.1),
+                                           nonfinite="skip" if mine else "warn")
+        disagreement(lambda: opt.step(grads_of(RANK, 3)), odd,
+                     ["('nonfinite', 'skip')", "('nonfinite', 'warn')"], params)
         opt = commlib.DistributedOptimizer(comm, params, SGD(0.1))
         disagreement(lambda: opt.step(grads_of(RANK, 3), clip_norm=2.0 if mine else 1.0), odd,
                      ["('clip_norm', 1.0)", "('clip_norm', 2.0)"], params)
@@ -357,7 +362,7 @@ def check_agree(comm):
         opt = commlib.DistributedOptimizer(comm, params, SGD(0.2 if mine else 0.1))
         disagreement(lambda: opt.update_partial(grads_of(RANK, 3), fraction=0.5), odd,
                      ["('param_groups[0]', 0.2,", "('param_groups[0]', 0.1,"])
-        cases += 7
+        cases += 8
     # alike on every rank: no error, the reference result
     params = start()
     opt = commlib.DistributedOptimizer(comm, grouped(params, [{}, {"lr": 0.05}, {}]), SGD(0.1),
