@@ -22,7 +22,7 @@ from mpi4py import MPI
 import commlib
 from commlib.compression import TopK
 from commlib.optim import (LAMB, SGD, Adam, AdamW, CosineAnnealingLR, DistributedSampler,
-                           DynamicLossScaler, ExponentialLR, LinearLR, SequentialLR, StepLR)
+                           DynamicLossScaler, LinearLR, SequentialLR, StepLR)
 
 WORLD = MPI.COMM_WORLD
 RANK, SIZE = WORLD.Get_rank(), WORLD.Get_size()
@@ -204,10 +204,6 @@ def sched_reference(name, base, t):
     periodic past T_max, as PyTorch's: the 14 updates go past it)."""
     if name == "step":
         return base * 0.5 ** (t // 3)
-    if name == "exp":
-        return base * 0.9 ** t
-    if name == "cos":
-        return 0.001 + (base - 0.001) * (1 + math.cos(math.pi * t / 10)) / 2
     if name == "warmcos":          # 4 steps from 0.25 * base up, then a cosine over 8
         if t < 4:
             return base * (0.25 + 0.75 * t / 4)
@@ -218,21 +214,19 @@ def sched_reference(name, base, t):
 def make_sched(name, opt):
     if name == "step":
         return StepLR(opt, step_size=3, gamma=0.5)
-    if name == "exp":
-        return ExponentialLR(opt, gamma=0.9)
-    if name == "cos":
-        return CosineAnnealingLR(opt, T_max=10, eta_min=0.001)
     return SequentialLR(opt, [LinearLR(opt, start_factor=0.25, total_iters=4),
                               CosineAnnealingLR(opt, T_max=8)], milestones=[4])
 
 
 def check_schedules(comm, directory):
-    """Each schedule, stepped once per update over 14 updates, on two groups
-    of base lr 0.1 and 0.02: every group's lr equals the hand-computed
-    value, plain SGD moves the parameters by exactly lr * mean gradient,
-    and a checkpoint taken after update 6 and loaded into a fresh optimizer
-    and scheduler continues with the same learning rates and parameters."""
-    for name in ("step", "exp", "cos", "warmcos"):
+    """A step schedule and warm-up then cosine (a SequentialLR), stepped once
+    per update over 14 updates, on three groups of base lr 0.1, 0.02, 0.1:
+    every group's lr equals the hand-computed value, plain SGD moves the
+    parameters by exactly lr * mean gradient, and a checkpoint taken after
+    update 6 and loaded into a fresh optimizer and scheduler continues with
+    the same learning rates and parameters. (Every scheduler's values, alone
+    and in pairs, against torch's: test_against_torch.py, in one process.)"""
+    for name in ("step", "warmcos"):
         params = start()
         order = [i for idx in GROUPS for i in idx]
         opt = commlib.DistributedOptimizer(
@@ -267,7 +261,7 @@ def check_schedules(comm, directory):
             fresh.step([grads_of(RANK, t)[i] for i in order])
             fresh_sched.step()
         assert all(np.array_equal(a, b) for a, b in zip(fresh.params, opt.params)), name
-    return {"schedules": 4}
+    return {"schedules": 2}
 
 
 def disagreement(run, odd, fragments, params=None):
