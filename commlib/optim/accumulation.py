@@ -61,23 +61,51 @@ class Accumulation:
         self.micro = 0              # micro-batches accumulated towards this update
         self.marked = set()         # gradients marked ready in this micro-batch
         self.local = False          # inside no_sync(): accumulate, do not average
+        self.decided = None         # last(), as decided at this micro-batch's first grad_ready
 
     def last(self):
-        """Whether this micro-batch ends an update."""
+        """Whether this micro-batch ends an update: decided when its first
+        gradient is marked ready (the backward pass), else at its step."""
+        return self.decided if self.decided is not None else self.undecided_last()
+
+    def undecided_last(self):
+        """Whether a micro-batch that nothing decided yet would end an update."""
         return not self.local and self.micro >= self.accumulate - 1
 
     @contextlib.contextmanager
     def no_sync(self, owner):
         """Context (yielding ``owner``) in which no micro-batch ends an
-        update."""
+        update.
+
+        Raises:
+            ArgumentError: on entering, after ``grad_ready`` marked gradients
+                of a micro-batch that ends an update (their all-reduce may
+                have started); on leaving, after ``grad_ready`` inside it
+                marked gradients of a micro-batch whose step has not come
+                and that would end an update outside it (that micro-batch
+                still only accumulates).
+        """
+        if self.marked and self.last():
+            raise ArgumentError(
+                "rank %d: no_sync(): entered after grad_ready() marked gradients of a "
+                "micro-batch that ends an update (their all-reduce may have started); as "
+                "DDP's no_sync() wraps the backward pass, enter it before the backward pass "
+                "(or call step() first)" % self.rank)
         before, self.local = self.local, True
         try:
             yield owner
         finally:
             self.local = before
+        if self.marked and not self.last() and self.undecided_last():
+            raise ArgumentError(
+                "rank %d: no_sync(): left after grad_ready() inside it marked gradients of a "
+                "micro-batch whose step() has not come; call step() inside the block (that "
+                "micro-batch only accumulates, as no_sync() decided at its backward pass)"
+                % self.rank)
 
     def mark(self, i):
-        """``grads[i]`` marked ready: ``i`` as an int.
+        """``grads[i]`` marked ready: ``i`` as an int (the first of a
+        micro-batch decides whether it ends an update).
 
         Raises:
             ArgumentError: ``i`` out of range or marked twice.
@@ -90,6 +118,8 @@ class Accumulation:
         if i in self.marked:
             raise ArgumentError("rank %d: grad_ready(%d) was already called in this "
                                 "micro-batch" % (self.rank, i))
+        if not self.marked:
+            self.decided = self.undecided_last()
         self.marked.add(i)
         return i
 
@@ -118,8 +148,10 @@ class Accumulation:
     def end_micro_batch(self):
         """After every gradient was prepared: True when this micro-batch
         ends an update (the count starts again), else False (counted)."""
+        last = self.last()
         self.marked.clear()
-        if not self.last():
+        self.decided = None
+        if not last:
             self.micro += 1
             return False
         self.micro = 0

@@ -1,6 +1,8 @@
 """Averaging a DistributedOptimizer's gradients over the ranks: one
 :class:`~commlib.overlap.BackwardReducer` per compression strategy, whose
-buckets ``grad_ready`` may start early and ``step`` finishes."""
+buckets ``grad_ready`` may start early and ``step`` finishes, each bucket's
+all-reduce carrying the update's values that every rank must pass alike
+(``agree=``, compared by the communicator's consistency check)."""
 import numpy as np
 
 from ..errors import ArgumentError
@@ -20,6 +22,27 @@ def check_averaging(overlap, bucket_bytes, rank):
                             % (rank, bucket_bytes))
 
 
+class AgreeingComm:
+    """The communicator as the optimizer's reducers see it: the same in every
+    respect, except that each all-reduce they issue carries :attr:`agree`
+    (see ``Communicator.all_reduce``), set for each update.
+
+    Args:
+        comm: the communicator.
+    """
+
+    def __init__(self, comm):
+        self.comm = comm
+        self.agree = None           # the update's values every rank must pass alike
+
+    def __getattr__(self, name):
+        return getattr(self.comm, name)
+
+    def all_reduce(self, arrays, **kwargs):
+        """``comm.all_reduce(arrays, **kwargs)`` with ``agree=`` :attr:`agree`."""
+        return self.comm.all_reduce(arrays, agree=self.agree, **kwargs)
+
+
 class GradientAveraging:
     """The reducers of ``grads``, made at first use.
 
@@ -35,6 +58,7 @@ class GradientAveraging:
     def __init__(self, comm, grads, meter, *, bucket_bytes, overlap):
         self.comm, self.grads, self.meter = comm, grads, meter
         self.bucket_bytes, self.overlap = bucket_bytes, overlap
+        self.agreeing = AgreeingComm(comm)
         self.reducers = {}          # strategy name -> BackwardReducer of grads
 
     def reducer_for(self, strategy):
@@ -43,16 +67,19 @@ class GradientAveraging:
         found = self.reducers.get(name)
         if found is None:
             found = self.reducers[name] = BackwardReducer(
-                self.comm, self.grads, bucket_bytes=self.bucket_bytes, op="avg",
+                self.agreeing, self.grads, bucket_bytes=self.bucket_bytes, op="avg",
                 compression=strategy, overlap=self.overlap or False)
         return found
 
-    def start(self, i, strategy):
+    def start(self, i, strategy, agree):
         """``grads[i]`` is final: its bucket may start (see
-        :meth:`BackwardReducer.ready <commlib.overlap.BackwardReducer.ready>`)."""
+        :meth:`BackwardReducer.ready <commlib.overlap.BackwardReducer.ready>`),
+        its all-reduce carrying ``agree`` (a tuple of plain values)."""
+        self.agreeing.agree = agree
         self.meter.timed(self.reducer_for(strategy).ready, i)
 
-    def average(self, strategy):
+    def average(self, strategy, agree):
         """Average the gradients with ``strategy``, finishing the buckets
-        :meth:`start` started."""
+        :meth:`start` started; those it starts carry ``agree``."""
+        self.agreeing.agree = agree
         self.meter.timed(self.reducer_for(strategy).wait)

@@ -28,6 +28,7 @@ from .metering import CommMeter
 from .nonfinite_guard import NONFINITE_MODES, NonFiniteGuard, check_nonfinite
 from .param_groups import ParamGroups, checked_groups
 from .rule_runs import RuleRuns
+from .rules import Rule
 from .singa_updates import SingaUpdates
 from .state import TrainingState
 from .training_step import TrainingStep
@@ -97,7 +98,8 @@ class DistributedOptimizer:
             :meth:`grad_ready` then starts nothing early.
 
     Raises:
-        ArgumentError: a bad argument, naming it and the rank.
+        ArgumentError: a bad argument, naming it and the rank; a ``rule`` object given to
+            another DistributedOptimizer before (it keeps that one's state).
         ArrayTypeError: ``params`` not writeable C-contiguous floating numpy or cupy arrays of
             one kind (DeviceMismatchError: cupy arrays on another GPU than ``comm``'s).
     """
@@ -125,6 +127,8 @@ class DistributedOptimizer:
         self.grads = zeros_like(params)
         self.schedulers = []          # schedulers whose state checkpoints keep
         self._make_parts()
+        if isinstance(rule, Rule):
+            rule.bind(self, rank)     # last: a rejected construction leaves it free
 
     def _make_parts(self):
         """The parts the optimizer hands its work to."""
@@ -204,10 +208,14 @@ class DistributedOptimizer:
         """Context in which :meth:`step` only accumulates (returns False, no communication):
         the first step after it averages the mean of all micro-batches since the last update,
         like DDP's ``no_sync`` decided at run time (with ``accumulate=N`` also, whichever
-        comes later). Every rank must use it alike.
+        comes later). Every rank must use it alike; as DDP's, it wraps the backward pass too.
 
         Returns:
             A context manager (yielding this optimizer).
+
+        Raises:
+            ArgumentError: entered after :meth:`grad_ready` marked gradients of a micro-batch
+                that ends an update, or left before the :meth:`step` of one marked inside it.
         """
         return self._accumulation.no_sync(self)
 
@@ -257,8 +265,11 @@ class DistributedOptimizer:
 
         Raises:
             ArgumentError: bad ``grads`` (or given after :meth:`grad_ready`) or ``clip_norm``;
-                a clip_norm with a Partial compression.
+                a clip_norm with a Partial compression; a group's bad hyperparameter.
             ArrayTypeError: ``grads`` that are no arrays.
+            ConsistencyError: on every rank, naming the ranks and both values, when their
+                rule, hyperparameters, loss scale, nonfinite, micro-batches or clip_norm differ
+                (every all-reduce of an update carries them: ``agree=``).
             NonFiniteError: on every rank, with ``nonfinite="raise"``; also, unless
                 ``nonfinite="skip"``, from a compression whose own ``nonfinite`` is
                 ``"raise"`` (its default).

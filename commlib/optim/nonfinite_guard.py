@@ -10,6 +10,7 @@ from ..compression import Partial
 from ..compression import nonfinite as compression_nonfinite
 from ..errors import ArgumentError
 from ..ops.arrays import array_module
+from .clipping import multiply
 from .scaler import DynamicLossScaler
 
 NONFINITE_MODES = ("raise", "warn", "skip")
@@ -129,11 +130,11 @@ class NonFiniteGuard:
         return True
 
     def unscale(self):
-        """Divide the averaged gradients by the loss scale (if any)."""
+        """Divide the averaged gradients by the loss scale (if any), by its
+        inverse in float32 at least (float16's would be 0 beyond a scale of
+        2**24)."""
         if self.loss_scaler is not None:
-            inv = 1.0 / self.loss_scaler.scale
-            for g in self.grads:
-                g *= inv
+            multiply(self.grads, 1.0 / self.loss_scaler.scale)
 
     def taken(self):
         """The update was applied: the loss scaler (if any) counts it."""

@@ -2,7 +2,8 @@
 ``param_groups``): the constructor's ``params`` checked and made into
 groups, the groups following hyperparameters set on the rule object
 afterwards, the learning rate of every group, and the groups'
-hyperparameters as numbers (for ``join()``'s vote and for checkpoints)."""
+hyperparameters as numbers (for ``join()``'s vote and for checkpoints) and
+as the plain values every rank's update must agree on."""
 from collections.abc import Mapping
 
 import numpy as np
@@ -81,6 +82,15 @@ def make_groups(params, rule, rank):
     return groups
 
 
+def _plain(value):
+    """A validated hyperparameter as a plain value (bool, float, tuple of floats)."""
+    if isinstance(value, (bool, np.bool_)):
+        return bool(value)
+    if isinstance(value, tuple):
+        return tuple(float(v) for v in value)
+    return float(value)
+
+
 class ParamGroups:
     """The groups' hyperparameters, as the user and the rule object set them.
 
@@ -114,8 +124,14 @@ class ParamGroups:
 
     def checked(self):
         """After :meth:`follow`: every group's validated hyperparameters,
-        in order (a Rule's only)."""
+        in order (empty dicts for a callable rule).
+
+        Raises:
+            ArgumentError: a bad value, naming the group and the rank.
+        """
         self.follow()
+        if not isinstance(self.rule, Rule):
+            return [{} for _ in self.groups]
         return [self.rule.check_group(g, "param_groups[%d]: " % k, self.rank)
                 for k, g in enumerate(self.groups)]
 
@@ -142,6 +158,33 @@ class ParamGroups:
         self.rule.lr = value                # the rule's default too, as before groups
         self.seen["lr"] = value
 
+    def agreement(self, hypers):
+        """What every rank's update must agree on about the rule and the
+        groups, as plain values for ``comm.all_reduce(..., agree=...)``: a
+        Rule's name and the names of its hyperparameters, then one row per
+        group (``"param_groups[k]"`` and its values, in that order); a
+        callable rule's type name (and its ``lr``, when it has a number).
+
+        Args:
+            hypers: every group's validated hyperparameters (:meth:`checked`).
+
+        Returns:
+            A tuple of tuples of str, float, bool.
+        """
+        if not isinstance(self.rule, Rule):
+            rule = self.rule
+            name = getattr(rule, "__qualname__", None) or type(rule).__qualname__
+            lr = getattr(rule, "lr", None)
+            if isinstance(lr, (int, float, np.integer, np.floating)) and not isinstance(
+                    lr, (bool, np.bool_)):
+                return ((name, "lr", float(lr)),)
+            return ((name,),)
+        names = self.rule.hyper
+        rows = [(type(self.rule).__name__,) + tuple(names)]
+        for k, h in enumerate(hypers):
+            rows.append(("param_groups[%d]" % k,) + tuple(_plain(h[n]) for n in names))
+        return tuple(rows)
+
     def vector(self):
         """Every group's numeric hyperparameters, as float64s."""
         out = []
@@ -152,8 +195,9 @@ class ParamGroups:
         return out
 
     def set_vector(self, values):
-        """Set the hyperparameters from a :meth:`vector`."""
-        values, at = list(values), 0
+        """Set the hyperparameters from a :meth:`vector` (as Python floats
+        and bools)."""
+        values, at = [float(v) for v in values], 0
         if isinstance(self.rule, Rule):
             for g in self.groups:
                 for k in self.rule.hyper:
@@ -165,8 +209,10 @@ class ParamGroups:
                         at += 1
 
     def state_arrays(self):
-        """``{"groups.<k>.<hyperparameter>": float64 copy}`` (a Rule's)."""
-        out = {}
+        """``{"groups.sizes": each group's number of arrays (int64),
+        "groups.<k>.<hyperparameter>": float64 copy}`` (the hyperparameters
+        a Rule's)."""
+        out = {"groups.sizes": np.array([len(g["params"]) for g in self.groups], np.int64)}
         if isinstance(self.rule, Rule):
             for k, g in enumerate(self.groups):
                 for name in self.rule.hyper:

@@ -71,15 +71,15 @@ class RuleRuns:
         self.runs, self.fused_params, self.fused_grads, self.spans = layout(
             rule, groups, params, grads)
 
-    def apply(self, groups):
-        """The rule, group by group, on the averaged gradients, with the
-        hyperparameters of ``groups`` (a
-        :class:`~commlib.optim.param_groups.ParamGroups`)."""
+    def apply(self, hypers):
+        """The rule, group by group, on the averaged gradients, with
+        ``hypers`` (every group's validated hyperparameters,
+        :meth:`ParamGroups.checked <commlib.optim.param_groups.ParamGroups.checked>`;
+        a callable rule takes none)."""
         params, grads = self.fused_params, self.fused_grads
         if not isinstance(self.rule, Rule):
             self.rule(params, grads)
             return
-        hypers = groups.checked()
         buffers = self.rule.buffers_for(params)
         t = self.rule.begin_step()
         for (lo, hi), hyper in zip(self.spans, hypers):

@@ -20,6 +20,7 @@ optimizer hands them each run of parameters that lie back to back as one
 flat array; LAMB needs each parameter's norm and gets them one by one.
 """
 import math
+import weakref
 
 import numpy as np
 
@@ -102,6 +103,7 @@ class Rule:
         self.lr = lr
         self.weight_decay = check_number(weight_decay, "%s: weight_decay" % type(self).__name__)
         self._state = None
+        self._owner = None
         self.step_count = np.zeros((), np.int64)
 
     @property
@@ -179,7 +181,7 @@ class Rule:
     def buffers_for(self, params):
         """The per-parameter buffers, allocated (zero-filled) at the first
         call; a rule keeps the state of one list of arrays (one rule object
-        per optimizer).
+        per optimizer, see :meth:`bind`).
 
         Args:
             params: the list of arrays the rule updates.
@@ -200,6 +202,28 @@ class Rule:
                                 "object per optimizer" % (type(self).__name__, self._count,
                                                           len(params)))
         return self._state
+
+    def bind(self, owner, rank=None):
+        """Make this rule ``owner``'s, for good: a rule keeps the state
+        (buffers, step count) of one optimizer, so no other optimizer may
+        take it, even after ``owner`` is gone.
+
+        Args:
+            owner: the :class:`~commlib.optim.DistributedOptimizer` made with it.
+            rank: named in the message when given.
+
+        Raises:
+            ArgumentError: the rule was given to another optimizer before.
+        """
+        ref = getattr(self, "_owner", None)
+        if ref is not None and ref() is not owner:
+            raise ArgumentError(
+                "%srule: this %s object was given to another DistributedOptimizer, whose "
+                "momentum buffers, moments and step count it keeps; give each optimizer a "
+                "rule object of its own (e.g. %s(...) again)"
+                % ("" if rank is None else "rank %d: " % rank, type(self).__name__,
+                   type(self).__name__))
+        self._owner = weakref.ref(owner)
 
     def begin_step(self):
         """Count one more update (called once per update, before the

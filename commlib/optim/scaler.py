@@ -12,6 +12,11 @@ import numpy as np
 from ..errors import ArgumentError
 from .rules import check_number
 
+#: the largest scale: float32's largest finite number
+MAX_SCALE = float(np.finfo(np.float32).max)
+#: the smallest scale: float32's smallest normal number (2**-126)
+MIN_SCALE = float(np.finfo(np.float32).tiny)
+
 
 class DynamicLossScaler:
     """The loss scale and its schedule.
@@ -29,7 +34,8 @@ class DynamicLossScaler:
       multiplied by ``growth_factor``.
 
     Args:
-        init_scale: the first scale (> 0).
+        init_scale: the first scale, a float32 normal number
+            (:data:`MIN_SCALE` to :data:`MAX_SCALE`).
         growth_factor: > 1.
         backoff_factor: in (0, 1).
         growth_interval: updates without NaN or inf before growing (int >= 1).
@@ -41,9 +47,10 @@ class DynamicLossScaler:
 
     def __init__(self, init_scale=2.0 ** 16, growth_factor=2.0, backoff_factor=0.5,
                  growth_interval=2000, min_scale=0.0):
-        init_scale = check_number(init_scale, "DynamicLossScaler: init_scale")
-        if not init_scale > 0:
-            raise ArgumentError("DynamicLossScaler: init_scale must be > 0, got %r" % init_scale)
+        init_scale = check_number(init_scale, "DynamicLossScaler: init_scale", high=MAX_SCALE)
+        if not init_scale >= MIN_SCALE:
+            raise ArgumentError("DynamicLossScaler: init_scale must be >= %g (float32's "
+                                "smallest normal number), got %r" % (MIN_SCALE, init_scale))
         self.growth_factor = check_number(growth_factor, "DynamicLossScaler: growth_factor",
                                           low=1.0)
         self.backoff_factor = check_number(backoff_factor, "DynamicLossScaler: backoff_factor",
@@ -85,20 +92,28 @@ class DynamicLossScaler:
 
     def update(self, found_inf):
         """Count an update (the optimizer calls it after each): back off, or
-        grow after ``growth_interval`` taken updates in a row.
+        grow after ``growth_interval`` taken updates in a row. The scale
+        stays within float32's normal numbers, as the gradients it
+        multiplies: it grows only while the result is at most
+        :data:`MAX_SCALE` (PyTorch's GradScaler keeps it a finite float32),
+        and backs off no lower than :data:`MIN_SCALE` (nor ``min_scale``),
+        whose inverse, which unscales the gradients, is a finite float32.
 
         Args:
             found_inf: True when the update was skipped for NaN or inf (the
-                scale is multiplied by ``backoff_factor``, not below
-                ``min_scale``), False when it was taken.
+                scale is multiplied by ``backoff_factor``), False when it was
+                taken.
         """
         if found_inf:
-            self._scale[...] = max(float(self._scale) * self.backoff_factor, self.min_scale)
+            self._scale[...] = max(float(self._scale) * self.backoff_factor, self.min_scale,
+                                   MIN_SCALE)
             self._tracker[...] = 0
         else:
             self._tracker += 1
             if self._tracker >= self.growth_interval:
-                self._scale *= self.growth_factor
+                grown = float(self._scale) * self.growth_factor
+                if grown <= MAX_SCALE:
+                    self._scale[...] = grown
                 self._tracker[...] = 0
 
     def state_arrays(self):

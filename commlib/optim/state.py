@@ -17,20 +17,33 @@ def host_copies(arrays):
     return {k: (v.get() if is_cupy(v) else np.array(v, copy=True)) for k, v in arrays.items()}
 
 
-def optional(name):
-    """Names a state may lack (from before they were saved)."""
-    return name.startswith("groups.") or name == "skipped_steps"
+def optional(name, given):
+    """Whether a state ``given`` may lack ``name`` (from before it was kept):
+    ``skipped_steps``, ``groups.sizes``, schedulers' ``last_lr``, and the
+    groups' hyperparameters when ``given`` has none at all (a state with some
+    of them and not others is of another layout)."""
+    if name in ("skipped_steps", "groups.sizes") or (
+            name.startswith("scheduler.") and name.endswith(".last_lr")):
+        return True
+    return name.startswith("groups.") and not any(k.startswith("groups.") for k in given)
 
 
 def _fit(template, given):
     """Copy the arrays of mapping ``given`` into the numpy arrays of
-    ``template`` (same names, shapes and dtypes; raw bytes of the same width,
-    as ``.npz`` files store bfloat16, are taken as the template's dtype).
-    Returns None, or the text of what does not fit."""
+    ``template`` (same parameter groups, names, shapes and dtypes; raw bytes
+    of the same width, as ``.npz`` files store bfloat16, are taken as the
+    template's dtype). Returns None, or the text of what does not fit (then
+    nothing is copied)."""
     if not isinstance(given, Mapping):
         return "expected a dict of arrays (from state_dict()), got %s" % type(given).__name__
-    # an older state has no groups' hyperparameters nor skipped steps: those stay
-    missing = sorted(k for k in set(template) - set(given) if not optional(k))
+    if "groups.sizes" in given:         # torch.optim's checks: number and sizes of the groups
+        theirs = np.asarray(given["groups.sizes"]).reshape(-1).tolist()
+        mine = template["groups.sizes"].tolist()
+        if theirs != mine:
+            return ("its parameter groups differ: %d group%s of sizes %s, this optimizer's %d "
+                    "of sizes %s" % (len(theirs), "" if len(theirs) == 1 else "s", theirs,
+                                     len(mine), mine))
+    missing = sorted(k for k in set(template) - set(given) if not optional(k, given))
     unexpected = sorted(set(given) - set(template))
     if missing or unexpected:
         return "names differ from this optimizer's: missing %s, unexpected %s" % (
@@ -51,24 +64,49 @@ def _fit(template, given):
     return None
 
 
-def _restore(opt, read, root):
-    """Every rank: ``read()`` on ``root`` gives the state dict (its errors,
-    and a dict that does not fit, raise ArgumentError on every rank); it is
-    broadcast and copied into the optimizer's live arrays."""
+#: bytes of the status the reading rank broadcasts first: a flag, then why
+#: the state cannot be loaded (UTF-8, cut to fit)
+STATUS_BYTES = 1024
+
+
+def _status(problem):
+    """The status array of ``problem`` (None, or the text of what failed)."""
+    status = np.zeros(STATUS_BYTES, np.uint8)
+    if problem is not None:
+        data = problem.encode("utf-8", "replace")[:STATUS_BYTES - 1]
+        status[0] = 1
+        status[1:1 + len(data)] = np.frombuffer(data, np.uint8)
+    return status
+
+
+def _restore(opt, read, root, what, path=None):
+    """Every rank: ``read()`` on ``root`` gives the state dict, which is
+    checked against the optimizer; root broadcasts the outcome first (any
+    error of ``read()``, or what does not fit), so that every rank raises
+    ArgumentError alike, naming ``what`` (the call) and ``path`` (the file
+    read, if any), before the state itself is broadcast and copied into the
+    optimizer's live arrays."""
     comm, live = opt.comm, opt.live_state()
     template = host_copies(live)
-    problem = None
+    status = np.zeros(STATUS_BYTES, np.uint8)
     if comm.rank == root:
         try:
-            problem = _fit(template, read())
-        except (OSError, ValueError, KeyError, TypeError) as exc:
-            problem = "%s: %s" % (type(exc).__name__, exc)
-    flag = np.array([problem is not None], np.int32)
-    comm.all_reduce(flag, op="max")
-    if flag[0]:
-        raise ArgumentError("rank %d: load_state_dict: rank %d's state does not fit%s"
-                            % (comm.rank, root, ": " + problem if problem else ""),
-                            culprits=(root,))
+            given = read()
+        except Exception as exc:        # whatever reading raised: every rank is told
+            problem = "rank %d cannot read %r: %s: %s" % (root, path, type(exc).__name__, exc)
+        else:
+            try:
+                problem = _fit(template, given)
+            except Exception as exc:
+                problem = "%s: %s" % (type(exc).__name__, exc)
+            if problem is not None:
+                problem = "rank %d's state%s does not fit: %s" % (
+                    root, "" if path is None else " in %r" % (path,), problem)
+        status = _status(problem)
+    comm.broadcast(status, root=root)
+    if status[0]:
+        text = bytes(status[1:]).split(b"\0", 1)[0].decode("utf-8", "replace")
+        raise ArgumentError("rank %d: %s: %s" % (comm.rank, what, text), culprits=(root,))
     names = sorted(template)
     comm.broadcast([template[k] for k in names], root=root)
     for name in names:
@@ -85,7 +123,7 @@ def load_state_dict(opt, state_dict, root=0):
     """Collective: restore ``root``'s ``state_dict`` (from
     ``opt.state_dict()``; the other ranks' is ignored) into ``opt`` on every
     rank."""
-    _restore(opt, lambda: state_dict, root)
+    _restore(opt, lambda: state_dict, root, "load_state_dict")
 
 
 def save(path, opt):
@@ -119,16 +157,19 @@ def load(path, opt, root=0):
         root: the rank that reads the file.
 
     Raises:
-        ArgumentError: on every rank (``culprits``: ``root``), when ``root``
-            cannot read the file (missing, not an ``.npz``, pickled arrays)
-            or its state does not fit ``opt``; ``opt`` is left as it was.
+        ArgumentError: on every rank (``culprits``: ``root``), naming the file
+            and the reason, when ``root`` cannot read it (missing, empty,
+            truncated, not an ``.npz``, pickled arrays: the error reading
+            raised) or its state does not fit ``opt`` (other parameter groups,
+            names, shapes or dtypes); ``opt`` is left as it was.
         ClosedError, CollectiveTimeoutError, PeerError: from the collectives
             (see :class:`~commlib.optim.DistributedOptimizer`).
     """
     def read():
         with np.load(path, allow_pickle=False) as f:
             return {k: f[k] for k in f.files}
-    _restore(opt, read, root)
+    _restore(opt, read, root, "load",
+             os.fspath(path) if isinstance(path, (str, bytes, os.PathLike)) else path)
 
 
 class TrainingState:
@@ -159,8 +200,9 @@ class TrainingState:
         """The arrays that make up the training state, by name: ``"steps"``
         and ``"skipped_steps"`` (0-d int64), ``"params.<i>"``,
         ``"rule.<name>"`` (the rule's :meth:`~commlib.optim.rules.Rule.state`,
-        when it has one), ``"groups.<k>.<hyperparameter>"`` (float64; copies:
-        :meth:`load_state_dict` sets the groups from them),
+        when it has one), ``"groups.sizes"`` (each group's number of arrays,
+        which a state loaded must match), ``"groups.<k>.<hyperparameter>"``
+        (float64; copies: :meth:`load_state_dict` sets the groups from them),
         ``"scheduler.<j>.<name>"`` for each scheduler made on this optimizer
         and ``"scaler.<name>"`` for the loss scaler. Not collective.
 
@@ -215,8 +257,9 @@ class TrainingState:
             root: the rank whose ``state_dict`` every rank takes.
 
         Raises:
-            ArgumentError: on every rank (``culprits``: ``root``), when root's
-                state does not fit (not a dict, names, shapes or dtypes
-                differ); nothing is changed.
+            ArgumentError: on every rank (``culprits``: ``root``), naming what
+                differs, when root's state does not fit (not a dict; other
+                parameter groups, as ``torch.optim``'s checks: their number or
+                sizes; names, shapes or dtypes); nothing is changed.
         """
         load_state_dict(self, state_dict, root)

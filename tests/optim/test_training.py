@@ -20,7 +20,7 @@ from mpirun import run_mpi
 
 
 CODE = "import training_programs\ntraining_programs.main()\n"
-PROGRAMS = ["groups,schedules,clip", "scaler,scaler_residuals,scaler_half,nonfinite",
+PROGRAMS = ["groups,schedules,clip,agree", "scaler,scaler_residuals,scaler_half,nonfinite",
             "no_sync,sampler,join"]
 
 
@@ -60,6 +60,8 @@ def test_training_programs_match_numpy_references(checks, n, tmp_path):
             assert all(r["skipped"] == [1, 3] for r in mine.values()), mine
         if name == "clip":
             assert len({json.dumps(r["norms"]) for r in mine.values()}) == 1, mine
+        if name == "agree":         # 8 disagreements, with rank 0 and the last rank odd
+            assert all(r["cases"] == (16 if n > 1 else 0) for r in mine.values()), mine
         if name == "nonfinite":
             assert all(r["culprit"] == n - 1 for r in mine.values()), mine
         if name == "join":
@@ -94,9 +96,10 @@ def test_schedules_hand_computed():
         [0.1, 0.1, 0.05, 0.05, 0.025, 0.025], rel=1e-12)
     assert lrs_of(lambda o: ExponentialLR(o, 0.5), 4) == pytest.approx(
         [0.1, 0.05, 0.025, 0.0125], rel=1e-12)
+    # down to 0 at T_max, then up again, as PyTorch's
     assert lrs_of(lambda o: CosineAnnealingLR(o, 4), 6) == pytest.approx(
-        [0.1, 0.1 * (1 + math.sqrt(0.5)) / 2, 0.05, 0.1 * (1 - math.sqrt(0.5)) / 2, 0, 0],
-        rel=1e-12, abs=1e-15)
+        [0.1, 0.1 * (1 + math.sqrt(0.5)) / 2, 0.05, 0.1 * (1 - math.sqrt(0.5)) / 2, 0,
+         0.1 * (1 - math.sqrt(0.5)) / 2], rel=1e-12, abs=1e-15)
     assert lrs_of(lambda o: LinearWarmup(o, 4), 6) == pytest.approx(
         [0.025, 0.05, 0.075, 0.1, 0.1, 0.1], rel=1e-12)
     assert lrs_of(lambda o: LinearWarmup(o, 1), 2) == [0.1, 0.1]
@@ -205,12 +208,17 @@ def test_argument_errors_name_the_argument_and_rank(make, fragments):
     (lambda: DistributedSampler(10, "comm"), "comm must be a commlib.Communicator"),
     (lambda: DistributedSampler(10, rank=0, size=1, drop_last="yes"), "drop_last"),
     (lambda: DistributedSampler(10, rank=0, size=1).set_epoch(-1), "epoch"),
-    (lambda: StepLR(object(), 3), "optimizer"),
 ])
 def test_bad_values_raise_naming_them(make, fragment):
     with pytest.raises(ArgumentError) as info:
         make()
     assert fragment in str(info.value)
+
+
+def test_a_scheduler_needs_a_distributed_optimizer():
+    with pytest.raises(TypeError, match="StepLR: optimizer must be a commlib.DistributedOptimizer, "
+                                        "got builtins.object"):
+        StepLR(object(), 3)
 
 
 @pytest.mark.parametrize("make, fragment", [
@@ -265,3 +273,265 @@ def test_state_without_groups_from_before_they_were_saved_still_loads():
         return same, b.steps, [g["lr"] for g in b.param_groups], b.rule.t
     for same, steps, lrs, t in run_ranks(2, body):
         assert same and steps == 1 and t == 1 and lrs == [0.01, 0.25]
+
+
+# -- layouts, shared rules, no_sync with grad_ready, unreadable checkpoints, the scale's range --
+
+def sized(comm, sizes, rule=None):
+    """An optimizer of groups of ``sizes`` arrays of 3 float32s each (so
+    that states of the same total number of arrays have the same names)."""
+    return commlib.DistributedOptimizer(
+        comm, [{"params": [np.full(3, k + 1.0, np.float32) for _ in range(n)]}
+               for k, n in enumerate(sizes)], rule or SGD(0.1, momentum=0.9))
+
+
+@pytest.mark.parametrize("saved, loading", [([2], [1, 1]), ([2, 2], [1, 3]), ([2, 2], [1, 2]),
+                                            ([1, 1], [2])])
+def test_a_state_of_other_parameter_groups_is_refused_on_every_rank(saved, loading):
+    """torch.optim's checks: another number of groups, or groups of other
+    sizes (even with the same arrays in all), raise ArgumentError on every
+    rank naming both layouts; the optimizer is left as it was."""
+    def body(comm):
+        source = sized(comm, saved)
+        source.step([np.ones(3, np.float32)] * sum(saved))
+        target = sized(comm, loading)
+        before = target.state_dict()
+        with pytest.raises(ArgumentError) as info:
+            target.load_state_dict(source.state_dict() if comm.rank == 0 else None)
+        after = target.state_dict()
+        unchanged = sorted(before) == sorted(after) and all(
+            np.array_equal(before[k], after[k]) for k in before)
+        return str(info.value), info.value.culprits, unchanged
+    for rank, (text, culprits, unchanged) in enumerate(run_ranks(2, body)):
+        assert text == ("rank %d: load_state_dict: rank 0's state does not fit: its parameter "
+                        "groups differ: %d group%s of sizes %s, this optimizer's %d of sizes %s"
+                        % (rank, len(saved), "" if len(saved) == 1 else "s", saved,
+                           len(loading), loading)), text
+        assert culprits == (0,) and unchanged
+
+
+def test_a_state_with_some_groups_hyperparameters_and_not_others_is_refused():
+    """A state from before groups.sizes was kept, of one group, into an
+    optimizer of two: the second group's hyperparameters are missing, not
+    optional."""
+    def body(comm):
+        state = sized(comm, [2]).state_dict()
+        del state["groups.sizes"]
+        with pytest.raises(ArgumentError) as info:
+            sized(comm, [1, 1]).load_state_dict(state)
+        return str(info.value)
+    for rank, text in enumerate(run_ranks(2, body)):
+        assert ("rank %d: load_state_dict: rank 0's state does not fit: names differ from this "
+                "optimizer's: missing ['groups.1.dampening', 'groups.1.lr'" % rank) in text, text
+
+
+def test_one_rule_object_is_refused_by_a_second_optimizer():
+    """A rule keeps its optimizer's moments and step count: a second
+    optimizer (of as many arrays, where sharing would go unnoticed) may not
+    take it, even after the first is gone; a construction refused for
+    another reason leaves the rule free."""
+    import gc
+
+    def body(comm):
+        rule = Adam(0.1)
+        first = commlib.DistributedOptimizer(comm, [np.zeros(3)], rule)
+        assert first.rule is rule
+        texts = []
+        for alive in (True, False):
+            if not alive:
+                del first
+                gc.collect()
+            with pytest.raises(ArgumentError) as info:
+                commlib.DistributedOptimizer(comm, [np.zeros(3)], rule)
+            texts.append(str(info.value))
+        other = SGD(0.1, momentum=0.9)
+        with pytest.raises(ArgumentError, match="accumulate"):
+            commlib.DistributedOptimizer(comm, [np.zeros(3)], other, accumulate=0)
+        opt = commlib.DistributedOptimizer(comm, [np.zeros(3)], other)
+        opt.step([np.ones(3)])
+        return texts, opt.params[0].tolist()
+    for rank, (texts, params) in enumerate(run_ranks(2, body)):
+        assert texts == ["rank %d: rule: this Adam object was given to another "
+                         "DistributedOptimizer, whose momentum buffers, moments and step count it "
+                         "keeps; give each optimizer a rule object of its own (e.g. Adam(...) "
+                         "again)" % rank] * 2, texts
+        assert params == [-0.1] * 3
+
+
+def test_no_sync_with_grad_ready_accumulates_as_ddp_or_refuses_a_mixed_micro_batch():
+    """grad_ready during the backward pass, then no_sync() around step():
+    refused on entering (nothing changed; step() then finishes that
+    update). no_sync() around the backward pass and step of two
+    micro-batches and a third outside: SGD with momentum on the mean of
+    the three, averaged over the ranks (numpy). Leaving no_sync() between
+    a micro-batch's backward pass and its step: refused, and the micro-batch
+    still only accumulates."""
+    shapes = [(3, 4), (5,)]
+
+    def grads(k, rank):
+        return [np.full(s, (k + 1.0) * (i + 1) + 3.0 * rank, np.float32)
+                for i, s in enumerate(shapes)]
+
+    def body(comm):
+        opt = commlib.DistributedOptimizer(comm, commlib.flat_arrays(shapes),
+                                           SGD(0.1, momentum=0.9), overlap=True, bucket_bytes=16)
+
+        def backward(k):
+            for i in reversed(range(len(shapes))):
+                opt.grads[i][...] = grads(k, comm.rank)[i]
+                opt.grad_ready(i)
+        backward(0)
+        with pytest.raises(ArgumentError) as entering:
+            with opt.no_sync():
+                opt.step()
+        untouched = opt.steps == 0 and all(not p.any() for p in opt.params)
+        assert opt.step() is True
+        snapshots = [[p.copy() for p in opt.params]]
+        results = []
+        for k in (1, 2):
+            with opt.no_sync():
+                backward(k)
+                results.append(opt.step())
+        backward(3)
+        results.append(opt.step())
+        snapshots.append([p.copy() for p in opt.params])
+        with pytest.raises(ArgumentError) as leaving:
+            with opt.no_sync():
+                backward(4)
+        results.append(opt.step())
+        backward(5)
+        results.append(opt.step())
+        snapshots.append([p.copy() for p in opt.params])
+        return str(entering.value), str(leaving.value), untouched, results, snapshots
+    updates = [[0], [1, 2, 3], [4, 5]]
+    want, buf = [np.zeros(s) for s in shapes], None
+    expected = []
+    for ks in updates:
+        mean = [np.mean([grads(k, r)[i].astype(np.float64) for k in ks for r in range(2)], axis=0)
+                for i in range(len(shapes))]
+        buf = mean if buf is None else [0.9 * b + m for b, m in zip(buf, mean)]
+        want = [p - 0.1 * b for p, b in zip(want, buf)]
+        expected.append(want)
+    for rank, (entering, leaving, untouched, results, snapshots) in enumerate(
+            run_ranks(2, body)):
+        assert entering.startswith("rank %d: no_sync(): entered after grad_ready() marked "
+                                   "gradients of a micro-batch that ends an update" % rank)
+        assert leaving.startswith("rank %d: no_sync(): left after grad_ready() inside it marked "
+                                  "gradients of a micro-batch whose step() has not come" % rank)
+        assert untouched and results == [False, False, True, False, True]
+        for got, w in zip(snapshots, expected):
+            for g, x in zip(got, w):
+                np.testing.assert_allclose(g, x, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("root", [0, 1])
+def test_an_unreadable_checkpoint_raises_argument_error_on_every_rank(tmp_path, root):
+    """A truncated, empty, non-npz or missing file read on ``root``:
+    every rank raises ArgumentError naming root, the file and the reason
+    (the error reading raised), before any other collective; the optimizer
+    is left as it was and the communicator works on (a good file loads)."""
+    good = tmp_path / "good.npz"
+    cases = [("truncated.npz", "BadZipFile: File is not a zip file"),
+             ("empty.npz", "EOFError: No data left in file"),
+             ("text.npz", "ValueError: This file contains pickled (object) data"),
+             ("missing.npz", "FileNotFoundError: [Errno 2] No such file or directory")]
+
+    def body(comm):
+        opt = opt_of(comm, SGD(0.1, momentum=0.9))
+        opt.step([np.ones((3, 4), np.float32), np.ones(5, np.float32)])
+        if comm.rank == 0:
+            commlib.optim.save(good, opt)
+            data = good.read_bytes()
+            (tmp_path / "truncated.npz").write_bytes(data[:len(data) // 2])
+            (tmp_path / "empty.npz").write_bytes(b"")
+            (tmp_path / "text.npz").write_bytes(b"not an npz file")
+        comm.barrier()
+        opt.step([np.ones((3, 4), np.float32), np.ones(5, np.float32)])
+        before = opt.state_dict()
+        out = []
+        for name, _ in cases:
+            with pytest.raises(ArgumentError) as info:
+                commlib.optim.load(tmp_path / name, opt, root=root)
+            out.append((str(info.value), info.value.culprits))
+        after = opt.state_dict()
+        unchanged = all(np.array_equal(before[k], after[k]) for k in before)
+        commlib.optim.load(good, opt, root=root)
+        return out, unchanged, opt.steps
+    for rank, (out, unchanged, steps) in enumerate(run_ranks(2, body)):
+        for (text, culprits), (name, reason) in zip(out, cases):
+            assert text.startswith("rank %d: load: rank %d cannot read %r: %s"
+                                   % (rank, root, str(tmp_path / name), reason)), text
+            assert culprits == (root,)
+        assert unchanged and steps == 1
+
+
+def test_the_loss_scale_stays_a_float32_normal_number():
+    """Growth stops below float32's largest number (2**127 with factor 2),
+    a run of skipped steps stops at 2**-126 (not 0: the unscaling divides
+    by it), and a step at that scale is unscaled exactly; init_scale
+    outside that range is refused."""
+    s = DynamicLossScaler(init_scale=2.0 ** 120, growth_interval=1)
+    for _ in range(20):
+        s.update(False)
+    assert s.scale == 2.0 ** 127 and s.growth_tracker == 0
+    for _ in range(400):
+        s.update(True)
+    assert s.scale == 2.0 ** -126
+    for bad in (1e39, 1e-39):
+        with pytest.raises(ArgumentError, match="init_scale"):
+            DynamicLossScaler(init_scale=bad)
+
+    def body(comm):
+        opt = commlib.DistributedOptimizer(comm, [np.zeros(4, np.float32)], SGD(1.0),
+                                           loss_scaler=DynamicLossScaler(init_scale=2.0 ** -125))
+        assert opt.step([np.full(4, np.nan, np.float32)]) is False
+        scale = opt.loss_scaler.scale
+        assert opt.step([np.full(4, np.float32(2.0 ** -126) * (comm.rank + 1))]) is True
+        return scale, opt.params[0].tolist()
+    for scale, params in run_ranks(2, body):
+        assert scale == 2.0 ** -126 and params == [-1.5] * 4
+
+
+def test_float16_gradients_unscaled_in_float32():
+    """A loss scale of 2**25 on float16 gradients: its inverse is 0 in
+    float16, so the unscaling multiplies in float32; the update is the
+    mean of the true gradients (numpy, within float16 rounding)."""
+    def body(comm):
+        opt = commlib.DistributedOptimizer(comm, [np.zeros(8, np.float16)], SGD(1.0),
+                                           loss_scaler=DynamicLossScaler(init_scale=2.0 ** 25))
+        true = 5e-4 * (comm.rank + 1)
+        assert opt.step([np.full(8, true * 2 ** 25, np.float16)]) is True
+        return opt.params[0].astype(np.float64)
+    for params in run_ranks(2, body):
+        np.testing.assert_allclose(params, -7.5e-4, rtol=2e-3)
+
+
+def test_hyperparameters_changed_after_grad_ready_are_compared_at_the_step():
+    """grad_ready started the buckets with lr 0.1; an lr set alike before
+    step() is the one applied; set differently, step() raises
+    ConsistencyError on every rank naming both values, before the
+    parameters are written, and the next update works."""
+    def body(comm):
+        opt = opt_of(comm, overlap=True, bucket_bytes=16)
+
+        def backward():
+            for i in (1, 0):
+                opt.grads[i][...] = comm.rank + 1.0
+                opt.grad_ready(i)
+        backward()
+        opt.lr = 0.5
+        assert opt.step() is True                   # -0.5 * 1.5
+        backward()
+        opt.lr = 0.3 if comm.rank == 1 else 0.2
+        with pytest.raises(commlib.ConsistencyError) as info:
+            opt.step()
+        kept = [p.copy() for p in opt.params]
+        opt.lr = 1.0
+        backward()
+        assert opt.step() is True                   # -1.0 * 1.5 more
+        return str(info.value), info.value.culprits, kept, [p.copy() for p in opt.params]
+    for rank, (text, culprits, kept, params) in enumerate(run_ranks(2, body)):
+        assert culprits == (1,) and "rank %d:" % rank in text, text
+        assert "('param_groups[0]', 0.2," in text and "('param_groups[0]', 0.3," in text, text
+        assert all((p == np.float32(-0.75)).all() for p in kept), kept
+        assert all((p == np.float32(-2.25)).all() for p in params), params

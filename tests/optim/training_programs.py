@@ -22,7 +22,7 @@ from mpi4py import MPI
 import commlib
 from commlib.compression import TopK
 from commlib.optim import (LAMB, SGD, Adam, AdamW, CosineAnnealingLR, DistributedSampler,
-                           DynamicLossScaler, ExponentialLR, LinearLR, SequentialLR, StepLR)
+                           DynamicLossScaler, LinearLR, SequentialLR, StepLR)
 
 WORLD = MPI.COMM_WORLD
 RANK, SIZE = WORLD.Get_rank(), WORLD.Get_size()
@@ -175,8 +175,10 @@ def check_groups(comm, directory):
             fresh.load_state_dict(state)
             raise AssertionError("a state of 3 groups was loaded into an optimizer of one")
         except commlib.ArgumentError as exc:
+            # torch.optim's check, on every rank: the groups' number and sizes
             assert "rank %d:" % RANK in str(exc) and "rank 0's state" in str(exc), exc
-            assert RANK != 0 or "groups.2" in str(exc), exc
+            assert ("parameter groups differ: 3 groups of sizes [2, 2, 1], this optimizer's 1 "
+                    "of sizes [5]") in str(exc) and exc.culprits == (0,), exc
         fresh = commlib.DistributedOptimizer(
             comm, grouped([np.zeros_like(p) for p in params], [{}, {}, {}]), make())
         if RANK == 0:
@@ -198,40 +200,33 @@ def check_groups(comm, directory):
 
 
 def sched_reference(name, base, t):
-    """The hand-written closed forms of the schedules below."""
+    """The hand-written closed forms of the schedules below (the cosine's
+    periodic past T_max, as PyTorch's: the 14 updates go past it)."""
     if name == "step":
         return base * 0.5 ** (t // 3)
-    if name == "exp":
-        return base * 0.9 ** t
-    if name == "cos":
-        t = min(t, 10)
-        return 0.001 + (base - 0.001) * (1 + math.cos(math.pi * t / 10)) / 2
     if name == "warmcos":          # 4 steps from 0.25 * base up, then a cosine over 8
         if t < 4:
             return base * (0.25 + 0.75 * t / 4)
-        t = min(t - 4, 8)
-        return base * (1 + math.cos(math.pi * t / 8)) / 2
+        return base * (1 + math.cos(math.pi * (t - 4) / 8)) / 2
     raise KeyError(name)
 
 
 def make_sched(name, opt):
     if name == "step":
         return StepLR(opt, step_size=3, gamma=0.5)
-    if name == "exp":
-        return ExponentialLR(opt, gamma=0.9)
-    if name == "cos":
-        return CosineAnnealingLR(opt, T_max=10, eta_min=0.001)
     return SequentialLR(opt, [LinearLR(opt, start_factor=0.25, total_iters=4),
                               CosineAnnealingLR(opt, T_max=8)], milestones=[4])
 
 
 def check_schedules(comm, directory):
-    """Each schedule, stepped once per update over 14 updates, on two groups
-    of base lr 0.1 and 0.02: every group's lr equals the hand-computed
-    value, plain SGD moves the parameters by exactly lr * mean gradient,
-    and a checkpoint taken after update 6 and loaded into a fresh optimizer
-    and scheduler continues with the same learning rates and parameters."""
-    for name in ("step", "exp", "cos", "warmcos"):
+    """A step schedule and warm-up then cosine (a SequentialLR), stepped once
+    per update over 14 updates, on three groups of base lr 0.1, 0.02, 0.1:
+    every group's lr equals the hand-computed value, plain SGD moves the
+    parameters by exactly lr * mean gradient, and a checkpoint taken after
+    update 6 and loaded into a fresh optimizer and scheduler continues with
+    the same learning rates and parameters. (Every scheduler's values, alone
+    and in pairs, against torch's: test_against_torch.py, in one process.)"""
+    for name in ("step", "warmcos"):
         params = start()
         order = [i for idx in GROUPS for i in idx]
         opt = commlib.DistributedOptimizer(
@@ -266,7 +261,116 @@ def check_schedules(comm, directory):
             fresh.step([grads_of(RANK, t)[i] for i in order])
             fresh_sched.step()
         assert all(np.array_equal(a, b) for a, b in zip(fresh.params, opt.params)), name
-    return {"schedules": 4}
+    return {"schedules": 2}
+
+
+def disagreement(run, odd, fragments, params=None):
+    """``run()`` raises ConsistencyError on every rank, naming this rank, the
+    odd rank out and ``fragments`` (the group and both values), with the
+    exact culprits: ``odd`` (at 2 ranks, where the halves tie, rank 1: the
+    check blames the half without rank 0); ``params``, if given, untouched."""
+    keep = None if params is None else [p.copy() for p in params]
+    try:
+        run()
+    except commlib.ConsistencyError as exc:
+        text = str(exc)
+        want = (1,) if SIZE == 2 else (odd,)
+        assert exc.culprits == want, (exc.culprits, want, text)
+        assert "rank %d:" % RANK in text and "ranks [%d]" % odd in text, text
+        for fragment in fragments:
+            assert fragment in text, (fragment, text)
+    else:
+        raise AssertionError("rank %d: no ConsistencyError (rank %d differs: %s)"
+                             % (RANK, odd, fragments))
+    if params is not None:
+        assert all(np.array_equal(a, b) for a, b in zip(params, keep)), "written on error"
+
+
+def check_agree(comm):
+    """Every all-reduce of an update carries what the ranks must agree on:
+    one rank (rank 0 too) with another lr in a group, a scheduler stepped
+    on that rank only (the buckets started by grad_ready), another loss
+    scale, nonfinite mode, clip_norm, rule, number of micro-batches or
+    (partial update) lr
+    raises ConsistencyError on every rank naming the rank, the group and
+    both values, before any parameter is written (a partial update's
+    window all-reduce comes after its local update); afterwards the
+    optimizer and the communicator work on (an update equals the reference)."""
+    cases = 0
+    for odd in sorted({0, SIZE - 1}):
+        if SIZE == 1:
+            break
+        mine = RANK == odd
+        params = start()
+        opt = commlib.DistributedOptimizer(comm, grouped(params, [{}, {}, {}]), SGD(0.1),
+                                           overlap=False)
+        opt.param_groups[1]["lr"] = 0.05 if mine else 0.1
+        order = [i for idx in GROUPS for i in idx]
+        disagreement(lambda: opt.step([grads_of(RANK, 0)[i] for i in order]), odd,
+                     ["('param_groups[1]', 0.05, 0.0, 0.0, False, 0.0)",
+                      "('param_groups[1]', 0.1, 0.0, 0.0, False, 0.0)"], params)
+        # a scheduler stepped on one rank only; buckets started during the backward pass
+        params = start()
+        opt = commlib.DistributedOptimizer(comm, grouped(params, [{}, {}, {}]),
+                                           SGD(0.1, momentum=0.9), overlap=True, bucket_bytes=64)
+        sched = StepLR(opt, 1, gamma=0.5)
+        if mine:
+            sched.step()
+        g = grads_of(RANK, 1)
+
+        def backward_and_step():
+            for i in reversed(range(len(order))):
+                opt.grads[i][...] = g[order[i]]
+                opt.grad_ready(i)
+            opt.step()
+        disagreement(backward_and_step, odd, ["('param_groups[0]', 0.05, 0.9,",
+                                              "('param_groups[0]', 0.1, 0.9,"], params)
+        # the clean update afterwards (every rank stepped alike): the reference
+        if not mine:
+            sched.step()
+        before = [p.astype(np.float64) for p in params]
+        opt.step([grads_of(RANK, 2)[i] for i in order])
+        mean = mean_grads(2)
+        close(params, [b - 0.05 * m for b, m in zip(before, mean)], what="agree: after")
+        # the loss scale, the clip norm, the rule, the micro-batches
+        params = start()
+        opt = commlib.DistributedOptimizer(
+            comm, params, SGD(0.1), loss_scaler=DynamicLossScaler(2.0 ** (11 if mine else 10)))
+        disagreement(lambda: opt.step(grads_of(RANK, 3)), odd,
+                     ["('loss scale', 1024.0)", "('loss scale', 2048.0)"], params)
+        opt = commlib.DistributedOptimizer(comm, params, SGD(0.1),
+                                           nonfinite="skip" if mine else "warn")
+        disagreement(lambda: opt.step(grads_of(RANK, 3)), odd,
+                     ["('nonfinite', 'skip')", "('nonfinite', 'warn')"], params)
+        opt = commlib.DistributedOptimizer(comm, params, SGD(0.1))
+        disagreement(lambda: opt.step(grads_of(RANK, 3), clip_norm=2.0 if mine else 1.0), odd,
+                     ["('clip_norm', 1.0)", "('clip_norm', 2.0)"], params)
+        opt = commlib.DistributedOptimizer(comm, params, Adam(0.1) if mine else SGD(0.1))
+        disagreement(lambda: opt.step(grads_of(RANK, 3)), odd,
+                     ["('Adam', 'lr', 'betas', 'eps', 'weight_decay')",
+                      "('SGD', 'lr', 'momentum', 'dampening', 'nesterov', 'weight_decay')"],
+                     params)
+        opt = commlib.DistributedOptimizer(comm, params, SGD(0.1), accumulate=2 if mine else 1)
+        disagreement(lambda: [opt.step(grads_of(RANK, 3)) for _ in range(2 if mine else 1)],
+                     odd, ["('micro-batches', 2)"], params)
+        opt = commlib.DistributedOptimizer(comm, params, SGD(0.2 if mine else 0.1))
+        disagreement(lambda: opt.update_partial(grads_of(RANK, 3), fraction=0.5), odd,
+                     ["('param_groups[0]', 0.2,", "('param_groups[0]', 0.1,"])
+        cases += 8
+    # alike on every rank: no error, the reference result
+    params = start()
+    opt = commlib.DistributedOptimizer(comm, grouped(params, [{}, {"lr": 0.05}, {}]), SGD(0.1),
+                                       accumulate=2, clip_norm=1e6,
+                                       loss_scaler=DynamicLossScaler(4.0))
+    order = [i for idx in GROUPS for i in idx]
+    before = as64(params)
+    for micro in range(2):
+        assert opt.step([(g * 4.0).astype(g.dtype) for g in (
+            grads_of(RANK, 10 + micro)[i] for i in order)]) is (micro == 1)
+    mean = [(a + b) / 2 for a, b in zip(mean_grads(10), mean_grads(11))]
+    close(params, [b - (0.05 if group_of(i) == 1 else 0.1) * m
+                   for i, (b, m) in enumerate(zip(before, mean))], what="agree: alike")
+    return {"cases": cases}
 
 
 def check_clip(comm):
@@ -587,6 +691,7 @@ def check_join(comm):
 
 
 CHECKS = {"groups": check_groups, "schedules": check_schedules, "clip": check_clip,
+          "agree": check_agree,
           "scaler": check_scaler, "scaler_residuals": check_scaler_residuals,
           "scaler_half": check_scaler_half, "nonfinite": check_nonfinite,
           "no_sync": check_no_sync, "sampler": check_sampler, "join": check_join}
