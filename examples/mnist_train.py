@@ -75,6 +75,7 @@ import numpy as np  # noqa: E402  (after the thread setting, which numpy reads a
 
 import commlib  # noqa: E402
 import commlib.optim  # noqa: E402
+from commlib.files import write_atomically  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import cnn_model  # noqa: E402
@@ -394,12 +395,12 @@ def main(argv=None):
         say("Parameters identical on all %d ranks (sha256 %s)" % (comm.size, digest[:16]),
             flush=True)
     if comm.rank == 0 and args.json:
-        with open(args.json, "w") as f:
-            json.dump({"workers": comm.size, "model": args.model, "compression":
-                       args.compression, "strategy": str(args.strategy), "train_images": n_train,
-                       "eval_images": n_eval, "batch_size": args.batch_size, "lr": args.lr,
-                       "seed": args.seed, "epochs": log, "identical": same, "sha256": digest,
-                       "total_seconds": time.perf_counter() - start}, f, indent=1)
+        summary = {"workers": comm.size, "model": args.model, "compression": args.compression,
+                   "strategy": str(args.strategy), "train_images": n_train,
+                   "eval_images": n_eval, "batch_size": args.batch_size, "lr": args.lr,
+                   "seed": args.seed, "epochs": log, "identical": same, "sha256": digest,
+                   "total_seconds": time.perf_counter() - start}
+        write_atomically(args.json, lambda f: json.dump(summary, f, indent=1))
     comm.close()
     return 0 if same else 1
 

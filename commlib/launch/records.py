@@ -15,6 +15,7 @@ import signal
 import time
 
 from ..errors import ranks_text
+from ..files import write_atomically
 
 #: directory where ranks and their supervisors record how they started and ended
 ENV_STATUS_DIR = "COMMLIB_LAUNCH_STATUS_DIR"
@@ -94,11 +95,8 @@ def write_record(status_dir, record):
     """Write ``record`` as ``<kind>.<rank>`` in ``status_dir`` (atomically);
     False when it could not be written."""
     path = os.path.join(status_dir, "%s.%s" % (record.kind, record.rank))
-    tmp = "%s.tmp%d" % (path, os.getpid())
     try:
-        with open(tmp, "w") as f:
-            json.dump(record._asdict(), f)
-        os.replace(tmp, path)
+        write_atomically(path, lambda f: json.dump(record._asdict(), f))
         return True
     except (OSError, TypeError, ValueError):
         return False

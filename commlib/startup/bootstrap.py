@@ -186,16 +186,26 @@ def node_segment(comm, nbytes):
 
 def nccl_segment(nccl_id, size, nbytes):
     """The segment of ``nbytes`` that every process using ``nccl_id`` on this
-    node opens (its name derives from the ID), or None when shared memory
-    is not available here."""
+    node opens (its name derives from the ID; the first to come makes it
+    exclusively, the others take it only when it is this user's and closed
+    to others: see :class:`~commlib.startup.shared_segment.SharedSegment`),
+    or None when shared memory is not available here or the file under the
+    name is refused (every rank then refuses it, and the status board is
+    exchanged over NCCL instead)."""
     if not shared_segment.available():
         return None
-    digest = hashlib.sha256(nccl_id.data).hexdigest()[:24]
-    name = "%snccl-%s-%d" % (shared_segment.PREFIX, digest, size)
     try:
-        return shared_segment.SharedSegment(name, nbytes, exist_ok=True)
+        return shared_segment.SharedSegment(nccl_segment_name(nccl_id, size), nbytes,
+                                            exist_ok=True)
     except CommlibError:
         return None
+
+
+def nccl_segment_name(nccl_id, size):
+    """The name of :func:`nccl_segment`'s file for ``nccl_id`` and ``size``
+    ranks (in ``/dev/shm``)."""
+    digest = hashlib.sha256(nccl_id.data).hexdigest()[:24]
+    return "%snccl-%s-%d" % (shared_segment.PREFIX, digest, size)
 
 
 # -- the communicator's parts: what Communicator(...) is made of -------------------------
