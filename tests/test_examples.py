@@ -36,7 +36,8 @@ def metrics(stdout):
     train = re.findall(r"Training loss = ([\d.]+), training accuracy = ([\d.]+)", stdout)
     evaluation = re.findall(r"Evaluation accuracy = ([\d.]+)", stdout)
     sent = re.findall(r"Images per second = \d+ \(all ranks\), time in communication = "
-                      r"[\d.]+ s, bytes sent = ([\d.e+-]+) MB \(per rank, so far\)", stdout)
+                      r"[\d.]+ s, bytes sent = ([\d.e+-]+) MB \((?:per rank, so far|"
+                      r"one worker: nothing to send)\)", stdout)
     assert len(train) == len(evaluation) == len(sent) and evaluation, stdout
     agree = re.search(r"Parameters identical on all \d+ ranks \(sha256 (\w+)\)", stdout)
     assert agree, "ranks disagree or no final check:\n" + stdout
@@ -118,6 +119,9 @@ def test_mnist_one_process_mlp_on_idx_files(tmp_path, monkeypatch):
     assert "3000 train / 500 evaluation images" in proc.stdout
     rows, _ = metrics(proc.stdout)
     assert rows[-1, 2] > 0.9, proc.stdout  # measured 0.928
+    # one process sends nothing, and says so
+    assert rows[:, 3].tolist() == [0, 0, 0], proc.stdout
+    assert proc.stdout.count("bytes sent = 0 MB (one worker: nothing to send)") == 3
 
 
 def test_mnist_rejects_bad_options(tmp_path):
@@ -129,6 +133,26 @@ def test_mnist_rejects_bad_options(tmp_path):
     bad.write_bytes(b"not a zip file")
     proc = run([sys.executable, MNIST, "--data", bad], timeout=60)
     assert proc.returncode == 2 and "%s: cannot read as npz" % bad in proc.stderr
+
+
+@pytest.mark.parametrize("content, message", [
+    (b"label,pixels\n7,0 0 0\n", "it is not an npz archive (a zip file of .npy arrays, as "
+                                  "np.savez writes) but text starting with b'label,pixels\\n7,0'"),
+    (b"\x00\x01\x02\x03", "but other data starting with b'\\x00\\x01\\x02\\x03'"),
+    ("npy", "it is a single .npy array (np.save), not an npz archive (np.savez)")])
+def test_a_file_that_is_not_an_npz_is_described_as_what_it_is(tmp_path, monkeypatch, content,
+                                                             message):
+    _, mnist_data, _ = example_modules(monkeypatch)
+    path = tmp_path / "digits.txt"
+    if content == "npy":
+        np.save(path.with_suffix(".npy"), np.zeros(3))
+        path = path.with_suffix(".npy")
+    else:
+        path.write_bytes(content)
+    with pytest.raises(mnist_data.DataError) as info:
+        mnist_data.load(str(path))
+    assert str(info.value).startswith("%s: cannot read as npz: " % path)
+    assert message in str(info.value) and "pickled" not in str(info.value)
 
 
 # -- the data reader --------------------------------------------------------------------------

@@ -22,11 +22,11 @@ from ..errors import ArgumentError, BackendUnavailableError, CommlibError, Consi
 NCCL_ID_BYTES = 128
 
 #: environment variables the launcher sets for each worker
-ENV_NCCL_ID = "COMMLIB_NCCL_ID"
-ENV_RANK = "COMMLIB_RANK"
-ENV_SIZE = "COMMLIB_SIZE"
-ENV_LOCAL_RANK = "COMMLIB_LOCAL_RANK"
-ENV_LOCAL_SIZE = "COMMLIB_LOCAL_SIZE"
+ENV_NCCL_ID = settings.NCCL_ID
+ENV_RANK = settings.RANK
+ENV_SIZE = settings.SIZE
+ENV_LOCAL_RANK = settings.LOCAL_RANK
+ENV_LOCAL_SIZE = settings.LOCAL_SIZE
 
 
 
@@ -110,28 +110,24 @@ class NcclId:
         return (NcclId, (self._data,))
 
 
-def _int_env(name, env):
-    value = env.get(name)
-    if value is None:
-        return None
-    try:
-        return int(value)
-    except ValueError:
-        raise ArgumentError("environment variable %s=%r is not an integer" % (name, value)) from None
-
-
 def launcher_env(env=None):
     """(NcclId, rank, size, local_rank, local_size) from the launcher's
-    variables, or None when ``COMMLIB_NCCL_ID`` is not set."""
+    variables, or None when ``COMMLIB_NCCL_ID`` is not set.
+
+    Raises:
+        ArgumentError: a variable is invalid (naming it), or the rank or
+            size is missing.
+    """
     env = os.environ if env is None else env
     if ENV_NCCL_ID not in env:
         return None
-    rank, size = _int_env(ENV_RANK, env), _int_env(ENV_SIZE, env)
+    nid = settings.read(ENV_NCCL_ID, "", env=env)
+    rank, size = settings.read(ENV_RANK, env=env), settings.read(ENV_SIZE, env=env)
     if rank is None or size is None:
         raise ArgumentError("%s is set but %s/%s are not" % (ENV_NCCL_ID, ENV_RANK, ENV_SIZE))
-    local_rank = _int_env(ENV_LOCAL_RANK, env)
-    local_size = _int_env(ENV_LOCAL_SIZE, env)
-    return (NcclId.from_hex(env[ENV_NCCL_ID]), rank, size,
+    local_rank = settings.read(ENV_LOCAL_RANK, env=env)
+    local_size = settings.read(ENV_LOCAL_SIZE, env=env)
+    return (NcclId.from_hex(nid), rank, size,
             rank if local_rank is None else local_rank,
             size if local_size is None else local_size)
 
@@ -215,13 +211,16 @@ def nccl_segment_name(nccl_id, size):
 
 def check_options(bucket_bytes=None, check=None, timeout=None):
     """The constructor options, checked and resolved against the environment
-    (``COMMLIB_CHECK``, the watch-dog variables).
+    (``COMMLIB_CHECK``, the watch-dog variables), after every variable of
+    :data:`commlib.settings.VARIABLES` set is checked.
 
     Raises:
-        ArgumentError: ``bucket_bytes`` is not a positive int, or a timeout
-            is not positive seconds.
+        ArgumentError: ``bucket_bytes`` is not a positive int, a timeout is
+            not positive seconds, or an environment variable is invalid
+            (naming it, its value and what is valid).
         TypeError: an unknown option name.
     """
+    settings.check_environment()
     if bucket_bytes is not None and (isinstance(bucket_bytes, bool)
                                      or not isinstance(bucket_bytes, (int, np.integer))
                                      or bucket_bytes < 1):

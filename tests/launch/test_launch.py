@@ -282,23 +282,25 @@ def test_different_errors_are_printed_separately(tmp_path):
         .split("commlib.launch:")[0], res.stderr
 
 
-def test_culprit_named_by_an_error_is_reported(tmp_path):
-    """Rank 0 fails with a PeerError blaming rank 2 while ranks 1 and 2 wait."""
+def test_a_stalled_rank_is_blamed_not_the_rank_that_gave_up_on_it(tmp_path):
+    """Rank 1 stalls (blocks forever) while rank 0 waits for it in an
+    all-reduce; rank 0's watch dog gives up first, with a
+    CollectiveTimeoutError blaming rank 1: the last line blames rank 1."""
     script = write(tmp_path / "job.py", PID_PRELUDE, """
-        from mpi4py import MPI
-        from commlib.errors import PeerError
-        MPI.COMM_WORLD.Barrier()
-        if RANK == 0:
-            raise PeerError("rank 0: rank 2 left the all-reduce", culprits=(2,))
-        req = MPI.COMM_WORLD.Ibarrier()
-        while not req.Test():
-            time.sleep(0.01)
+        import threading
+        import numpy as np
+        import commlib
+        comm = commlib.init(timeout=1)
+        if comm.rank == 1:
+            threading.Event().wait()          # stalls
+        comm.all_reduce(np.ones(4))
     """)
-    res = run_launcher("-n", 3, script, timeout=30, env={"PID_DIR": str(tmp_path)})
+    res = run_launcher("-n", 2, script, timeout=30, env={"PID_DIR": str(tmp_path)})
     assert res.returncode == 1, res.stderr
-    assert said(res.stderr)[-1] == ("rank 0 failed with exit code 1 (PeerError blaming rank 2: "
-                                    "rank 0: rank 2 left the all-reduce); all workers ended"), \
-        res.stderr
+    assert said(res.stderr)[-1].startswith(
+        "rank 1 is at fault: rank 0 failed blaming it (CollectiveTimeoutError: rank 0: "
+        "all_reduce #1 did not complete before its deadline"), res.stderr
+    assert said(res.stderr)[-1].endswith("; all workers ended"), res.stderr
     assert res.stderr.count("Traceback (most recent call last)") == 1, res.stderr
     assert_all_ended(tmp_path)
 
@@ -425,6 +427,9 @@ def test_exported_launch_variables_do_not_leak_into_mpi_workers(tmp_path):
 # -- arguments ---------------------------------------------------------------------------
 
 @pytest.mark.parametrize("args, message", [
+    (["-n", "2", "--mpiexec", "{missing}", "{script}"],
+     "error: --mpiexec '{missing}': expected an mpiexec: an executable file, or a program on "
+     "PATH (no such file)"),
     (["-n", "0", "{script}"], "must be >= 1"),
     (["-n", "two", "{script}"], "expected an integer"),
     (["{script}"], "required: -n/--nprocs"),
@@ -442,8 +447,33 @@ def test_bad_arguments(tmp_path, args, message):
             for a in args]
     res = run_launcher(*args, timeout=30)
     assert res.returncode == 2, res
-    assert message in res.stderr, res.stderr
-    assert "ran" not in res.stdout
+    assert message.format(missing=tmp_path / "missing.py") in res.stderr, res.stderr
+    assert "ran" not in res.stdout and "Traceback" not in res.stderr
+
+
+@pytest.mark.parametrize("name, value, valid", [
+    ("COMMLIB_MPIEXEC", "abc", "an mpiexec: an executable file, or a program on PATH"),
+    ("COMMLIB_ABORT_ON_ERROR", "abc", "1/true/yes/on or 0/false/no/off"),
+])
+def test_a_bad_variable_is_one_line_and_status_2(tmp_path, name, value, valid):
+    script = write(tmp_path / "ok.py", "print('ran')\n")
+    res = run_launcher("-n", 2, script, timeout=30, env={name: value})
+    assert res.returncode == 2, res
+    assert "%s=%r: expected %s" % (name, value, valid) in res.stderr, res.stderr
+    assert len(res.stderr.splitlines()) == 1 and "ran" not in res.stdout, res
+
+
+def test_an_mpiexec_that_starts_nothing_is_not_a_success(tmp_path):
+    """/bin/true as mpiexec exits 0 without starting a rank: an error naming
+    the ranks that never reported."""
+    script = write(tmp_path / "ok.py", "print('ran')\n")
+    res = run_launcher("-n", 2, "--mpiexec", "/bin/true", script, timeout=30)
+    assert res.returncode == launch.EXIT_WRONG_SIZE, res
+    assert said(res.stderr) == [
+        "ranks 0, 1 of 2 never ran or never reported finishing, although /bin/true exited "
+        "with status 0: /bin/true did not start the ranks as the launcher asked (it is not an "
+        "mpiexec, or it sets none of COMMLIB_RANK, PMI_RANK, OMPI_COMM_WORLD_RANK, "
+        "MV2_COMM_WORLD_RANK, PMIX_RANK, SLURM_PROCID)"], res.stderr
 
 
 @pytest.mark.skipif(launch_backend.gpu_status()[0] is None, reason="NCCL is usable here")
@@ -500,6 +530,28 @@ def test_blame(records, rank):
     found = launch.blame(records)
     assert (found and found.rank) == rank
     assert launch.blame(list(reversed(records))) == found
+
+
+@pytest.mark.parametrize("records, line, status", [
+    # ranks that gave up on rank 2 (it stalled: no record of its own) blame it
+    ([rec(0, "failed", 1.0, code=1, exception="CollectiveTimeoutError", culprits=(2,),
+          message="rank 0: late\nmore"),
+      rec(1, "failed", 1.5, code=1, exception="PeerError", culprits=(2,)),
+      rec(2, "died", 2.0, signal=15, requested=15)],
+     "rank 2 is at fault: ranks 0, 1 failed blaming it (CollectiveTimeoutError: rank 0: late)", 1),
+    ([rec(0, "failed", 1.0, code=7, exception="PeerError", culprits=(1, 3))],
+     "ranks 1, 3 are at fault: rank 0 failed blaming them (PeerError)", 7),
+    # a culprit with a failure of its own is described itself
+    ([rec(0, "failed", 1.0, code=1, exception="PeerError", culprits=(1,)),
+      rec(1, "died", 2.0, signal=9)], "rank 1 was killed by SIGKILL", 137),
+    # bad input on rank 1: every rank's error blames rank 1, rank 1's too
+    ([rec(1, "failed", 1.0, code=1, exception="ConsistencyError", culprits=(1,), message="m"),
+      rec(0, "failed", 1.1, code=1, exception="ConsistencyError", culprits=(1,))],
+     "rank 1 failed with exit code 1 (ConsistencyError blaming rank 1: m)", 1),
+    ([rec(0, "done", 1.0)], None, None),
+])
+def test_verdict_never_blames_a_rank_for_giving_up(records, line, status):
+    assert launch.verdict(records) == (None if line is None else (line, status))
 
 
 @pytest.mark.parametrize("record, text, status", [
