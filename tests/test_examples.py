@@ -6,8 +6,11 @@ import gzip
 import json
 import os
 import re
+import signal
 import struct
+import subprocess
 import sys
+import threading
 
 import numpy as np
 import pytest
@@ -58,6 +61,7 @@ def two_ranks(tmp_path_factory):
     log = tmp_path_factory.mktemp("log") / "run.json"
     proc = run([*mpiexec(), "-n", "2", sys.executable, MNIST, *SHORT, "--json", log])
     assert proc.returncode == 0, proc.stderr
+    assert "not built" not in proc.stderr, proc.stderr     # the compiled host loops ran
     return proc.stdout, json.loads(log.read_text())
 
 
@@ -78,11 +82,54 @@ def test_mnist_two_ranks_trains_the_cnn_and_logs_like_the_seed(two_ranks):
     assert [e["eval_accuracy"] for e in log["epochs"]] == pytest.approx(rows[:, 2], abs=1e-6)
 
 
-def test_mnist_under_the_launcher_is_deterministic(two_ranks):
-    proc = run([sys.executable, "-m", "commlib.launch", "--backend", "mpi", "-n", "2", MNIST,
-                *SHORT])
-    assert proc.returncode == 0, proc.stderr
-    assert metrics(proc.stdout)[1] == metrics(two_ranks[0])[1], "same seed, other parameters"
+def run_on_terminal(cmd, timeout=180):
+    """Run ``cmd`` like :func:`run`, its stderr on a pseudo-terminal (as
+    when a user starts it), under a bound; returns (exit status, stdout,
+    what reached the terminal)."""
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
+    master, slave = os.openpty()
+    proc = subprocess.Popen([str(c) for c in cmd], stdout=subprocess.PIPE, stderr=slave,
+                            env=env, cwd=ROOT, start_new_session=True)
+    os.close(slave)
+    seen = []
+
+    def read():
+        while True:
+            try:
+                data = os.read(master, 65536)
+            except OSError:                 # EIO: every writer has closed it
+                break
+            if not data:
+                break
+            seen.append(data)
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    try:
+        out, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, _ = proc.communicate()
+        pytest.fail("%s timed out\n%s" % (cmd, b"".join(seen).decode(errors="replace")))
+    finally:
+        reader.join(10)
+        os.close(master)
+    return proc.returncode, out.decode(), b"".join(seen).decode(errors="replace")
+
+
+def test_mnist_under_the_launcher_is_deterministic_and_shows_progress(two_ranks):
+    """Started from a terminal, the launcher's workers write to pipes; rank 0
+    still shows its progress bar (the launcher tells it its own stderr is a
+    terminal), the only rank to; the compiled loops are used."""
+    code, out, terminal = run_on_terminal([sys.executable, "-m", "commlib.launch", "--backend",
+                                           "mpi", "-n", "2", MNIST, *SHORT])
+    assert code == 0, terminal
+    assert metrics(out)[1] == metrics(two_ranks[0])[1], "same seed, other parameters"
+    steps = 1280 // 2 // 32
+    for epoch in (0, 1):                    # its first and last states at least
+        assert "[0] Epoch %d: 1/%d steps" % (epoch, steps) in terminal, terminal
+        assert "Epoch %d: %d/%d steps lr" % (epoch, steps, steps) in terminal, terminal
+    assert "[1] Epoch" not in terminal and "not built" not in terminal + out, terminal
 
 
 @pytest.mark.parametrize("compression, share, min_accuracy", [
@@ -419,6 +466,7 @@ def test_committed_comparison_table_is_what_its_runs_say(tmp_path):
     table = (docs / "compression_runs.md").read_text()
     rows = table[table.index("| strategy"):table.index("![")].strip()
     assert rows in (EXAMPLES / "README.md").read_text()
+    assert rows in (docs / "compression.md").read_text()     # it says it is this output
 
 
 # -- the forked-worker example --------------------------------------------------------------

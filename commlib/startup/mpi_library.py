@@ -135,7 +135,7 @@ def loaded_library(python=None, env=None, timeout=60):
         if "No module named 'mpi4py'" in out.stderr:
             raise BackendUnavailableError(
                 "mpi4py is not installed for %s: install mpi4py and an MPI, e.g. from the "
-                "commlib source tree: pip install '.[mpi]' (or pip install mpi4py mpich)"
+                "commlib source tree: pip install -e '.[mpi]' (or pip install mpi4py mpich)"
                 % python)
         raise BackendUnavailableError("could not ask %s which MPI library mpi4py loads "
                                       "(exit %d):\n%s" % (python, out.returncode,
@@ -245,7 +245,7 @@ def choose_mpiexec(explicit=None, python=None, env=None, library=None,
     if not paths:
         raise BackendUnavailableError(
             "mpiexec not found beside %s or on PATH: install an MPI, e.g. from the commlib "
-            "source tree: pip install '.[mpi]' (MPICH from PyPI)" % (python or sys.executable))
+            "source tree: pip install -e '.[mpi]' (MPICH from PyPI)" % (python or sys.executable))
     seen = [describe_mpiexec(p) for p in paths]
     if library.family is None:
         return seen[0]
