@@ -591,7 +591,22 @@ def test_distinct_tracebacks_ignore_only_the_rank_number():
     assert found[0][1] == "Traceback:\n  rank 0 here\nE: rank 0: same\n"
 
 
+def read_until(fd, ending, timeout=30.0):
+    """Bytes read from ``fd`` until they end with ``ending`` (fails after ``timeout`` s)."""
+    import select
+    got, deadline = b"", time.monotonic() + timeout
+    while not got.endswith(ending):
+        left = deadline - time.monotonic()
+        assert left > 0 and select.select([fd], [], [], left)[0], "no %r in %r" % (ending, got)
+        got += os.read(fd, 65536)
+    return got
+
+
 def test_relay_passes_whole_lines_with_the_prefix(monkeypatch):
+    """Lines come out whole, each once prefixed, whatever pieces they are
+    written in; a line left unfinished is passed on as it is after
+    PARTIAL_LINE_S: the test waits until it came out (no sleep guesses how
+    long that takes), then finishes it."""
     monkeypatch.setattr(launch_processes, "PARTIAL_LINE_S", 0.3)
     src_r, src_w = os.pipe()
     dst_r, dst_w = os.pipe()
@@ -599,15 +614,14 @@ def test_relay_passes_whole_lines_with_the_prefix(monkeypatch):
     relay.start()
     for part in (b"ab", b"c\n", b"d\r", b"\nbar 1\rbar 2\r", b"\n", b"x\ny\r\nlast"):
         os.write(src_w, part)
-        time.sleep(0.02)
-    time.sleep(0.6)  # "last" waits longer than PARTIAL_LINE_S: passed on unfinished
+    got = read_until(dst_r, b"[3] last")             # passed on unfinished
     os.write(src_w, b" rest\nno newline")
     os.close(src_w)
-    relay.join(10)
+    relay.join(30)
     os.close(dst_w)
     with os.fdopen(dst_r, "rb") as f:
-        assert f.read() == (b"[3] abc\n[3] d\r\n[3] bar 1\r[3] bar 2\r\n[3] x\n[3] y\r\n"
-                            b"[3] last rest\n[3] no newline\n")
+        assert got + f.read() == (b"[3] abc\n[3] d\r\n[3] bar 1\r[3] bar 2\r\n[3] x\n[3] y\r\n"
+                                  b"[3] last rest\n[3] no newline\n")
 
 
 def test_the_supervisor_does_not_load_mpi():
@@ -641,11 +655,15 @@ def test_worker_env_round_trips_through_bootstrap():
             launch.worker_env(base, FAKE_ID, rank, size)
 
 
-def run_forked(script, n, timeout=30, env=None):
-    """The launcher's forked-worker supervision of ``script`` with FAKE_ID."""
+def run_forked(script, n, timeout=30, env=None, partial_line_s=None):
+    """The launcher's forked-worker supervision of ``script`` with FAKE_ID
+    (``partial_line_s``: the relays' PARTIAL_LINE_S, when given)."""
     code = ("import sys\nfrom commlib import launch\n"
+            "from commlib.launch import processes\n"
+            "processes.PARTIAL_LINE_S = %r or processes.PARTIAL_LINE_S\n"
             "job = launch.ForkedWorkers.start([sys.executable, %r], %d, %r)\n"
-            "sys.exit(launch.supervise(job, timeout=20, grace=2))\n" % (str(script), n, FAKE_ID))
+            "sys.exit(launch.supervise(job, timeout=20, grace=2))\n"
+            % (partial_line_s, str(script), n, FAKE_ID))
     return _bounded([sys.executable, "-c", code], timeout, env)
 
 
@@ -674,7 +692,9 @@ def test_forked_worker_output_is_prefixed_line_by_line(tmp_path):
                 time.sleep(0.01)
             print("err", rank, "line", i, file=sys.stderr, flush=True)
     """)
-    res = run_forked(script, 3)
+    # a worker the machine's load holds up between its two writes for longer
+    # than PARTIAL_LINE_S would have its line passed on in two parts: not here
+    res = run_forked(script, 3, partial_line_s=60)
     assert res.returncode == 0, res.stderr
     assert sorted(res.stdout.splitlines()) == \
         sorted("[%d] out %d line %d" % (r, r, i) for r in range(3) for i in range(3)), res.stdout
