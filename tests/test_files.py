@@ -21,7 +21,7 @@ import pytest
 import commlib
 from commlib.files import write_atomically
 from commlib.optim import SGD
-from mpirun import python_path
+from mpirun import python_path, run_mpi
 
 NOBODY = 65534
 
@@ -167,3 +167,18 @@ def test_a_checkpoint_cut_short_by_a_file_size_limit_leaves_the_previous_one(tmp
     assert proc.stdout.split() == ["OSError", str(errno.EFBIG)], proc.stdout
     assert os.listdir(tmp_path) == ["ckpt.npz"]            # no partial temporary
     np.testing.assert_array_equal(saved_params(ckpt), np.arange(1000, dtype=np.float32))
+
+
+def test_the_test_harness_writes_no_planted_name(shared, monkeypatch):
+    """run_mpi's rank program used to be written to the fixed name
+    ``commlib_mpi_<pid>_<hash of the code>.py`` in the shared temporary
+    folder, following a symlink planted there."""
+    monkeypatch.setenv("PYTEST_TMPDIR", shared)
+    code = "print('the rank program ran')\n"
+    victim = os.path.join(shared, "victim.txt")
+    with open(victim, "w") as f:
+        f.write("the victim's own data")
+    plant("ln -s %s %s/commlib_mpi_%d_%d.py" % (victim, shared, os.getpid(), abs(hash(code))))
+    assert "the rank program ran" in run_mpi(1, code, timeout=60).stdout
+    with open(victim) as f:
+        assert f.read() == "the victim's own data"
