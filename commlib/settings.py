@@ -13,7 +13,6 @@ import collections
 import math
 import os
 import re
-import shutil
 
 from .errors import ArgumentError
 
@@ -112,13 +111,6 @@ def _parse_kernel_folder(text):
     if not os.path.isdir(text) or not any(n.endswith(".cu") for n in os.listdir(text)):
         raise ValueError
     return text
-
-
-def program(text):
-    """The path of program ``text`` (an executable file, or a name on ``PATH``),
-    or None when there is none."""
-    found = shutil.which(text)
-    return os.path.abspath(found) if found else None
 
 
 #: one variable of :data:`VARIABLES`: what it does, which values are valid
