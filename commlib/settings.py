@@ -1,11 +1,18 @@
 """commlib's environment variables and defaults, read in one place.
 
-Flags accept ``1/true/yes/on`` and ``0/false/no/off`` (any case); an empty or
-unset variable means the default; anything else is an ArgumentError naming
-the variable. Seconds must be positive and finite.
+:data:`VARIABLES` is the table of every ``COMMLIB_*`` variable commlib reads
+(and nnabla's two watch-dog names): what each means and which values are
+valid. :func:`check_environment` checks every one that is set; each
+communicator's factory calls it, so a bad value is an ArgumentError naming
+the variable, its value and what is valid when the communicator is made,
+not later (in an exception hook, say). Flags accept ``1/true/yes/on`` and
+``0/false/no/off`` (any case); an empty or unset variable means the default.
+Seconds must be positive and finite.
 """
+import collections
 import math
 import os
+import re
 
 from .errors import ArgumentError
 
@@ -29,6 +36,19 @@ ASYNC_DEPTH = "COMMLIB_ASYNC_DEPTH"
 TRACE = "COMMLIB_TRACE"
 #: whether fixed GPU launch sequences are replayed as CUDA graphs (commlib.ops.graphs)
 CUDA_GRAPHS = "COMMLIB_CUDA_GRAPHS"
+#: set by commlib.launch for its forked NCCL workers (read by commlib.init)
+NCCL_ID = "COMMLIB_NCCL_ID"
+RANK = "COMMLIB_RANK"
+SIZE = "COMMLIB_SIZE"
+LOCAL_RANK = "COMMLIB_LOCAL_RANK"
+LOCAL_SIZE = "COMMLIB_LOCAL_SIZE"
+#: set by commlib.launch for every rank: the folder of its status records
+LAUNCH_STATUS_DIR = "COMMLIB_LAUNCH_STATUS_DIR"
+#: set by commlib.launch: "1" when the rank supervisors prefix output lines with "[rank] "
+LAUNCH_PREFIX = "COMMLIB_LAUNCH_PREFIX"
+#: set by commlib.launch: "1" when the launcher's stderr is a terminal (the
+#: ranks' stderr is a pipe to it): a rank may show progress there
+LAUNCH_TERMINAL = "COMMLIB_LAUNCH_TERMINAL"
 
 #: the watch dog's default deadline per collective, seconds: long enough for
 #: a rank that evaluates or saves a checkpoint while the others wait at the
@@ -43,19 +63,153 @@ DEFAULT_ASYNC_DEPTH = 4
 
 _TRUE = ("1", "true", "yes", "on")
 _FALSE = ("0", "false", "no", "off")
+_STORES = ("auto", "plain", "streaming")
 
 
-def flag(name, default):
-    """Boolean environment variable ``name`` (``default`` when unset or empty)."""
-    value = os.environ.get(name, "").strip().lower()
-    if not value:
-        return default
+# -- the table ---------------------------------------------------------------------------
+def _parse_flag(text):
+    value = text.lower()
     if value in _TRUE:
         return True
     if value in _FALSE:
         return False
-    raise ArgumentError("%s=%r: expected one of %s (on) or %s (off)"
-                        % (name, os.environ[name], "/".join(_TRUE), "/".join(_FALSE)))
+    raise ValueError
+
+
+def _parse_seconds(text):
+    value = float(text)
+    if not 0 < value < math.inf:
+        raise ValueError
+    return value
+
+
+def _parse_seconds_or_off(text):
+    return None if text.lower() in _FALSE else _parse_seconds(text)
+
+
+def _parse_int(low):
+    def parse(text):
+        if not re.fullmatch(r"[+-]?\d+", text) or int(text) < low:
+            raise ValueError
+        return int(text)
+    return parse
+
+
+def _parse_choice(text):
+    if text.lower() not in _STORES:
+        raise ValueError
+    return text.lower()
+
+
+def _parse_nccl_id(text):
+    if not re.fullmatch(r"[0-9a-fA-F]{256}", text):
+        raise ValueError
+    return text
+
+
+def _parse_kernel_folder(text):
+    if not os.path.isdir(text) or not any(n.endswith(".cu") for n in os.listdir(text)):
+        raise ValueError
+    return text
+
+
+#: one variable of :data:`VARIABLES`: what it does, which values are valid
+#: (text for messages), and ``parse(text)`` -> the value (ValueError when invalid)
+Variable = collections.namedtuple("Variable", "effect valid parse")
+_FLAG = "1/true/yes/on or 0/false/no/off"
+_SECONDS = "a positive, finite number of seconds"
+
+#: every variable commlib reads, by name
+VARIABLES = {
+    CHECK: Variable("the consistency check before each collective (default on)",
+                    _FLAG, _parse_flag),
+    WATCHDOG_ENABLE: Variable("the watch dog (default on)", _FLAG, _parse_flag),
+    WATCHDOG_TIMEOUT: Variable("the watch dog's deadline per collective (default %g s)"
+                               % DEFAULT_TIMEOUT, _SECONDS, _parse_seconds),
+    NNABLA_WATCHDOG_ENABLE: Variable("nnabla's name, read where %s is unset: 0/false/no/off "
+                                     "turns the watch dog off, any other value on"
+                                     % WATCHDOG_ENABLE, "any value", str),
+    NNABLA_WATCHDOG_TIMEOUT: Variable("nnabla's name, read where %s is unset" % WATCHDOG_TIMEOUT,
+                                      _SECONDS, _parse_seconds),
+    STALL_WARNING: Variable("seconds in one collective before a rank prints whom it waits "
+                            "for (default %g)" % DEFAULT_STALL_WARNING,
+                            _SECONDS + ", or 0/false/no/off for never", _parse_seconds_or_off),
+    ABORT_ON_ERROR: Variable("MPI_Abort on an uncaught exception in an MPI job (default on)",
+                             _FLAG, _parse_flag),
+    SHM: Variable("single-node all-reduces through shared memory (default on)",
+                  _FLAG, _parse_flag),
+    SHM_STORES: Variable("the kind of stores into the shared memory (default auto: probed)",
+                         "/".join(_STORES), _parse_choice),
+    NATIVE: Variable("the compiled host loops (default on; off: numpy)", _FLAG, _parse_flag),
+    MPIEXEC: Variable("the mpiexec commlib.launch starts MPI ranks with (checked there: "
+                      "ranks on other machines need not have it)",
+                      "an executable file, or a program on PATH", str),
+    KERNEL_DIR: Variable("where the CUDA kernel sources are read from (default: the package's)",
+                         "a folder holding the .cu sources", _parse_kernel_folder),
+    ASYNC_DEPTH: Variable("asynchronous all-reduces over MPI in flight at once (default %d)"
+                          % DEFAULT_ASYNC_DEPTH, "a positive int", _parse_int(1)),
+    TRACE: Variable("write a trace of every communicator (see commlib.trace)",
+                    "a path (its folder is made)", str),
+    CUDA_GRAPHS: Variable("replay fixed GPU launch sequences as CUDA graphs (default on)",
+                          _FLAG, _parse_flag),
+    NCCL_ID: Variable("set by commlib.launch: the forked workers' NCCL ID",
+                      "256 hex digits (str(commlib.NcclId))", _parse_nccl_id),
+    RANK: Variable("set by commlib.launch: the worker's rank", "an int >= 0", _parse_int(0)),
+    SIZE: Variable("set by commlib.launch: the number of ranks", "an int >= 1", _parse_int(1)),
+    LOCAL_RANK: Variable("set by commlib.launch: the worker's rank on its node",
+                         "an int >= 0", _parse_int(0)),
+    LOCAL_SIZE: Variable("set by commlib.launch: the number of ranks on the worker's node",
+                         "an int >= 1", _parse_int(1)),
+    LAUNCH_STATUS_DIR: Variable("set by commlib.launch: where ranks record how they ended "
+                                "(ranks on other machines do without)", "a folder", str),
+    LAUNCH_PREFIX: Variable("set by commlib.launch: the rank supervisors prefix output lines "
+                            "with [rank]", _FLAG, _parse_flag),
+    LAUNCH_TERMINAL: Variable("set by commlib.launch: its stderr is a terminal, so rank 0 may "
+                              "show progress", _FLAG, _parse_flag),
+}
+
+
+def read(name, default=None, env=None):
+    """The value of variable ``name`` of :data:`VARIABLES` in ``env``
+    (default ``os.environ``): parsed, or ``default`` when unset or empty.
+
+    Raises:
+        ArgumentError: the value is not valid (naming the variable, its
+            value and what is valid).
+    """
+    env = os.environ if env is None else env
+    text = env.get(name, "").strip()
+    if not text:
+        return default
+    variable = VARIABLES[name]
+    try:
+        return variable.parse(text)
+    except ValueError:
+        raise ArgumentError("%s=%r: expected %s" % (name, env[name], variable.valid)) from None
+
+
+def check_environment(env=None):
+    """Check every variable of :data:`VARIABLES` set in ``env`` (default
+    ``os.environ``).
+
+    Raises:
+        ArgumentError: naming each invalid variable, its value and what is
+            valid (all of them, one per line).
+    """
+    problems = []
+    for name in VARIABLES:
+        try:
+            read(name, env=env)
+        except ArgumentError as exc:
+            problems.append(str(exc))
+    if problems:
+        raise ArgumentError("invalid environment variable%s: %s" % (
+            "s" if len(problems) > 1 else "", "; ".join(problems)))
+
+
+def flag(name, default):
+    """Boolean environment variable ``name`` (``default`` when unset or empty)."""
+    return read(name, default)
 
 
 def seconds(value, what):
@@ -73,8 +227,8 @@ def seconds(value, what):
 
 
 def env_seconds(name, default):
-    value = os.environ.get(name, "").strip()
-    return default if not value else seconds(value, name)
+    """Seconds from variable ``name`` (``default`` when unset or empty)."""
+    return read(name, default)
 
 
 def timeout(value=None):
@@ -107,40 +261,24 @@ def _watchdog_enabled():
 
 def stall_warning():
     """Seconds before a waiting rank says whom it waits for (None: never)."""
-    value = os.environ.get(STALL_WARNING, "").strip().lower()
-    if value in ("0", "off", "no", "false"):
-        return None
-    return env_seconds(STALL_WARNING, DEFAULT_STALL_WARNING)
+    return read(STALL_WARNING, DEFAULT_STALL_WARNING)
 
 
 def shm_stores():
-    value = os.environ.get(SHM_STORES, "").strip().lower() or "auto"
-    if value not in ("auto", "plain", "streaming"):
-        raise ArgumentError("%s=%r: expected auto, plain or streaming"
-                            % (SHM_STORES, os.environ[SHM_STORES]))
-    return value
+    return read(SHM_STORES, "auto")
 
 
 def async_depth():
     """How many asynchronous all-reduces over MPI may be in flight at once:
     ``COMMLIB_ASYNC_DEPTH`` (a positive int; 1 runs them one at a time),
     default :data:`DEFAULT_ASYNC_DEPTH`."""
-    value = os.environ.get(ASYNC_DEPTH, "").strip()
-    if not value:
-        return DEFAULT_ASYNC_DEPTH
-    try:
-        depth = int(value)
-    except ValueError:
-        depth = 0
-    if depth < 1:
-        raise ArgumentError("%s=%r: expected a positive int" % (ASYNC_DEPTH, value))
-    return depth
+    return read(ASYNC_DEPTH, DEFAULT_ASYNC_DEPTH)
 
 
 def trace_path():
     """Where ``COMMLIB_TRACE`` asks the trace to be written (see
     :mod:`commlib.trace` for the path rule), or None: no trace."""
-    return os.environ.get(TRACE, "").strip() or None
+    return read(TRACE)
 
 
 #: a communicator's options (``Communicator.from_mpi(**options)`` and the
@@ -161,8 +299,12 @@ def options(**given):
 
     Raises:
         ArgumentError: an unknown option, ``bucket_bytes`` that is not a
-            positive int, or a timeout that is not positive seconds.
+            positive int, a timeout that is not positive seconds, or an
+            environment variable of :data:`VARIABLES` that is invalid
+            (:func:`check_environment`: naming it, its value and what is
+            valid).
     """
+    check_environment()
     unknown = sorted(set(given) - set(OPTIONS))
     if unknown:
         raise ArgumentError("unknown communicator option%s %s; the options are %s"

@@ -14,9 +14,12 @@ the rank; otherwise the rank goes before the extension (``trace.json`` ->
 ``.rank0.json``); a path that is a directory (or ends with ``/``) gets
 ``trace.rank0.json`` inside it. A rank's file is (re)written, with
 everything recorded so far, when one of its communicators closes, when
-tracing is turned off and at interpreter exit. A path whose directory does
-not exist or is not writable raises :class:`~commlib.errors.ArgumentError`
-(naming the path and where it came from) when tracing starts. Several
+tracing is turned off and at interpreter exit. A missing folder is made
+(with its parents) when tracing starts, one whose name holds ``{rank}`` by
+each rank when it writes; a folder that cannot be made or is not writable
+raises :class:`~commlib.errors.ArgumentError` (naming the path and where it
+came from) when tracing starts. Files are written all or nothing, with mode
+0600 (:func:`commlib.files.write_atomically`). Several
 communicators of one rank in one process share the rank's file.
 
 **Clock.** Events are complete events (``"ph": "X"``) with ``ts`` and
@@ -87,6 +90,7 @@ import types
 import warnings
 
 from .errors import ArgumentError
+from .files import write_atomically
 from . import settings
 from .trace_files import expand, main, merge, summarize, summary_text  # noqa: F401  (as before)
 
@@ -326,16 +330,27 @@ def path_for(template, rank):
 
 
 def check_path(template, source):
-    """Raise ArgumentError unless the files of ``template`` can be written."""
-    folder = os.path.dirname(os.path.abspath(path_for(template, 0))) or "."
+    """Make the folder of the files of ``template`` (with its parents) unless
+    it exists -- up to the first part that holds ``{rank}``: each rank makes
+    its own when it writes; raise ArgumentError naming ``template`` and
+    ``source`` when it cannot be made or is not writable."""
+    template = os.fspath(template)
+    folder = template if template.endswith(os.sep) or os.path.isdir(template) \
+        else os.path.dirname(template)
+    if "{rank}" in folder:                  # the folders above the first that holds it
+        folder = os.path.dirname(folder.split("{rank}", 1)[0] + "x")
+    folder = os.path.abspath(folder or ".")
     problem = None
-    if not os.path.isdir(folder):
-        problem = "the directory %r does not exist" % folder
-    elif not os.access(folder, os.W_OK | os.X_OK):
-        problem = "the directory %r is not writable" % folder
+    try:
+        os.makedirs(folder, exist_ok=True)
+    except OSError as exc:
+        problem = "the directory %r cannot be made: %s" % (folder, exc.strerror or exc)
+    else:
+        if not os.access(folder, os.W_OK | os.X_OK):
+            problem = "the directory %r is not writable" % folder
     if problem is not None:
         raise ArgumentError("%s: cannot write the trace to %r: %s"
-                            % (source, os.fspath(template), problem))
+                            % (source, template, problem))
 
 
 class Tracing:
@@ -400,13 +415,12 @@ def write_all():
 
 
 def write_recorder(recorder):
+    """(Re)write ``recorder``'s file (see :func:`commlib.files.write_atomically`;
+    its folder is made when the path rule puts ``{rank}`` in it). Returns the path."""
     path = path_for(_config["template"], recorder.rank)
     text = json.dumps(document(recorder), default=str)     # a span's args may be anything
-    partial = "%s.%d.tmp" % (path, os.getpid())
-    with open(partial, "w") as f:
-        f.write(text)
-    os.replace(partial, path)
-    return path
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    return write_atomically(path, lambda f: f.write(text))
 
 
 def document(recorder):

@@ -7,6 +7,7 @@ import json
 import os
 
 from .errors import ArgumentError
+from .files import write_atomically
 
 
 def expand(inputs):
@@ -23,7 +24,8 @@ def expand(inputs):
 
 
 def merge(out, inputs):
-    """Join per-rank files into ``out`` (one process per rank); raises
+    """Join per-rank files into ``out`` (one process per rank; written all or
+    nothing, mode 0600: :func:`commlib.files.write_atomically`); raises
     ArgumentError for a rank found twice or ranks missing. Returns the ranks."""
     files = [f for f in expand(inputs) if os.path.abspath(f) != os.path.abspath(out)]
     events, ranks, sizes = [], {}, set()
@@ -43,10 +45,9 @@ def merge(out, inputs):
     missing = sorted(set(range(size)) - set(ranks))
     if not ranks or missing:
         raise ArgumentError("merge: no file of rank(s) %s among %s" % (missing or [0], files))
-    with open(out, "w") as f:
-        json.dump({"traceEvents": events, "displayTimeUnit": "ms",
-                   "otherData": {"ranks": {str(r): ranks[r] for r in sorted(ranks)},
-                                 "size": size}}, f)
+    doc = {"traceEvents": events, "displayTimeUnit": "ms",
+           "otherData": {"ranks": {str(r): ranks[r] for r in sorted(ranks)}, "size": size}}
+    write_atomically(out, lambda f: json.dump(doc, f))
     return sorted(ranks)
 
 

@@ -90,9 +90,25 @@ def load_idx(directory):
                  for images, labels in files)
 
 
+def npz_problem(path):
+    """Why ``path`` is not an npz file (judged from its first bytes), or None."""
+    with open(path, "rb") as f:
+        head = f.read(16)
+    if head.startswith(b"PK"):                      # a zip archive, as np.savez writes
+        return None
+    if head.startswith(b"\x93NUMPY"):
+        return "it is a single .npy array (np.save), not an npz archive (np.savez)"
+    text = head and all(32 <= b < 127 or b in b"\t\r\n" for b in head)
+    return ("it is not an npz archive (a zip file of .npy arrays, as np.savez writes) but %s "
+            "starting with %r" % ("text" if text else "other data", head))
+
+
 def load_npz(path, eval_fraction, split_seed):
     """(train, evaluation) from an npz file (see the module doc)."""
     try:
+        problem = npz_problem(path)
+        if problem is not None:
+            raise DataError("%s: cannot read as npz: %s" % (path, problem))
         with np.load(path) as data:
             arrays = {k: data[k] for k in data.files}
     except (OSError, ValueError) as exc:

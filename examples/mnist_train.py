@@ -17,8 +17,9 @@ the global norm ``--clip-norm`` and applies SGD with momentum to two
 parameter groups: the weights with ``--weight-decay``, the biases without.
 A scheduler object sets the learning rate each step. Rank 0 initialises
 the parameters and broadcasts them, so all ranks start (and stay)
-identical; the script checks that at the end. On a terminal rank 0 shows a
-progress bar per epoch (tqdm when installed).
+identical; the script checks that at the end. On a terminal (also under
+``python -m commlib.launch`` run on one) rank 0 shows a progress bar per
+epoch (tqdm when installed).
 
 Data (``--data``): ``examples/data/mnist_5k.npz`` by default (5,000 MNIST
 digits, see data/README.md), split once into ``1 - --eval-fraction`` for
@@ -74,7 +75,9 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 import numpy as np  # noqa: E402  (after the thread setting, which numpy reads at import)
 
 import commlib  # noqa: E402
+import commlib.launch  # noqa: E402
 import commlib.optim  # noqa: E402
+from commlib.files import write_atomically  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import cnn_model  # noqa: E402
@@ -94,14 +97,17 @@ def strategy(args):
 
 def progress(total, desc, enabled):
     """A progress bar of ``total`` steps on stderr (tqdm where installed, else
-    one line rewritten in place); a stand-in that does nothing unless ``enabled``."""
+    one line rewritten in place); a stand-in that does nothing unless ``enabled``.
+    Under commlib.launch (stderr a pipe to a launcher on a terminal), whose
+    ``[rank]`` prefix starts each line, the bar's last state is left as a line."""
     if not enabled:
         return _Quiet()
+    keep = not sys.stderr.isatty()
     try:
         from tqdm import tqdm
     except ImportError:
-        return _Line(total, desc)
-    return tqdm(total=total, desc=desc, unit="step", leave=False, file=sys.stderr)
+        return _Line(total, desc, keep)
+    return tqdm(total=total, desc=desc, unit="step", leave=keep, file=sys.stderr)
 
 
 class _Quiet:
@@ -116,8 +122,9 @@ class _Quiet:
 
 
 class _Line(_Quiet):
-    def __init__(self, total, desc):
+    def __init__(self, total, desc, keep):
         self.total, self.desc, self.done, self.shown, self.text = total, desc, 0, 0.0, ""
+        self.keep = keep
 
     def update(self, n=1):
         self.done += n
@@ -132,7 +139,7 @@ class _Line(_Quiet):
         self.text = text
 
     def close(self):
-        sys.stderr.write("\r\033[K")
+        sys.stderr.write("\n" if self.keep else "\r\033[K")
         sys.stderr.flush()
 
 
@@ -160,7 +167,8 @@ def train_epoch(comm, model, opt, sched, train, sampler, epoch, args):
     ready = [where[id(p)] for p in model.params]
     totals = xp.zeros(3, xp.float64)        # loss sum, correct, images
     batches = sampler.batches(args.batch_size, drop_last=True)    # as many on every rank
-    bar = progress(len(batches), "Epoch %d" % epoch, comm.rank == 0 and sys.stderr.isatty())
+    bar = progress(len(batches), "Epoch %d" % epoch,
+                   comm.rank == 0 and commlib.launch.stderr_is_terminal())
     span = commlib.trace.span               # marks a part of the step (records only in a trace)
     for step, idx in enumerate(batches):
         idx = xp.asarray(idx)
@@ -199,8 +207,11 @@ def to_host(a):
 
 
 def communication(comm, opt):
-    """(gradient bytes sent, seconds blocked on communication) per rank, mean over ranks."""
-    mine = np.array([opt.stats["bytes_sent"], opt.stats["comm_seconds"]], np.float64)
+    """(gradient bytes sent, seconds blocked on communication) per rank, mean
+    over ranks. One process sends nothing (its collectives copy in place;
+    ``opt.stats`` counts the bytes handed to its transport all the same)."""
+    mine = np.array([opt.stats["bytes_sent"] if comm.size > 1 else 0,
+                     opt.stats["comm_seconds"]], np.float64)
     return tuple(comm.all_reduce(mine, op="avg"))
 
 
@@ -379,7 +390,9 @@ def main(argv=None):
         say("Training loss = %.6f, training accuracy = %.6f" % (loss, train_acc))
         say("Evaluation accuracy = %.6f" % eval_acc)
         say("Images per second = %.0f (all ranks), time in communication = %.2f s, bytes sent "
-            "= %.4g MB (per rank, so far)" % (images / seconds, blocked, sent / 1e6), flush=True)
+            "= %.4g MB (%s)" % (images / seconds, blocked, sent / 1e6, "per rank, so far"
+                                if comm.size > 1 else "one worker: nothing to send"),
+            flush=True)
     if args.compression == "partial":
         comm.all_reduce(model.params, op="avg")          # one model on every rank
     try:
@@ -394,12 +407,12 @@ def main(argv=None):
         say("Parameters identical on all %d ranks (sha256 %s)" % (comm.size, digest[:16]),
             flush=True)
     if comm.rank == 0 and args.json:
-        with open(args.json, "w") as f:
-            json.dump({"workers": comm.size, "model": args.model, "compression":
-                       args.compression, "strategy": str(args.strategy), "train_images": n_train,
-                       "eval_images": n_eval, "batch_size": args.batch_size, "lr": args.lr,
-                       "seed": args.seed, "epochs": log, "identical": same, "sha256": digest,
-                       "total_seconds": time.perf_counter() - start}, f, indent=1)
+        summary = {"workers": comm.size, "model": args.model, "compression": args.compression,
+                   "strategy": str(args.strategy), "train_images": n_train,
+                   "eval_images": n_eval, "batch_size": args.batch_size, "lr": args.lr,
+                   "seed": args.seed, "epochs": log, "identical": same, "sha256": digest,
+                   "total_seconds": time.perf_counter() - start}
+        write_atomically(args.json, lambda f: json.dump(summary, f, indent=1))
     comm.close()
     return 0 if same else 1
 

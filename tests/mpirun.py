@@ -145,8 +145,11 @@ def run_mpi(n, code, timeout=60, env=None, args=(), expect_fail=False, survivors
     different times on purpose.
     """
     tmp = Path(os.environ.get("PYTEST_TMPDIR", tempfile.gettempdir()))
-    script = tmp / ("commlib_mpi_%d_%d.py" % (os.getpid(), abs(hash(code))))
-    script.write_text(PROLOGUE + textwrap.dedent(code))
+    # made exclusively under a random name: never a name planted in a shared /tmp
+    fd, script = tempfile.mkstemp(prefix="commlib_mpi_", suffix=".py", dir=str(tmp))
+    script = Path(script)
+    with os.fdopen(fd, "w") as f:
+        f.write(PROLOGUE + textwrap.dedent(code))
     reports = tempfile.mkdtemp(prefix="commlib-ranks-", dir=str(tmp))
     full_env = dict(os.environ)
     full_env["PYTHONPATH"] = python_path(full_env)

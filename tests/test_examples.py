@@ -6,8 +6,11 @@ import gzip
 import json
 import os
 import re
+import signal
 import struct
+import subprocess
 import sys
+import threading
 
 import numpy as np
 import pytest
@@ -36,7 +39,8 @@ def metrics(stdout):
     train = re.findall(r"Training loss = ([\d.]+), training accuracy = ([\d.]+)", stdout)
     evaluation = re.findall(r"Evaluation accuracy = ([\d.]+)", stdout)
     sent = re.findall(r"Images per second = \d+ \(all ranks\), time in communication = "
-                      r"[\d.]+ s, bytes sent = ([\d.e+-]+) MB \(per rank, so far\)", stdout)
+                      r"[\d.]+ s, bytes sent = ([\d.e+-]+) MB \((?:per rank, so far|"
+                      r"one worker: nothing to send)\)", stdout)
     assert len(train) == len(evaluation) == len(sent) and evaluation, stdout
     agree = re.search(r"Parameters identical on all \d+ ranks \(sha256 (\w+)\)", stdout)
     assert agree, "ranks disagree or no final check:\n" + stdout
@@ -57,6 +61,7 @@ def two_ranks(tmp_path_factory):
     log = tmp_path_factory.mktemp("log") / "run.json"
     proc = run([*mpiexec(), "-n", "2", sys.executable, MNIST, *SHORT, "--json", log])
     assert proc.returncode == 0, proc.stderr
+    assert "not built" not in proc.stderr, proc.stderr     # the compiled host loops ran
     return proc.stdout, json.loads(log.read_text())
 
 
@@ -77,11 +82,54 @@ def test_mnist_two_ranks_trains_the_cnn_and_logs_like_the_seed(two_ranks):
     assert [e["eval_accuracy"] for e in log["epochs"]] == pytest.approx(rows[:, 2], abs=1e-6)
 
 
-def test_mnist_under_the_launcher_is_deterministic(two_ranks):
-    proc = run([sys.executable, "-m", "commlib.launch", "--backend", "mpi", "-n", "2", MNIST,
-                *SHORT])
-    assert proc.returncode == 0, proc.stderr
-    assert metrics(proc.stdout)[1] == metrics(two_ranks[0])[1], "same seed, other parameters"
+def run_on_terminal(cmd, timeout=180):
+    """Run ``cmd`` like :func:`run`, its stderr on a pseudo-terminal (as
+    when a user starts it), under a bound; returns (exit status, stdout,
+    what reached the terminal)."""
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
+    master, slave = os.openpty()
+    proc = subprocess.Popen([str(c) for c in cmd], stdout=subprocess.PIPE, stderr=slave,
+                            env=env, cwd=ROOT, start_new_session=True)
+    os.close(slave)
+    seen = []
+
+    def read():
+        while True:
+            try:
+                data = os.read(master, 65536)
+            except OSError:                 # EIO: every writer has closed it
+                break
+            if not data:
+                break
+            seen.append(data)
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    try:
+        out, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, _ = proc.communicate()
+        pytest.fail("%s timed out\n%s" % (cmd, b"".join(seen).decode(errors="replace")))
+    finally:
+        reader.join(10)
+        os.close(master)
+    return proc.returncode, out.decode(), b"".join(seen).decode(errors="replace")
+
+
+def test_mnist_under_the_launcher_is_deterministic_and_shows_progress(two_ranks):
+    """Started from a terminal, the launcher's workers write to pipes; rank 0
+    still shows its progress bar (the launcher tells it its own stderr is a
+    terminal), the only rank to; the compiled loops are used."""
+    code, out, terminal = run_on_terminal([sys.executable, "-m", "commlib.launch", "--backend",
+                                           "mpi", "-n", "2", MNIST, *SHORT])
+    assert code == 0, terminal
+    assert metrics(out)[1] == metrics(two_ranks[0])[1], "same seed, other parameters"
+    steps = 1280 // 2 // 32
+    for epoch in (0, 1):                    # its first and last states at least
+        assert "[0] Epoch %d: 1/%d steps" % (epoch, steps) in terminal, terminal
+        assert "Epoch %d: %d/%d steps lr" % (epoch, steps, steps) in terminal, terminal
+    assert "[1] Epoch" not in terminal and "not built" not in terminal + out, terminal
 
 
 @pytest.mark.parametrize("compression, share, min_accuracy", [
@@ -118,6 +166,9 @@ def test_mnist_one_process_mlp_on_idx_files(tmp_path, monkeypatch):
     assert "3000 train / 500 evaluation images" in proc.stdout
     rows, _ = metrics(proc.stdout)
     assert rows[-1, 2] > 0.9, proc.stdout  # measured 0.928
+    # one process sends nothing, and says so
+    assert rows[:, 3].tolist() == [0, 0, 0], proc.stdout
+    assert proc.stdout.count("bytes sent = 0 MB (one worker: nothing to send)") == 3
 
 
 def test_mnist_rejects_bad_options(tmp_path):
@@ -129,6 +180,26 @@ def test_mnist_rejects_bad_options(tmp_path):
     bad.write_bytes(b"not a zip file")
     proc = run([sys.executable, MNIST, "--data", bad], timeout=60)
     assert proc.returncode == 2 and "%s: cannot read as npz" % bad in proc.stderr
+
+
+@pytest.mark.parametrize("content, message", [
+    (b"label,pixels\n7,0 0 0\n", "it is not an npz archive (a zip file of .npy arrays, as "
+                                  "np.savez writes) but text starting with b'label,pixels\\n7,0'"),
+    (b"\x00\x01\x02\x03", "but other data starting with b'\\x00\\x01\\x02\\x03'"),
+    ("npy", "it is a single .npy array (np.save), not an npz archive (np.savez)")])
+def test_a_file_that_is_not_an_npz_is_described_as_what_it_is(tmp_path, monkeypatch, content,
+                                                             message):
+    _, mnist_data, _ = example_modules(monkeypatch)
+    path = tmp_path / "digits.txt"
+    if content == "npy":
+        np.save(path.with_suffix(".npy"), np.zeros(3))
+        path = path.with_suffix(".npy")
+    else:
+        path.write_bytes(content)
+    with pytest.raises(mnist_data.DataError) as info:
+        mnist_data.load(str(path))
+    assert str(info.value).startswith("%s: cannot read as npz: " % path)
+    assert message in str(info.value) and "pickled" not in str(info.value)
 
 
 # -- the data reader --------------------------------------------------------------------------
@@ -395,6 +466,7 @@ def test_committed_comparison_table_is_what_its_runs_say(tmp_path):
     table = (docs / "compression_runs.md").read_text()
     rows = table[table.index("| strategy"):table.index("![")].strip()
     assert rows in (EXAMPLES / "README.md").read_text()
+    assert rows in (docs / "compression.md").read_text()     # it says it is this output
 
 
 # -- the forked-worker example --------------------------------------------------------------

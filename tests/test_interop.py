@@ -4,6 +4,8 @@ the optimizer with torch parameters against the same run with numpy ones,
 and the errors for tensors commlib cannot write into (non-contiguous,
 inference tensors, JAX arrays, read-only DLPack exports), on ranks of this
 process."""
+import re
+
 import numpy as np
 import pytest
 
@@ -168,5 +170,13 @@ def test_objects_without_dlpack_are_still_rejected():
     comm = commlib.Communicator.single()
     with pytest.raises(ArrayTypeError, match="rank 0: arrays: expected a numpy/cupy array"):
         comm.all_reduce(3.0)
-    with pytest.raises(ArrayTypeError, match=r"rank 0: arrays\[0\]: expected numpy.ndarray"):
+    # a list of lists, or of numbers: the message names every kind of array taken
+    with pytest.raises(ArrayTypeError, match=r"rank 0: arrays\[0\]: expected a numpy/cupy array "
+                                             r"\(or a torch, JAX or other DLPack array\), got "
+                                             r"list$"):
         comm.all_reduce([[1.0, 2.0]])
+    with pytest.raises(ArrayTypeError, match=re.escape(
+            "rank 0: arrays[0]: expected a numpy/cupy array (or a torch, JAX or other DLPack "
+            "array), got float (a list of numbers is not an array: pass "
+            "numpy.asarray(values))")):
+        comm.all_reduce([1.0, 2.0])

@@ -1,5 +1,7 @@
 """An installed commlib (not only a source checkout) carries the kernel sources
-and its compiled host loops."""
+and its compiled host loops; the README's quick start installs what running
+needs, in place, so that the example it runs uses the compiled loops."""
+import re
 import subprocess
 import sys
 
@@ -33,3 +35,21 @@ def test_import_does_not_initialise_mpi_or_cuda():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          cwd=ROOT, timeout=60)
     assert out.returncode == 0 and out.stdout.strip(), out.stderr
+
+
+def test_the_quick_start_installs_only_what_running_needs_in_place():
+    """The README's first command: an editable install (the checkout's host
+    loops compiled in place, which the launcher's workers started from the
+    checkout import) of the ``mpi`` extra alone (no torch, JAX or NVRTC
+    wheels), then the example under the launcher. (tests/test_examples.py
+    runs the example and checks it says nothing of loops not built.)"""
+    readme = (ROOT / "README.md").read_text()
+    section = readme[readme.index("## Quick start"):]
+    block = re.search(r"```sh\n(.*?)```", section, re.DOTALL).group(1).strip()
+    assert block == ('pip install -e ".[mpi]" && '
+                     'python -m commlib.launch -n 2 examples/mnist_train.py'), block
+    extras = re.search(r"\[(.*?)\]", block).group(1).split(",")
+    assert extras == ["mpi"]
+    setup = (ROOT / "setup.py").read_text()
+    mpi_extra = re.search(r'"mpi": \[(.*?)\]', setup).group(1)
+    assert not re.search(r"torch|jax|nvrtc|cuobjdump|nvdisasm|cupy", mpi_extra), mpi_extra

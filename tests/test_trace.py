@@ -254,15 +254,17 @@ def test_a_span_before_any_communicator_records_nothing(tmp_path):
 
 
 def test_unwritable_path_raises_when_tracing_starts(tmp_path):
-    missing = tmp_path / "no" / "such" / "trace.json"
-    with pytest.raises(commlib.ArgumentError, match=r"commlib\.trace\(\).*no/such"):
-        commlib.trace(missing)
+    (tmp_path / "file").write_text("a file, not a folder")
+    under_a_file = tmp_path / "file" / "such" / "trace.json"
+    with pytest.raises(commlib.ArgumentError,
+                       match=r"commlib\.trace\(\).*file/such.*cannot be made"):
+        commlib.trace(under_a_file)
     assert not trace.ON
-    env = dict(os.environ, PYTHONPATH=python_path(), COMMLIB_TRACE=str(missing))
+    env = dict(os.environ, PYTHONPATH=python_path(), COMMLIB_TRACE=str(under_a_file))
     proc = subprocess.run([sys.executable, "-c", "import commlib; commlib.Communicator.single()"],
                           capture_output=True, text=True, env=env, timeout=60)
     assert proc.returncode != 0
-    assert "COMMLIB_TRACE=" in proc.stderr and "does not exist" in proc.stderr
+    assert "COMMLIB_TRACE=" in proc.stderr and "cannot be made" in proc.stderr
 
 
 def test_context_manager_writes_thread_ranks_and_the_path_rule(tmp_path):

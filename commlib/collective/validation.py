@@ -79,14 +79,12 @@ def _check_kind(arrays, rank, what):
     if len(types) == 1:
         kind = _kind(arrays[0])
         if kind is None:
-            raise ArrayTypeError("rank %d: %s[0]: expected numpy.ndarray or cupy.ndarray, got %s"
-                                 % (rank, what, type(arrays[0]).__name__))
+            raise ArrayTypeError(_not_an_array("rank %d: %s[0]" % (rank, what), arrays[0]))
         return kind
     kinds = [_kind(a) for a in arrays]
     if None in kinds:
         i = kinds.index(None)
-        raise ArrayTypeError("rank %d: %s[%d]: expected numpy.ndarray or cupy.ndarray, got %s"
-                             % (rank, what, i, type(arrays[i]).__name__))
+        raise ArrayTypeError(_not_an_array("rank %d: %s[%d]" % (rank, what, i), arrays[i]))
     kind = kinds[0]
     if len(set(kinds)) > 1:
         i = next(i for i, k in enumerate(kinds) if k != kind)
@@ -94,6 +92,14 @@ def _check_kind(arrays, rank, what):
             "rank %d: %s[%d] is a %s but %s[0] is a %s; one call takes arrays of one kind"
             % (rank, what, i, _KINDS[kinds[i]], what, _KINDS[kind]))
     return kind
+
+
+def _not_an_array(where, item):
+    """The message for ``item``, at ``where``, that is no array commlib takes."""
+    hint = (" (a list of numbers is not an array: pass numpy.asarray(values))"
+            if isinstance(item, (int, float, complex, np.number)) else "")
+    return ("%s: expected a numpy/cupy array (or a torch, JAX or other DLPack array), got %s%s"
+            % (where, type(item).__name__, hint))
 
 
 def _check_dtypes(arrays, rank, what, floating):

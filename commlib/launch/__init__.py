@@ -65,7 +65,12 @@ JSON object per file, written to a temporary name and renamed, with ``rank``,
 A rank killed together with its supervisor (hydra's cleanup after another
 rank died or aborted) leaves no record and is not blamed. Workers inherit the
 launcher's environment; with N > 1 and no ``OMP_NUM_THREADS`` set, it is set
-to (CPU cores // N).
+to (CPU cores // N). When the launcher's stderr is a terminal it sets
+``COMMLIB_LAUNCH_TERMINAL=1``: a worker's stderr is a pipe to the launcher,
+and :func:`stderr_is_terminal` tells it that what it writes there is seen
+on a terminal (a progress bar, say). The launcher checks every ``COMMLIB_*``
+variable (:func:`commlib.settings.check_environment`) before it starts
+anything.
 
 When a worker fails or dies, the launcher ends the others (SIGTERM, then
 SIGKILL after ``--grace`` seconds); when all have ended it prints each
@@ -73,14 +78,22 @@ distinct traceback once, headed by the ranks that raised it (tracebacks that
 differ only in ``rank R`` naming the rank's own number count as one), then
 one line naming the rank to blame: a rank named in others' ``culprits``
 first, then a rank that died or failed on its own before one that failed
-blaming others, the earliest first. SIGINT or SIGTERM to the launcher, or
-``--timeout``, ends all workers the same way. Exit status: 0 when every
-worker finished; the blamed rank's exit code (128 + signal number when it was
-killed by a signal, 1 when it exited with 0 without finishing its script);
-mpiexec's status when it failed and no rank left a record; 124 after
-``--timeout``; 3 when a rank's MPI world was not of size N; 128 + signal
-number when the launcher was interrupted; 2 for bad arguments or an mpiexec
-of another MPI than mpi4py's.
+blaming others, the earliest first. A rank is never blamed for giving up
+on others: when the only failures blame ranks that left no failure of
+their own (a stalled rank, which the others' watch dogs gave up on), the
+line names those ranks, and which ranks blamed them
+(:func:`~commlib.launch.records.verdict`). SIGINT or SIGTERM to the
+launcher, or ``--timeout``, ends all workers the same way. Exit status: 0
+when every rank finished its script; the blamed rank's exit code (128 +
+signal number when it was killed by a signal, 1 when it exited with 0
+without finishing its script; for ranks blamed by others, the exit code of
+the rank that blamed them); mpiexec's status when it failed and no rank
+left a record; 124 after ``--timeout``; 3 when the job was not N ranks: a
+rank's MPI world was not of size N, or mpiexec exited 0 while ranks never
+reported finishing (it started nothing, say); 128 + signal number when the
+launcher was interrupted; 2 when nothing could be started: bad arguments,
+an invalid ``COMMLIB_*`` variable, an mpiexec that is not a program or
+belongs to another MPI than mpi4py's.
 """
 import importlib
 
@@ -89,11 +102,13 @@ _WHERE = {
     "main": "cli", "build_parser": "cli", "parse_args": "cli",
     "choose_backend": "backend", "gpu_status": "backend",
     "common_env": "environment", "worker_env": "environment", "LAUNCH_ENV": "environment",
+    "stderr_is_terminal": "environment",
     "ForkedWorkers": "jobs", "MpiJob": "jobs",
     "popen": "processes", "relay": "processes", "start_relays": "processes",
     "supervise": "supervision", "report": "supervision", "wrong_size": "supervision",
     "run_supervisor": "rank", "run_worker": "rank",
-    "Record": "records", "blame": "records", "distinct_tracebacks": "records",
+    "Record": "records", "blame": "records", "verdict": "records",
+    "distinct_tracebacks": "records",
     "read_records": "records", "write_record": "records", "launcher_rank": "records",
     "record_started": "records", "ENV_STATUS_DIR": "records",
     "PROG": "common", "WORKER_FLAG": "common", "RANK_FLAG": "common",

@@ -3,8 +3,10 @@ import argparse
 import os
 import sys
 
+from .. import settings
 from ..errors import CommlibError
 from .backend import choose_backend
+from .environment import common_env
 from .common import ENV_MPIEXEC, EXIT_TIMEOUT, EXIT_WRONG_SIZE, PROG, RANK_FLAG, WORKER_FLAG, say
 from .jobs import ForkedWorkers, MpiJob
 from .rank import run_supervisor, run_worker
@@ -38,11 +40,13 @@ def _seconds(zero_ok):
 def build_parser():
     parser = argparse.ArgumentParser(
         prog=PROG, description="Run N data-parallel workers of a commlib training script.",
-        epilog="Exit status: 0 when all workers finish; else the exit code of the worker "
-               "that failed or died first (128 + N for signal N; the others are ended); "
-               "%d after --timeout; %d when a rank's MPI world is not of size N; 128 + N "
-               "after signal N to the launcher; 2 for bad arguments or an mpiexec of "
-               "another MPI than mpi4py's." % (EXIT_TIMEOUT, EXIT_WRONG_SIZE))
+        epilog="Exit status: 0 when every rank finishes its script; else the exit code of "
+               "the worker to blame (128 + N for signal N; the others are ended); %d after "
+               "--timeout; %d when the job was not N ranks (a rank's MPI world is not of size "
+               "N, or ranks never reported); 128 + N after signal N to the launcher; 2 when "
+               "nothing could be started (bad arguments or COMMLIB_* variables, an mpiexec "
+               "that is not a program or belongs to another MPI than mpi4py's)."
+               % (EXIT_TIMEOUT, EXIT_WRONG_SIZE))
     parser.add_argument("-n", "--nprocs", type=_positive_int, required=True,
                         help="number of workers (ranks)")
     parser.add_argument("--backend", choices=("auto", "nccl", "mpi"), default="auto",
@@ -72,6 +76,22 @@ def parse_args(argv=None):
     return ns
 
 
+def start_job(ns):
+    """Start the job the parsed arguments ``ns`` ask for (after checking every
+    ``COMMLIB_*`` variable the workers will see); returns it.
+
+    Raises:
+        CommlibError: it cannot be started (an invalid variable, no usable
+            backend, no mpiexec of mpi4py's MPI, ...).
+    """
+    settings.check_environment(common_env(os.environ, ns.nprocs))
+    backend = choose_backend(ns.backend, ns.nprocs)
+    if backend == "nccl":
+        from ..startup.bootstrap import NcclId
+        return ForkedWorkers.start_script(ns.script, ns.args, ns.nprocs, str(NcclId()))
+    return MpiJob.start(ns.script, ns.args, ns.nprocs, mpiexec=ns.mpiexec)
+
+
 def main(argv=None):
     """``commlib-run`` / ``python -m commlib.launch``; returns the exit status.
 
@@ -86,15 +106,17 @@ def main(argv=None):
             (default ``sys.argv[1:]``).
 
     Returns:
-        The exit status: 0 when all workers finish; else the exit code of
-        the worker that failed or died first (128 + N for signal N; the
-        others are ended); ``EXIT_TIMEOUT`` (124) after ``--timeout``;
-        ``EXIT_WRONG_SIZE`` (3) when a rank's MPI world is not of size N;
-        128 + N after signal N to the launcher; 2 when the job could not be
-        started (a CommlibError such as BackendUnavailableError,
-        ArgumentError or LaunchError, e.g. an mpiexec of another MPI than
-        mpi4py's; its message is printed), or for ``--_worker`` /
-        ``--_rank`` without a script. With ``--_worker`` / ``--_rank``, the
+        The exit status: 0 when every rank finishes its script; else the
+        exit code of the worker to blame (128 + N for signal N; the others
+        are ended; see :mod:`commlib.launch`); ``EXIT_TIMEOUT`` (124) after
+        ``--timeout``; ``EXIT_WRONG_SIZE`` (3) when the job was not N ranks
+        (a rank's MPI world is not of size N, or mpiexec exited 0 while
+        ranks never reported finishing); 128 + N after signal N to the
+        launcher; 2 when the job could not be started (a CommlibError such
+        as BackendUnavailableError, ArgumentError or LaunchError, e.g. an
+        invalid ``COMMLIB_*`` variable, an mpiexec that is not a program or
+        of another MPI than mpi4py's; its message is printed on one line),
+        or for ``--_worker`` / ``--_rank`` without a script. With ``--_worker`` / ``--_rank``, the
         status of that part.
 
     Raises:
@@ -115,11 +137,7 @@ def main(argv=None):
 
     def start():
         try:
-            backend = choose_backend(ns.backend, ns.nprocs)
-            if backend == "nccl":
-                from ..startup.bootstrap import NcclId
-                return ForkedWorkers.start_script(ns.script, ns.args, ns.nprocs, str(NcclId()))
-            return MpiJob.start(ns.script, ns.args, ns.nprocs, mpiexec=ns.mpiexec)
+            return start_job(ns)
         except CommlibError as exc:
             failed.append(exc)
             raise

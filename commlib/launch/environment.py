@@ -1,8 +1,11 @@
-"""The environment of the launcher's workers."""
+"""The environment of the launcher's workers, and what a worker learns
+from it (:func:`stderr_is_terminal`)."""
 import os
 import site
+import sys
 
 from ..startup.bootstrap import ENV_LOCAL_RANK, ENV_LOCAL_SIZE, ENV_NCCL_ID, ENV_RANK, ENV_SIZE
+from .. import settings
 from ..errors import ArgumentError
 from .common import ENV_PREFIX
 from .records import ENV_STATUS_DIR
@@ -11,14 +14,36 @@ from .records import ENV_STATUS_DIR
 LAUNCH_ENV = (ENV_NCCL_ID, ENV_RANK, ENV_SIZE, ENV_LOCAL_RANK, ENV_LOCAL_SIZE)
 
 
+def _is_terminal(stream):
+    try:
+        return stream.isatty()
+    except (AttributeError, ValueError):        # replaced or closed
+        return False
+
+
+def stderr_is_terminal():
+    """Whether what this process writes to stderr reaches a terminal: it is
+    one, or this is a worker of :mod:`commlib.launch` (whose stderr is a
+    pipe to the launcher) and the launcher's own stderr is one
+    (``COMMLIB_LAUNCH_TERMINAL=1``). A progress bar is worth drawing then.
+
+    Raises:
+        ArgumentError: ``COMMLIB_LAUNCH_TERMINAL`` is not a flag.
+    """
+    return _is_terminal(sys.stderr) or settings.flag(settings.LAUNCH_TERMINAL, False)
+
+
 def common_env(base, n):
     """Copy of ``base`` for one of ``n`` workers: no launch variables left over
-    from an outer launch, this commlib importable, and (when ``n`` > 1 and the
+    from an outer launch, this commlib importable, ``COMMLIB_LAUNCH_TERMINAL=1``
+    when the launcher's stderr is a terminal, and (when ``n`` > 1 and the
     user did not choose) OMP_NUM_THREADS = CPU cores // n, so that the
     workers' BLAS threads do not oversubscribe the cores."""
     env = dict(base)
-    for name in LAUNCH_ENV + (ENV_STATUS_DIR, ENV_PREFIX):
+    for name in LAUNCH_ENV + (ENV_STATUS_DIR, ENV_PREFIX, settings.LAUNCH_TERMINAL):
         env.pop(name, None)
+    if _is_terminal(sys.stderr):
+        env[settings.LAUNCH_TERMINAL] = "1"
     here = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     sites = set(site.getsitepackages()) | {site.getusersitepackages()}
     parts = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]

@@ -1,7 +1,8 @@
 """The two kinds of job the launcher starts: forked workers sharing an NCCL
 ID (:class:`ForkedWorkers`) and an MPI job (:class:`MpiJob`). Both give the
 supervisor the same small interface: ``size``, ``poll()``, ``records()``,
-``end(grace)``, ``unreported_exit()``, ``drain()``, ``close()``."""
+``end(grace)``, ``unreported_exit()``, ``missing(records)``, ``drain()``,
+``close()``."""
 import os
 import shutil
 import signal
@@ -11,6 +12,7 @@ import tempfile
 import threading
 import time
 
+from ..errors import LaunchError
 from ..startup import mpi_library
 from .common import ENV_MPIEXEC, ENV_PREFIX, PIPE_DRAIN_S, POLL_S, PROG, RANK_FLAG, WORKER_FLAG
 from .environment import common_env, worker_env
@@ -124,6 +126,12 @@ class ForkedWorkers:
     def unreported_exit(self):
         return None
 
+    def missing(self, records):
+        """Ranks that never reported finishing: none (the launcher sees each
+        worker's exit, and one that exits without finishing gets a ``died``
+        record)."""
+        return []
+
     def drain(self):
         """Wait (briefly) until the ended workers' output is passed on."""
         join(self._relays, PIPE_DRAIN_S)
@@ -151,12 +159,15 @@ class MpiJob:
         :func:`commlib.startup.mpi_library.choose_mpiexec`).
 
         Raises:
+            ArgumentError: the mpiexec named is not a program.
             LaunchError: no mpiexec of mpi4py's MPI library was found, or
-                the one named belongs to another MPI.
+                the one named belongs to another MPI, or it cannot be
+                started.
             BackendUnavailableError: mpi4py or mpiexec is missing.
         """
         env = common_env(os.environ if base_env is None else base_env, n)
-        chosen = mpi_library.choose_mpiexec(mpiexec or env.get(ENV_MPIEXEC) or None, env=env)
+        named, source = (mpiexec, "--mpiexec") if mpiexec else (env.get(ENV_MPIEXEC), ENV_MPIEXEC)
+        chosen = mpi_library.choose_mpiexec(named or None, env=env, source=source)
         hydra = chosen.family == mpi_library.MPICH and _says_hydra(chosen.path)
         status_dir = tempfile.mkdtemp(prefix="commlib-launch-")
         env[ENV_STATUS_DIR] = status_dir
@@ -167,6 +178,9 @@ class MpiJob:
                sys.executable, "-m", PROG, WORKER_FLAG, script, *args]
         try:
             return cls(popen(cmd, env), status_dir, n, chosen)
+        except OSError as exc:
+            shutil.rmtree(status_dir, ignore_errors=True)
+            raise LaunchError("cannot start %s: %s" % (chosen.path, exc)) from None
         except BaseException:
             shutil.rmtree(status_dir, ignore_errors=True)
             raise
@@ -184,6 +198,13 @@ class MpiJob:
     def unreported_exit(self):
         """mpiexec's nonzero exit status (used when no rank recorded a failure)."""
         return self.proc.returncode or None
+
+    def missing(self, records):
+        """The ranks of ``records`` (of the ended job) without a ``done``
+        record: under an mpiexec that started them, every rank that finished
+        its script wrote one."""
+        done = {r.rank for r in records if r.kind == "done"}
+        return [rank for rank in range(self.size) if rank not in done]
 
     def drain(self):
         pass  # mpiexec has passed the ranks' output on before it exited

@@ -14,10 +14,12 @@ import re
 import signal
 import time
 
+from .. import settings
 from ..errors import ranks_text
+from ..files import write_atomically
 
 #: directory where ranks and their supervisors record how they started and ended
-ENV_STATUS_DIR = "COMMLIB_LAUNCH_STATUS_DIR"
+ENV_STATUS_DIR = settings.LAUNCH_STATUS_DIR
 #: (rank variable) of the launchers commlib knows, most specific first
 RANK_VARIABLES = ("COMMLIB_RANK", "PMI_RANK", "OMPI_COMM_WORLD_RANK", "MV2_COMM_WORLD_RANK",
                   "PMIX_RANK", "SLURM_PROCID")
@@ -94,11 +96,8 @@ def write_record(status_dir, record):
     """Write ``record`` as ``<kind>.<rank>`` in ``status_dir`` (atomically);
     False when it could not be written."""
     path = os.path.join(status_dir, "%s.%s" % (record.kind, record.rank))
-    tmp = "%s.tmp%d" % (path, os.getpid())
     try:
-        with open(tmp, "w") as f:
-            json.dump(record._asdict(), f)
-        os.replace(tmp, path)
+        write_atomically(path, lambda f: json.dump(record._asdict(), f))
         return True
     except (OSError, TypeError, ValueError):
         return False
@@ -134,6 +133,31 @@ def blame(records):
         named = any(r.rank in o.culprits for o in bad if o.rank != r.rank)
         return (not named, bool(r.culprits), r.time)
     return min(bad, key=key) if bad else None
+
+
+def verdict(records):
+    """(the launcher's last line, less "; all workers ended", and the exit
+    status) for a job's failure, or None when no rank failed or died unasked.
+
+    The rank :func:`blame` picks, described; but a rank that failed only
+    because it gave up on others (a CollectiveTimeoutError or PeerError
+    whose ``culprits`` name ranks that left no failure of their own: a rank
+    that stalled, say) is never the one blamed: the line names the ranks
+    the failed ranks' errors blame, and which ranks blamed them. The exit
+    status is the blamed record's."""
+    chosen = blame(records)
+    if chosen is None:
+        return None
+    if not chosen.culprits or chosen.rank in chosen.culprits:
+        return chosen.describe(), chosen.exit_status()
+    bad = [r for r in records if r.bad and r.culprits and r.rank not in r.culprits]
+    culprits = sorted({c for r in bad for c in r.culprits})
+    blamers = sorted({r.rank for r in bad})
+    message = (chosen.message or "").strip().splitlines()
+    return ("%s %s at fault: %s failed blaming %s (%s%s)" % (
+        ranks_text(culprits), "is" if len(culprits) == 1 else "are", ranks_text(blamers),
+        "it" if len(culprits) == 1 else "them", chosen.exception or "an error",
+        ": " + _shorten(message[0]) if message else ""), chosen.exit_status())
 
 
 def _same_traceback_key(record):

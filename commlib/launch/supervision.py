@@ -6,7 +6,7 @@ import sys
 import time
 
 from .common import EXIT_TIMEOUT, EXIT_WRONG_SIZE, POLL_S, say
-from .records import blame, distinct_tracebacks, ranks_text, signal_name
+from .records import RANK_VARIABLES, distinct_tracebacks, ranks_text, signal_name, verdict
 
 
 SETTLE_S = 1.0  # after a failure, time for the job to end itself (MPI_Abort)
@@ -117,18 +117,34 @@ def print_tracebacks(records):
 
 
 def report(job):
-    """Print the ended ``job``'s distinct tracebacks and the rank to blame;
-    returns the exit status."""
+    """Print the ended ``job``'s distinct tracebacks and the ranks to blame
+    (:func:`~commlib.launch.records.verdict`), or the ranks that never
+    reported finishing; returns the exit status."""
     job.drain()
     records = job.records()
     print_tracebacks(records)
-    culprit = blame(records)
-    if culprit is not None:
-        say(culprit.describe() + "; all workers ended")
-        return culprit.exit_status()
+    found = verdict(records)
+    if found is not None:
+        say(found[0] + "; all workers ended")
+        return found[1]
     code = job.unreported_exit()
     if code:
         say("mpiexec exited with status %d and no rank recorded a failure (mpiexec "
              "failed, or a rank was ended from outside; see the output above)" % code)
         return code
+    missing = job.missing(records)
+    if missing:
+        say(missing_text(missing, job))
+        return EXIT_WRONG_SIZE
     return 0
+
+
+def missing_text(missing, job):
+    """What the launcher says when ``missing`` ranks of an ended job never
+    reported finishing their script (nor failing)."""
+    used = getattr(job, "mpiexec", None)
+    return ("%s of %d never ran or never reported finishing, although %s exited with status 0: "
+            "%s did not start the ranks as the launcher asked (it is not an mpiexec, or it "
+            "sets none of %s)" % (
+                ranks_text(missing), job.size, used.path if used else "the job",
+                used.path if used else "it", ", ".join(RANK_VARIABLES)))

@@ -3,12 +3,12 @@ training state (update count, parameters, the rule's buffers, the groups'
 hyperparameters, schedulers and loss scaler; :class:`TrainingState`) as a
 dict of numpy arrays, restored on every rank from one rank's copy, and
 saved to / loaded from ``.npz`` files."""
-import os
 from collections.abc import Mapping
 
 import numpy as np
 
 from ..errors import ArgumentError
+from ..files import write_atomically
 from ..ops.arrays import is_cupy
 
 
@@ -128,8 +128,12 @@ def load_state_dict(opt, state_dict, root=0):
 
 def save(path, opt):
     """Write ``opt.state_dict()`` to the ``.npz`` file ``path`` (exactly
-    that name; written to ``path + ".tmp"`` and renamed, so a crash leaves
-    the previous file whole). Not collective: call it on one rank.
+    that name, mode 0600), all or nothing: through a temporary file of a
+    random name beside it, created exclusively, fsynced and renamed over
+    ``path`` (:func:`commlib.files.write_atomically`), so a crash or a full
+    disk leaves the previous file whole and nothing else behind, and no
+    file or symlink another user planted in a shared folder is written
+    through. Not collective: call it on one rank.
 
     Args:
         path: the file's path (str or path-like).
@@ -138,12 +142,10 @@ def save(path, opt):
     Raises:
         ArgumentError: in the middle of an update (as
             :meth:`~commlib.optim.DistributedOptimizer.state_dict`).
-        OSError: the file cannot be written.
+        OSError: the file cannot be written (nothing is left behind).
     """
-    path = os.fspath(path)
-    with open(path + ".tmp", "wb") as f:
-        np.savez(f, **opt.state_dict())
-    os.replace(path + ".tmp", path)
+    state = opt.state_dict()
+    write_atomically(path, lambda f: np.savez(f, **state), binary=True)
 
 
 def load(path, opt, root=0):

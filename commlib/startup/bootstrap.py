@@ -22,11 +22,11 @@ from ..errors import ArgumentError, BackendUnavailableError, CommlibError, Consi
 NCCL_ID_BYTES = 128
 
 #: environment variables the launcher sets for each worker
-ENV_NCCL_ID = "COMMLIB_NCCL_ID"
-ENV_RANK = "COMMLIB_RANK"
-ENV_SIZE = "COMMLIB_SIZE"
-ENV_LOCAL_RANK = "COMMLIB_LOCAL_RANK"
-ENV_LOCAL_SIZE = "COMMLIB_LOCAL_SIZE"
+ENV_NCCL_ID = settings.NCCL_ID
+ENV_RANK = settings.RANK
+ENV_SIZE = settings.SIZE
+ENV_LOCAL_RANK = settings.LOCAL_RANK
+ENV_LOCAL_SIZE = settings.LOCAL_SIZE
 
 
 
@@ -110,28 +110,24 @@ class NcclId:
         return (NcclId, (self._data,))
 
 
-def _int_env(name, env):
-    value = env.get(name)
-    if value is None:
-        return None
-    try:
-        return int(value)
-    except ValueError:
-        raise ArgumentError("environment variable %s=%r is not an integer" % (name, value)) from None
-
-
 def launcher_env(env=None):
     """(NcclId, rank, size, local_rank, local_size) from the launcher's
-    variables, or None when ``COMMLIB_NCCL_ID`` is not set."""
+    variables, or None when ``COMMLIB_NCCL_ID`` is not set.
+
+    Raises:
+        ArgumentError: a variable is invalid (naming it), or the rank or
+            size is missing.
+    """
     env = os.environ if env is None else env
     if ENV_NCCL_ID not in env:
         return None
-    rank, size = _int_env(ENV_RANK, env), _int_env(ENV_SIZE, env)
+    nid = settings.read(ENV_NCCL_ID, "", env=env)
+    rank, size = settings.read(ENV_RANK, env=env), settings.read(ENV_SIZE, env=env)
     if rank is None or size is None:
         raise ArgumentError("%s is set but %s/%s are not" % (ENV_NCCL_ID, ENV_RANK, ENV_SIZE))
-    local_rank = _int_env(ENV_LOCAL_RANK, env)
-    local_size = _int_env(ENV_LOCAL_SIZE, env)
-    return (NcclId.from_hex(env[ENV_NCCL_ID]), rank, size,
+    local_rank = settings.read(ENV_LOCAL_RANK, env=env)
+    local_size = settings.read(ENV_LOCAL_SIZE, env=env)
+    return (NcclId.from_hex(nid), rank, size,
             rank if local_rank is None else local_rank,
             size if local_size is None else local_size)
 
@@ -186,16 +182,26 @@ def node_segment(comm, nbytes):
 
 def nccl_segment(nccl_id, size, nbytes):
     """The segment of ``nbytes`` that every process using ``nccl_id`` on this
-    node opens (its name derives from the ID), or None when shared memory
-    is not available here."""
+    node opens (its name derives from the ID; the first to come makes it
+    exclusively, the others take it only when it is this user's and closed
+    to others: see :class:`~commlib.startup.shared_segment.SharedSegment`),
+    or None when shared memory is not available here or the file under the
+    name is refused (every rank then refuses it, and the status board is
+    exchanged over NCCL instead)."""
     if not shared_segment.available():
         return None
-    digest = hashlib.sha256(nccl_id.data).hexdigest()[:24]
-    name = "%snccl-%s-%d" % (shared_segment.PREFIX, digest, size)
     try:
-        return shared_segment.SharedSegment(name, nbytes, exist_ok=True)
+        return shared_segment.SharedSegment(nccl_segment_name(nccl_id, size), nbytes,
+                                            exist_ok=True)
     except CommlibError:
         return None
+
+
+def nccl_segment_name(nccl_id, size):
+    """The name of :func:`nccl_segment`'s file for ``nccl_id`` and ``size``
+    ranks (in ``/dev/shm``)."""
+    digest = hashlib.sha256(nccl_id.data).hexdigest()[:24]
+    return "%snccl-%s-%d" % (shared_segment.PREFIX, digest, size)
 
 
 # -- the communicator's parts: what Communicator(...) is made of -------------------------

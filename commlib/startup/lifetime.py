@@ -77,7 +77,7 @@ def install_hooks():
         previous(kind, value, tb)
         sys.stderr.flush()
         MPI = sys.modules.get("mpi4py.MPI")
-        if (MPI is not None and settings.flag(settings.ABORT_ON_ERROR, True)
+        if (MPI is not None and abort_on_error()
                 and MPI.Is_initialized() and not MPI.Is_finalized()
                 and MPI.COMM_WORLD.Get_size() > 1):
             time.sleep(ABORT_DRAIN_S)   # mpiexec drops output still in its pipes at an abort
@@ -85,6 +85,18 @@ def install_hooks():
 
     sys.excepthook = hook
     atexit.register(close_at_exit)
+
+
+def abort_on_error():
+    """``COMMLIB_ABORT_ON_ERROR`` (default on), for the exception hook, which
+    must not raise: a value made invalid after the communicator checked it
+    counts as on (the job ends rather than hangs), and says so."""
+    try:
+        return settings.flag(settings.ABORT_ON_ERROR, True)
+    except CommlibError as exc:
+        print("commlib: %s; aborting the job as if it were on" % exc, file=sys.stderr,
+              flush=True)
+        return True
 
 
 def close_at_exit():

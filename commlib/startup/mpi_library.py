@@ -20,7 +20,7 @@ import shutil
 import subprocess
 import sys
 
-from ..errors import BackendUnavailableError, LaunchError
+from ..errors import ArgumentError, BackendUnavailableError, LaunchError
 
 MPICH, OPENMPI = "mpich", "openmpi"
 
@@ -135,7 +135,7 @@ def loaded_library(python=None, env=None, timeout=60):
         if "No module named 'mpi4py'" in out.stderr:
             raise BackendUnavailableError(
                 "mpi4py is not installed for %s: install mpi4py and an MPI, e.g. from the "
-                "commlib source tree: pip install '.[mpi]' (or pip install mpi4py mpich)"
+                "commlib source tree: pip install -e '.[mpi]' (or pip install mpi4py mpich)"
                 % python)
         raise BackendUnavailableError("could not ask %s which MPI library mpi4py loads "
                                       "(exit %d):\n%s" % (python, out.returncode,
@@ -201,13 +201,16 @@ def extra_args(mpiexec):
     return args
 
 
-def choose_mpiexec(explicit=None, python=None, env=None, library=None):
+def choose_mpiexec(explicit=None, python=None, env=None, library=None,
+                   source="the mpiexec named"):
     """The :class:`Mpiexec` to start ranks of ``python`` with.
 
     Args:
         explicit: an mpiexec the user named (``--mpiexec`` or
             ``COMMLIB_MPIEXEC``); used only if it belongs to the library's
             family (or either family is unknown).
+        source: where ``explicit`` comes from, for messages (``"--mpiexec"``,
+            ``"COMMLIB_MPIEXEC"``).
         python: the interpreter of the ranks (default ``sys.executable``).
         env: their environment (default ``os.environ``).
         library: the :class:`Library` their mpi4py loads (default: asked).
@@ -217,14 +220,23 @@ def choose_mpiexec(explicit=None, python=None, env=None, library=None):
         known library family, the first candidate.
 
     Raises:
+        ArgumentError: ``explicit`` is neither an executable file nor a
+            program on ``PATH`` (naming ``source``).
         LaunchError: no candidate matches (the text names the library, each
             mpiexec found and its family, and the fix).
         BackendUnavailableError: mpi4py is missing, or no mpiexec was found.
     """
     env = os.environ if env is None else env
+    if explicit:
+        exe = shutil.which(explicit, path=env.get("PATH"))
+        if exe is None:
+            named = ("%s %r" if source.startswith("-") else "%s=%r") % (source, explicit)
+            raise ArgumentError("%s: expected an mpiexec: an executable file, or a program "
+                                "on PATH (%s)" % (named, "no such file"
+                                                  if not os.path.exists(explicit)
+                                                  else "not an executable file"))
     library = library or loaded_library(python, env)
     if explicit:
-        exe = shutil.which(explicit, path=env.get("PATH")) or explicit
         chosen = describe_mpiexec(exe)
         if None in (chosen.family, library.family) or chosen.family == library.family:
             return chosen
@@ -233,7 +245,7 @@ def choose_mpiexec(explicit=None, python=None, env=None, library=None):
     if not paths:
         raise BackendUnavailableError(
             "mpiexec not found beside %s or on PATH: install an MPI, e.g. from the commlib "
-            "source tree: pip install '.[mpi]' (MPICH from PyPI)" % (python or sys.executable))
+            "source tree: pip install -e '.[mpi]' (MPICH from PyPI)" % (python or sys.executable))
     seen = [describe_mpiexec(p) for p in paths]
     if library.family is None:
         return seen[0]
@@ -258,23 +270,43 @@ def _mismatch_text(library, seen, named=False):
     return "\n".join(lines)
 
 
-def launched_size(env=None):
-    """(size, variable, launcher) from the first of :data:`SIZE_VARIABLES`
-    set in ``env`` (default ``os.environ``), or None when none is set (or it
-    is not a positive integer)."""
-    env = os.environ if env is None else env
+def _size_variables(env):
+    """([(size, variable, launcher)] of the :data:`SIZE_VARIABLES` set in
+    ``env`` to a positive int, in their order; [the text of each one set to
+    anything else])."""
+    valid, invalid = [], []
     for name, launcher in SIZE_VARIABLES:
         value = env.get(name, "").strip()
-        if value:
-            if not value.isdigit() or int(value) < 1:
-                return None
-            return int(value), name, launcher
-    return None
+        if not value:
+            continue
+        if value.isdigit() and int(value) >= 1:
+            valid.append((int(value), name, launcher))
+        else:
+            invalid.append("%s=%r: expected a positive int (the number of ranks %s started)"
+                           % (name, env[name], launcher))
+    return valid, invalid
+
+
+def launched_size(env=None):
+    """(size, variable, launcher) from the first of :data:`SIZE_VARIABLES`
+    set in ``env`` (default ``os.environ``), or None when none is set.
+
+    Raises:
+        ArgumentError: one of them is set to something other than a
+            positive int (naming each such variable).
+    """
+    valid, invalid = _size_variables(os.environ if env is None else env)
+    if invalid:
+        raise ArgumentError("invalid launcher variable: %s" % "; ".join(invalid))
+    return valid[0] if valid else None
 
 
 def check_world_size(world_size, env=None, library=None):
-    """Raise :class:`~commlib.errors.LaunchError` when this process's
-    launcher announced another number of ranks than its MPI world has.
+    """Raise when this process's launcher announced another number of ranks
+    than its MPI world has, or a launcher's size variable is invalid.
+
+    Every variable of :data:`SIZE_VARIABLES` that is set is checked; the
+    first one set to a valid value is the size announced.
 
     Args:
         world_size: ``MPI.COMM_WORLD.Get_size()``.
@@ -283,11 +315,20 @@ def check_world_size(world_size, env=None, library=None):
             process's, asked only when the sizes differ).
 
     Raises:
+        ArgumentError: a size variable is not a positive int (naming each
+            one, and the size another variable announced when it differs
+            from the world's).
         LaunchError: naming both sizes, the variable and its launcher, the
             MPI library mpi4py loads, and the fix.
     """
-    found = launched_size(env)
-    if found is None or found[0] == world_size:
+    valid, invalid = _size_variables(os.environ if env is None else env)
+    found = valid[0] if valid else None
+    differs = found is not None and found[0] != world_size
+    if invalid:
+        raise ArgumentError("invalid launcher variable: %s%s" % ("; ".join(invalid), (
+            "; and %s=%d (set by %s) says %d ranks, but this process's MPI world has %d"
+            % (found[1], found[0], found[2], found[0], world_size)) if differs else ""))
+    if not differs:
         return
     size, name, launcher = found
     if library is None:

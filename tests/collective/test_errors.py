@@ -87,7 +87,7 @@ def test_launcher_environment_parsing():
     assert launcher_env({}) is None
     with pytest.raises(errors.ArgumentError, match="COMMLIB_RANK"):
         launcher_env({"COMMLIB_NCCL_ID": str(nid)})
-    with pytest.raises(errors.ArgumentError, match="not an integer"):
+    with pytest.raises(errors.ArgumentError, match="COMMLIB_RANK='x': expected an int >= 0"):
         launcher_env({"COMMLIB_NCCL_ID": str(nid), "COMMLIB_RANK": "x", "COMMLIB_SIZE": "2"})
 
 

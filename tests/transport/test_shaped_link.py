@@ -139,29 +139,42 @@ def test_ctrl_c_deletes_the_namespace():
     assert not shaped_link.namespace_exists(name)
 
 
+def ctrl_c(taker):
+    """A Ctrl-C taken by ``taker``, delivered (its C-level handler has run)
+    when this returns: the kernel hands a process-directed Ctrl-C to any
+    thread that does not block it (pytest-xdist's workers have several);
+    Python then raises in the main thread wherever it is. ``raise_signal``
+    directs it at the thread that calls it and returns once it is handled,
+    so no sleep has to guess when another thread got it."""
+    import signal
+    import threading
+    if taker == "this thread":
+        signal.raise_signal(signal.SIGINT)
+        return
+    handled = threading.Event()
+
+    def press():
+        signal.raise_signal(signal.SIGINT)
+        handled.set()
+    other = threading.Thread(target=press, daemon=True)
+    other.start()
+    assert handled.wait(60), "the other thread never took the Ctrl-C"
+    other.join(60)
+
+
 @pytest.mark.parametrize("taker", ["this thread", "another thread"])
 def test_ctrl_c_while_the_command_starts_ends_it(monkeypatch, taker):
     # a Ctrl-C that lands while the command's process is being made (here:
     # sent from inside Popen, right after the child exists) still ends that
-    # child and deletes the namespace. The kernel hands a process-directed
-    # Ctrl-C to any thread that does not block it (pytest-xdist's workers
-    # have several); Python then raises in the main thread wherever it is.
-    import signal
-    import threading
+    # child and deletes the namespace.
     made = []
     real_popen = subprocess.Popen
-    other = threading.Thread(target=time.sleep, args=(30,), daemon=True)
-    other.start()
 
     def popen_then_ctrl_c(cmd, *args, **kwargs):
         proc = real_popen(cmd, *args, **kwargs)
         if list(cmd[-2:]) == ["sleep", "60"]:             # the command, not an `ip` call
             made.append(proc)
-            if taker == "this thread":
-                os.kill(os.getpid(), signal.SIGINT)
-            else:
-                signal.pthread_kill(other.ident, signal.SIGINT)
-                time.sleep(0.2)                   # Python runs the handler meanwhile
+            ctrl_c(taker)
         return proc
     monkeypatch.setattr(shaped_link.subprocess, "Popen", popen_then_ctrl_c)
     with pytest.raises(KeyboardInterrupt):
