@@ -22,27 +22,6 @@ def check_averaging(overlap, bucket_bytes, rank):
                             % (rank, bucket_bytes))
 
 
-class AgreeingComm:
-    """The communicator as the optimizer's reducers see it: the same in every
-    respect, except that each all-reduce they issue carries :attr:`agree`
-    (see ``Communicator.all_reduce``), set for each update.
-
-    Args:
-        comm: the communicator.
-    """
-
-    def __init__(self, comm):
-        self.comm = comm
-        self.agree = None           # the update's values every rank must pass alike
-
-    def __getattr__(self, name):
-        return getattr(self.comm, name)
-
-    def all_reduce(self, arrays, **kwargs):
-        """``comm.all_reduce(arrays, **kwargs)`` with ``agree=`` :attr:`agree`."""
-        return self.comm.all_reduce(arrays, agree=self.agree, **kwargs)
-
-
 class GradientAveraging:
     """The reducers of ``grads``, made at first use.
 
@@ -58,7 +37,6 @@ class GradientAveraging:
     def __init__(self, comm, grads, meter, *, bucket_bytes, overlap):
         self.comm, self.grads, self.meter = comm, grads, meter
         self.bucket_bytes, self.overlap = bucket_bytes, overlap
-        self.agreeing = AgreeingComm(comm)
         self.reducers = {}          # strategy name -> BackwardReducer of grads
 
     def reducer_for(self, strategy):
@@ -67,7 +45,7 @@ class GradientAveraging:
         found = self.reducers.get(name)
         if found is None:
             found = self.reducers[name] = BackwardReducer(
-                self.agreeing, self.grads, bucket_bytes=self.bucket_bytes, op="avg",
+                self.comm, self.grads, bucket_bytes=self.bucket_bytes, op="avg",
                 compression=strategy, overlap=self.overlap or False)
         return found
 
@@ -75,11 +53,13 @@ class GradientAveraging:
         """``grads[i]`` is final: its bucket may start (see
         :meth:`BackwardReducer.ready <commlib.overlap.BackwardReducer.ready>`),
         its all-reduce carrying ``agree`` (a tuple of plain values)."""
-        self.agreeing.agree = agree
-        self.meter.timed(self.reducer_for(strategy).ready, i)
+        reducer = self.reducer_for(strategy)
+        reducer.agree = agree
+        self.meter.timed(reducer.ready, i)
 
     def average(self, strategy, agree):
         """Average the gradients with ``strategy``, finishing the buckets
         :meth:`start` started; those it starts carry ``agree``."""
-        self.agreeing.agree = agree
-        self.meter.timed(self.reducer_for(strategy).wait)
+        reducer = self.reducer_for(strategy)
+        reducer.agree = agree
+        self.meter.timed(reducer.wait)

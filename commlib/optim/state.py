@@ -3,6 +3,7 @@ training state (update count, parameters, the rule's buffers, the groups'
 hyperparameters, schedulers and loss scaler; :class:`TrainingState`) as a
 dict of numpy arrays, restored on every rank from one rank's copy, and
 saved to / loaded from ``.npz`` files."""
+import os
 from collections.abc import Mapping
 
 import numpy as np

@@ -112,6 +112,9 @@ class BackwardReducer:
         compression: as for :meth:`Communicator.all_reduce` (default None);
             not checked here: a bad one raises from :meth:`wait`.
         overlap: True, False or ``"auto"`` (default).
+        agree: as for :meth:`Communicator.all_reduce` (default None): passed
+            as ``agree=`` to each bucket's all-reduce; the attribute
+            :attr:`agree` may be changed between steps.
 
     Raises:
         ArgumentError: ``overlap`` is not True, False or ``"auto"``;
@@ -121,7 +124,7 @@ class BackwardReducer:
     """
 
     def __init__(self, comm, grads, bucket_bytes=None, op="avg", compression=None,
-                 overlap="auto"):
+                 overlap="auto", agree=None):
         rank = comm.rank
         if overlap not in (True, False, "auto"):
             raise ArgumentError("rank %d: BackwardReducer: overlap must be True, False or "
@@ -145,6 +148,8 @@ class BackwardReducer:
                                 "(bytes), got %r" % (rank, bucket_bytes))
         self.comm, self.grads = comm, list(grads)
         self.op, self.compression = op, compression
+        #: values every rank's bucket all-reduces carry (``agree=``)
+        self.agree = agree
         self.bucket_bytes = int(bucket_bytes)
         #: whether ready() starts buckets (else wait() starts them all)
         self.overlap = early_start_pays(comm, grads) if overlap == "auto" else bool(overlap)
@@ -207,7 +212,7 @@ class BackwardReducer:
             k = len(works)
             works.append(self.comm.all_reduce(self._lists[k], op=self.op,
                                               compression=self.compression, async_op=True,
-                                              state=self._states[k]))
+                                              state=self._states[k], agree=self.agree))
 
     def wait(self):
         """Finish the step: start the buckets not started yet, wait for all.
