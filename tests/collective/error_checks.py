@@ -111,11 +111,61 @@ def consistency_errors(comm):
                lambda: comm.all_reduce(z, agree=(1,)))
     comm.all_reduce(z, op="avg", agree=(("group 0 lr", 0.1), ("momentum", 0.9)))
     assert np.allclose(z, sum(range(comm.size)) / comm.size)
+    shared_memory(comm)
     # agreement afterwards: results are right again
     y = np.full(4, float(r))
     comm.all_reduce(y)
     assert (y == sum(range(comm.size))).all()
     print("consistency %d ok (%s)" % (r, str(exc).splitlines()[0]))
+
+
+def shared_memory(comm):
+    """Arrays that share memory, on one rank (rank 0, then the last) or on
+    all, and a list made read-only after it was passed before: the rank
+    raises naming the arrays, the others name that rank, and nothing is
+    written anywhere (every element would otherwise be reduced twice)."""
+    r, n = comm.rank, comm.size
+    for odd in sorted({0, n - 1}):
+        b = np.full(400_000, r + 1.0, np.float32)       # above a bucket's size
+        w = np.full(1000, r + 1.0, np.float32)
+        mine = {"alias": [b, b[:]] if r == odd else [b, np.full_like(b, r + 1.0)],
+                "overlap": [w[:600], w[400:]] if r == odd else [w[:600], w[600:1000].copy()
+                                                                 .repeat(2)[:600]]}
+        for name, arrays in mine.items():
+            keep = [a.copy() for a in arrays]
+            if r == odd:
+                expect(errors.ArgumentError, ["rank %d: arrays[1] shares memory with "
+                                              "arrays[0]" % r], lambda: comm.all_reduce(arrays))
+            else:
+                expect(errors.ConsistencyError, ["rank %d rejected its arguments" % odd,
+                                                 "memory"], lambda: comm.all_reduce(arrays))
+            assert all(np.array_equal(a, k) for a, k in zip(arrays, keep)), name
+    both = np.arange(10, dtype=np.float64)
+    expect(errors.ArgumentError, ["arrays[1] shares memory with arrays[0]"],
+           lambda: comm.all_reduce([both[:6], both[5:]]))
+    assert (both == np.arange(10)).all()
+    # a list reduced before (its checks are kept), then one array made
+    # read-only on one rank: it raises before any write, on every rank
+    for odd in sorted({0, n - 1}):
+        grads = [np.full(s, r + 1.0, np.float32) for s in (3, 300_000, 7, 5)]
+        for _ in range(3):
+            comm.all_reduce(grads, op="avg")
+        expected = (n + 1) / 2
+        assert all(np.allclose(g, expected) for g in grads)
+        if r == odd:
+            grads[2].setflags(write=False)
+        keep = [g.copy() for g in grads]
+        if r == odd:
+            expect(errors.ArrayTypeError, ["rank %d" % r, "arrays[2] is read-only"],
+                   lambda: comm.all_reduce(grads, op="avg"))
+        else:
+            expect(errors.ConsistencyError, ["rank %d rejected its arguments" % odd,
+                                             "read-only"],
+                   lambda: comm.all_reduce(grads, op="avg"))
+        assert all(np.array_equal(g, k) for g, k in zip(grads, keep)), "written"
+    x = np.full(4, float(r))
+    comm.all_reduce(x)                      # usable afterwards
+    assert (x == sum(range(n))).all()
 
 
 def watchdog(comm, what):

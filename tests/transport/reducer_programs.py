@@ -100,6 +100,23 @@ def reduce(sync):
             ref *= 1.0 / n
             assert red.all_reduce(x, "sum", scale=1.0 / n) is True
             assert x.tobytes() == ref.tobytes(), (dtype, length, x, ref)
+    # bfloat16 as uint16 bits (a compressed wire): the bits of ml_dtypes' bfloat16
+    # reduction in rank order, window by window, with and without a scale
+    if not isinstance(DTYPES[-1], str):
+        for length, op, scale in ((CAPACITY // 2 + 3, "sum", None), (1001, "max", None),
+                                  (CAPACITY + 7, "sum", 1.0 / n)):
+            x = make(DTYPES[-1], length, 999 + rank)
+            everyone = comm.allgather(x)
+            with np.errstate(all="ignore"):
+                ref = everyone[0].copy()
+                for other in everyone[1:]:
+                    ref = UFUNCS[op](ref, other).astype(ref.dtype)
+                if scale is not None:
+                    ref *= scale
+            bits = x.view(np.uint16)
+            assert red.all_reduce(bits, op, scale=scale, fmt="bfloat16") is True
+            assert bits.tobytes() == ref.tobytes(), ("bfloat16 bits", length, op, bits, ref)
+        assert red.all_reduce(np.ones(4, np.uint16), "sum") is False     # uint16 alone
     # a bucket longer than the window, not numpy, unsupported dtype: declined, untouched
     big = np.ones(CAPACITY // 4 + 1, np.float32)
     assert red.all_reduce_parts((big,), big.size, big.dtype, "sum") is False and (big == 1).all()
