@@ -803,7 +803,7 @@ def environment(res, gpu, cupy, torch):
         except Exception as exc:
             env["torch_error"] = short(exc)
     try:
-        from commlib.startup import gpu
+        from commlib.core import gpu
         env["commlib_nccl_unavailable"] = gpu.nccl_unavailable_reason() if gpu else "cpu run"
     except Exception as exc:
         env["commlib_nccl_unavailable"] = short(exc)
@@ -875,7 +875,7 @@ def main(argv=None):
     gpu = args.device == "gpu"
     if args.device == "auto":
         try:
-            from commlib.startup import gpu
+            from commlib.core import gpu
             gpu = gpu.available()
             if not gpu:
                 torch_skip = "no GPU (%s)" % gpu.unavailable_reason()

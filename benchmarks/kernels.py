@@ -561,7 +561,7 @@ def parse_size(text):
 
 def pick_bench(device):
     if device in ("auto", "gpu"):
-        from commlib.startup import gpu
+        from commlib.core import gpu
         if gpu.available():
             return GpuBench()
         if device == "gpu":

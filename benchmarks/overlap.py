@@ -131,7 +131,7 @@ class BareOverlap:
 
     def _loop(self):
         from mpi4py import MPI
-        from commlib.faults.waiting import RELAXED_SLEEP_S, RELAXED_SPINS
+        from commlib.core.waiting import RELAXED_SLEEP_S, RELAXED_SPINS
         scale = 1.0 / self.world.Get_size()
         flight = collections.deque()            # (bucket, request), oldest first
         while True:
@@ -213,7 +213,7 @@ def rank_program(args):
     # would choose here is reported beside it
     reducer = commlib.BackwardReducer(comm, grads, bucket_bytes=args.bucket_bytes,
                                       overlap=True)
-    auto_overlaps = commlib.progress.overlap.early_start_pays(comm, grads)
+    auto_overlaps = commlib.overlap.early_start_pays(comm, grads)
     bare = BareOverlap(world.Dup(), grads, reducer.buckets)
     bare4 = BareOverlap(world.Dup(), grads, reducer.buckets, depth=4)
 

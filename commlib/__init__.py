@@ -10,7 +10,7 @@ from . import compression, errors, trace
 from .startup.bootstrap import NcclId
 from .collective.bucketing import flat_arrays
 from .communicator import Communicator
-from .progress.overlap import BackwardReducer
+from .overlap import BackwardReducer
 from .collective.reduce_state import ReduceState
 from .collective.stats import CommStats
 from .progress.work import Work

@@ -30,7 +30,7 @@ def _version(module):
 
 
 def _gpus():
-    from .startup import gpu
+    from .core import gpu
     reason = gpu.unavailable_reason()
     if reason is not None:
         return ["GPUs: none (%s)" % reason]

@@ -319,3 +319,18 @@ def options(**given):
     return {"bucket_bytes": None if bucket_bytes is None else int(bucket_bytes),
             "check": flag(CHECK, True) if check is None else bool(check),
             "timeout": timeout(given.get("timeout"))}
+
+
+#: the variables in which launchers tell a process its rank (commlib.launch's
+#: own first)
+RANK_VARIABLES = ("COMMLIB_RANK", "PMI_RANK", "OMPI_COMM_WORLD_RANK", "MV2_COMM_WORLD_RANK",
+                  "PMIX_RANK", "SLURM_PROCID")
+
+
+def launcher_rank(env=None):
+    """This process's rank (str) as its launcher numbered it, or None."""
+    env = os.environ if env is None else env
+    for name in RANK_VARIABLES:
+        if env.get(name, "").isdigit():
+            return env[name]
+    return None

@@ -45,7 +45,7 @@ id (a ``thread_name`` event names it: the caller's thread, e.g.
 * ``transport`` -- a call handed to a transport (``shm.all_reduce``...):
   ``transport``, ``call``, ``bytes`` (the buffer's bytes, as counted);
 * ``wait`` -- ``wait for peers``: a polling wait of
-  :func:`commlib.faults.waiting.until` that did not find its answer at once
+  :func:`commlib.core.waiting.until` that did not find its answer at once
   (inside a transport call); ``Work.wait`` on the caller's thread;
 * ``inflight`` -- an async event (``"b"``/``"e"``) from the start of an
   all-reduce left in flight to its completion on the progress thread;
@@ -61,9 +61,11 @@ collective of, else that of the first communicator the process made.
 Before any communicator, or off, a span records nothing, and off it costs
 one check of :data:`ON` (the ``with`` gets a shared idle object).
 
-**Invariant.** Every buffer a collective hands to a transport passes
-through :class:`commlib.collective.stats.CountingTransport`, which adds its
-bytes to ``comm.stats.bytes_sent`` and, while tracing, records the
+**Invariant.** Every buffer a collective hands to a transport is counted
+into ``comm.stats.bytes_sent`` where it is handed over
+(:mod:`commlib.collective.collectives`, the compression strategies'
+:class:`~commlib.compression.base.Bucket`) and, while tracing, passes
+through :class:`commlib.collective.stats.TracedTransport`, which records the
 ``transport`` event with the same ``bytes``: over the traced interval, the
 sum of ``args.bytes`` of a rank's ``transport`` events equals the growth
 of its communicators' ``stats.bytes_sent``.

@@ -98,7 +98,7 @@ NO_GPU=""
 if [ "$DRY" = 1 ]; then
     NO_GPU="dry run"
 else
-    NO_GPU=$("$PY" -c "from commlib.startup import gpu; print(gpu.unavailable_reason() or '')" \
+    NO_GPU=$("$PY" -c "from commlib.core import gpu; print(gpu.unavailable_reason() or '')" \
              2>&1) || NO_GPU="commlib does not import: $NO_GPU"
 fi
 
@@ -146,7 +146,7 @@ for m in ('cupy', 'torch', 'mpi4py'):
         print(m, __import__(m).__version__)
     except Exception as exc:
         print(m + ':', type(exc).__name__, exc)
-from commlib.startup import gpu; print('gpu:', gpu.unavailable_reason() or 'available')
+from commlib.core import gpu; print('gpu:', gpu.unavailable_reason() or 'available')
 "
 [ -z "$NO_GPU" ] && { timeout -k 2 10 nvidia-smi >> "$DEST/env.log" 2>&1 || true; }
 stage mpi-world 30 0 "$PY" -m commlib.info --run 2

@@ -8,7 +8,7 @@ import sys
 import pytest
 
 from mpirun import IMPORT_DIRS
-from commlib.startup import gpu
+from commlib.core import gpu
 
 
 # every test folder's helpers importable from any test, as in rank programs

@@ -472,7 +472,7 @@ def test_committed_comparison_table_is_what_its_runs_say(tmp_path):
 # -- the forked-worker example --------------------------------------------------------------
 
 def test_forked_workers_without_gpu_exits_with_a_reason():
-    from commlib.startup import gpu
+    from commlib.core import gpu
     if gpu.nccl_unavailable_reason() is None:
         pytest.skip("NCCL is usable here")
     proc = run([sys.executable, EXAMPLES / "forked_workers.py"], timeout=60)

@@ -1,7 +1,8 @@
 """The package's import graph has no cycles, counting imports inside
-functions too (a lazy import is still a dependency); no module imports a
-private module or name of another package, or uses a private member of
-another module's class."""
+functions too (a lazy import is still a dependency), neither between modules
+nor between packages; packages import downward only, in the layers of
+docs/layout.md; no module imports a private module or name of another
+package, or uses a private member of another module's class."""
 import ast
 from pathlib import Path
 
@@ -21,10 +22,13 @@ def import_graph():
             if isinstance(node, ast.ImportFrom) and node.level:
                 base = package.split(".")[:len(package.split(".")) - node.level + 1]
                 target = ".".join(base + ([node.module] if node.module else []))
-                found |= ({target + "." + a.name for a in node.names} if node.module is None
-                          else {target})
             elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith("commlib"):
-                found.add(node.module)
+                target = node.module
+            else:
+                continue
+            # ``from package import module`` depends on the module; ``from
+            # module import name`` on the module (``known`` maps it back)
+            found |= {target} | {target + "." + a.name for a in node.names}
         modules[name] = found
 
     def known(name):
@@ -71,6 +75,70 @@ def test_cycle_finder_finds_a_planted_cycle():
     assert "commlib.transport.base" in graph["commlib.transport.shm"]
     graph["commlib.transport.base"] = graph["commlib.transport.base"] | {"commlib.transport.shm"}
     assert find_cycle(graph) is not None
+
+
+# -- packages import downward only ----------------------------------------------------
+
+#: commlib's packages and root modules, bottom layer first (docs/layout.md);
+#: a package may import its own layer and the layers below it
+LAYERS = [
+    ("errors", "settings", "files", "trace_files", "trace", "core"),
+    ("ops", "interop"),
+    ("progress", "faults"),
+    ("transport",),
+    ("compression",),
+    ("collective",),
+    ("startup",),
+    ("communicator", "overlap"),
+    ("optim", "launch", "info", "commlib"),
+]
+
+
+def package_of(module):
+    """``commlib.collective.session`` -> ``collective``; ``commlib.errors``
+    -> ``errors``; ``commlib`` (its __init__) -> ``commlib``."""
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else parts[0]
+
+
+def package_graph(graph):
+    """{package: packages it imports} of a module graph (see import_graph)."""
+    found = {}
+    for module, deps in graph.items():
+        mine = package_of(module)
+        found.setdefault(mine, set()).update(package_of(d) for d in deps)
+        found[mine].discard(mine)
+    return found
+
+
+def upward_imports(packages):
+    """``[(importer, imported)]`` of the package graph ``packages`` where the
+    imported package lies in a higher layer of :data:`LAYERS` (or in none)."""
+    layer = {name: i for i, names in enumerate(LAYERS) for name in names}
+    return sorted((a, b) for a, deps in packages.items() for b in deps
+                  if layer.get(b, len(LAYERS)) > layer.get(a, -1))
+
+
+def test_no_package_imports_a_package_that_imports_it():
+    packages = package_graph(import_graph())
+    assert {"core", "collective", "transport", "communicator"} <= set(packages)
+    assert find_cycle(packages) is None, " -> ".join(find_cycle(packages))
+
+
+def test_packages_import_downward_only():
+    packages = package_graph(import_graph())
+    layered = {name for names in LAYERS for name in names}
+    assert set(packages) <= layered, "not in LAYERS: %s" % sorted(set(packages) - layered)
+    assert upward_imports(packages) == []
+
+
+def test_the_package_checks_find_planted_upward_imports_and_cycles():
+    packages = package_graph(import_graph())
+    assert "transport" in packages["startup"]
+    packages["transport"] = packages["transport"] | {"collective"}
+    assert upward_imports(packages) == [("transport", "collective")]
+    packages["collective"] = packages["collective"] | {"transport"}
+    assert find_cycle(packages) is not None
 
 
 # -- private names stay in their module (or package) ------------------------------------

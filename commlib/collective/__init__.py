@@ -1,1 +1,1 @@
-"""Collective planning and checks: the session every call goes through, each collective's steps, fusion into buckets, argument and consistency checks, counters."""
+"""The communicator's internals: the session every call goes through, each collective's steps, fusion into buckets, argument checks, counters, and the process-wide hooks and registry of open communicators."""

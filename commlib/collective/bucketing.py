@@ -26,8 +26,8 @@ from typing import NamedTuple, Tuple
 
 import numpy as np
 
-from . import consistency, dtypes
-from .identity_cache import IdentityCache
+from ..core import dtypes, fingerprints
+from ..core.caches import IdentityCache
 from ..ops import graphs, native, hostcopy
 from ..ops import cast as _cast
 from ..ops import pack as _pack
@@ -216,7 +216,7 @@ class PreparedList:
                       + [(("direct", position), None, None) for position in plan.direct])
         self._copied = {}         # see copied()
         #: the consistency check's digest of the arrays' dtypes and shapes
-        self.digest = consistency.layout_digest(arrays)
+        self.digest = fingerprints.layout_digest(arrays)
         # numpy: one C call per bucket copies every array (see ops/hostcopy.py)
         self._hostcopy = kind == "numpy" and hostcopy.available()
         if kind == "numpy":
@@ -425,7 +425,7 @@ def _same_items(a, b):
 
 class FusionCache:
     """PreparedLists of recently used lists, recognised by their arrays'
-    identity (an :class:`~commlib.collective.identity_cache.IdentityCache`).
+    identity (an :class:`~commlib.core.caches.IdentityCache`).
 
     An entry is made the second time the same list is seen among the last
     ``max_entries`` lists prepared (a list used once costs nothing extra;

@@ -14,13 +14,13 @@ import weakref
 from ..faults import board as _board
 from ..progress import inflight
 from ..progress.work import Progress, gpu_order
-from ..startup import lifetime
-from . import bucketing, consistency
+from . import bucketing, lifetime
+from ..core import fingerprints
 from .. import settings, trace
 from ..errors import (ArgumentError, ClosedError, CommlibError, ConsistencyError, NonFiniteError,
                       PayloadError)
 from .stats import CommStats, TracedTransport
-from ..faults.waiting import Wait
+from ..core.waiting import Wait
 
 #: errors a collective raises alike on every rank, after which it stays usable
 AGREED = (NonFiniteError, PayloadError)
@@ -163,7 +163,7 @@ class Session:
         call's parameters), the array kind too when it ``kind_matters`` (a
         compressed call's exchange depends on it), and the arrays' layout.
         ``timeout`` replaces the watch dog's deadline. Returns ``(wait,
-        checked)``: the collective's :class:`~commlib.faults.waiting.Wait`
+        checked)``: the collective's :class:`~commlib.core.waiting.Wait`
         and what ``checks()`` returned; raises, on every rank alike when the
         check is on."""
         self.usable(name)
@@ -179,7 +179,7 @@ class Session:
         seq = self.seq = self.seq + 1
         timeout = self.timeout if timeout is None else timeout
         wait = Wait(None if timeout is None else time.monotonic() + timeout, seq,
-                    consistency.CODES[name], self.board, self.rank)
+                    fingerprints.CODES[name], self.board, self.rank)
         board = self.board
         kind, arrays, prepared = checked[:3] if error is None else (None, (), None)
         if board is not None and not self.check:
@@ -189,10 +189,10 @@ class Session:
             shown = kind if kind_matters else None
             if error is None:
                 digest = (prepared.digest if prepared is not None else
-                          consistency.layout_digest(arrays),
-                          consistency.params_digest(params + (shown,)))
+                          fingerprints.layout_digest(arrays),
+                          fingerprints.params_digest(params + (shown,)))
             try:
-                board.enter(wait, digest, error, lambda: consistency.describe(params, arrays,
+                board.enter(wait, digest, error, lambda: fingerprints.describe(params, arrays,
                                                                               shown))
             except (CommlibError, KeyboardInterrupt) as exc:
                 if exc is not error and not isinstance(exc, ConsistencyError):

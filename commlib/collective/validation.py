@@ -9,7 +9,7 @@ import operator
 
 import numpy as np
 
-from . import dtypes
+from ..core import dtypes
 from .. import interop
 from ..errors import ArgumentError, ArrayTypeError, DeviceMismatchError
 from ..ops import native

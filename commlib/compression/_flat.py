@@ -4,7 +4,7 @@ import itertools
 
 import numpy as np
 
-from ..collective.identity_cache import IdentityCache
+from ..core.caches import IdentityCache
 from ..ops import hostcast, hostcopy
 from ..ops import pack as _pack
 from ..ops.arrays import address, array_module

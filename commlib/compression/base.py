@@ -50,7 +50,7 @@ class Bucket:
         arrays: as the attribute.
         op: as the attribute.
         scale: as the attribute.
-        wait: the call's :class:`~commlib.faults.waiting.Wait` (deadline, and
+        wait: the call's :class:`~commlib.core.waiting.Wait` (deadline, and
             the peers to watch), passed to every transport call.
         state: as the attribute.
         stats: the communicator's :class:`~commlib.CommStats`, counting

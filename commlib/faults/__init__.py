@@ -1,1 +1,1 @@
-"""Faults and waiting: the status board ranks share, its exchange across nodes, and the one bounded way a collective waits."""
+"""Faults: the status board ranks share (who entered what, who left and why, whom uneven steps blame) and its exchange across nodes."""

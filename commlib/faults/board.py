@@ -14,7 +14,7 @@ Every rank owns one line of :data:`LINE_BYTES` bytes. Its int64 words:
 ``BLAME``    1 + the first rank it blamed when it gave up (0: none)
 ``SLOT``     two slots of four words, one per parity of the sequence number:
              the call's fingerprint (two words), the collective's code
-             (:data:`commlib.collective.consistency.COLLECTIVES`) and when it was entered
+             (:data:`commlib.core.fingerprints.COLLECTIVES`) and when it was entered
              (``time.monotonic_ns()``)
 ==========  ==================================================================
 
@@ -50,8 +50,8 @@ import time
 
 import numpy as np
 
-from ..collective import consistency
-from . import waiting
+from ..core import fingerprints
+from ..core import waiting
 from ..errors import CollectiveTimeoutError, PeerError, ranks_text
 from ..ops import native
 
@@ -123,9 +123,9 @@ class StatusBoard:
     # -- entering a collective -------------------------------------------------
     def enter(self, wait, digest, error=None, describe=None):
         """Enter collective ``wait.seq`` (1, 2, ...; the code ``wait.what``
-        of :data:`~commlib.collective.consistency.COLLECTIVES`; ``wait``: its
-        :class:`~commlib.faults.waiting.Wait`) with ``digest`` (two int64,
-        see :mod:`commlib.collective.consistency`), and wait for every rank
+        of :data:`~commlib.core.fingerprints.COLLECTIVES`; ``wait``: its
+        :class:`~commlib.core.waiting.Wait`) with ``digest`` (two int64,
+        see :mod:`commlib.core.fingerprints`), and wait for every rank
         to enter it. ``error``: this rank's argument error, or None;
         ``describe()``: text of this call, used only when fingerprints
         differ.
@@ -203,7 +203,7 @@ class StatusBoard:
         self.wait_words(TEXT_SEQ, seq, wait)
         at = SLOT + (seq & 1) * SLOT_WORDS
         rows = [(tuple(self._lines[r, at:at + 2]), self.read_text(r)) for r in range(self.size)]
-        failure = consistency.disagreement(self.rank, seq, what, rows,
+        failure = fingerprints.disagreement(self.rank, seq, what, rows,
                                            error_digest=ERROR_DIGEST)
         if error is not None:
             raise error
@@ -212,7 +212,7 @@ class StatusBoard:
     # -- watching the others ---------------------------------------------------------
     def check_waiting(self, wait, late=None):
         """Called between the steps of a wait in collective ``wait.seq``
-        (see :meth:`Wait.check <commlib.faults.waiting.Wait.check>`): raise
+        (see :meth:`Wait.check <commlib.core.waiting.Wait.check>`): raise
         when a rank among ``late`` (the ranks that had not arrived; every
         other rank when None) left or died, or the deadline passed; say once,
         after :attr:`warn_after` seconds, whom this rank waits for."""
@@ -226,7 +226,7 @@ class StatusBoard:
             if since and now - since * 1e-9 > self.warn_after:
                 self.warn_after = None
                 print("commlib: rank %d has waited %.0f s in %s; %s" % (
-                    self.rank, now - since * 1e-9, consistency.label(what, seq),
+                    self.rank, now - since * 1e-9, fingerprints.label(what, seq),
                     "; ".join(self.where(r) for r in late)), file=sys.stderr, flush=True)
 
     def check_peers(self, seq, what, ranks=None):
@@ -243,7 +243,7 @@ class StatusBoard:
             if pid and not _alive(pid):
                 raise self.give_up(seq, what, PeerError,
                                    "rank %d (pid %d) died while this rank waits in %s"
-                                   % (r, pid, consistency.label(what, seq)), (r,))
+                                   % (r, pid, fingerprints.label(what, seq)), (r,))
 
     def not_arrived(self, seq):
         """Ranks that have not entered collective ``seq``."""
@@ -265,7 +265,7 @@ class StatusBoard:
         at = SLOT + (entered & 1) * SLOT_WORDS
         ago = time.monotonic() - line[at + 3] * 1e-9
         return "rank %d last entered %s %.1f s ago" % (
-            r, consistency.label(int(line[at + 2]), entered), ago)
+            r, fingerprints.label(int(line[at + 2]), entered), ago)
 
     def _reason_text(self, r):
         text = self.read_text(r, REASON_TEXT)
@@ -279,9 +279,9 @@ class StatusBoard:
         if late:
             who = "; ".join(self.where(r) for r in late)
             return ("%s did not complete before its deadline: waiting for %s"
-                    % (consistency.label(what, seq), who))
+                    % (fingerprints.label(what, seq), who))
         return ("%s did not complete before its deadline; every rank had entered it (a peer "
-                "stalled or was descheduled inside it)" % consistency.label(what, seq))
+                "stalled or was descheduled inside it)" % fingerprints.label(what, seq))
 
     def _left(self, r, seq, what):
         """PeerError for rank ``r`` having left before collective ``seq``;
@@ -299,14 +299,14 @@ class StatusBoard:
             culprits = uneven_culprits(counts)
             hint = "; uneven number of steps: %s (every rank must call the same collectives)" \
                 % steps_text(counts, culprits, self.rank)
-        text = "%s while this rank is in %s%s" % (self.where(r), consistency.label(what, seq),
+        text = "%s while this rank is in %s%s" % (self.where(r), fingerprints.label(what, seq),
                                                   hint)
         return self.give_up(seq, what, PeerError, text, culprits)
 
     def give_up(self, seq, what, kind, text, culprits):
         """Mark this rank gone at ``seq`` and return ``kind`` (an error class)
         with ``text``, naming ``culprits``."""
-        self.leave(seq - 1, GAVE_UP, "%s: %s" % (consistency.label(what, seq), text), culprits)
+        self.leave(seq - 1, GAVE_UP, "%s: %s" % (fingerprints.label(what, seq), text), culprits)
         return kind("rank %d: %s" % (self.rank, text), culprits=culprits)
 
     # -- leaving ---------------------------------------------------------------------

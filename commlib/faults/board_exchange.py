@@ -13,10 +13,10 @@ import time
 
 import numpy as np
 
-from ..collective import consistency
+from ..core import fingerprints
 from .board import ERROR_DIGEST, TEXT_BYTES, steps_text, uneven_culprits
 from ..errors import PeerError
-from .waiting import Wait
+from ..core.waiting import Wait
 
 #: the collective code a closing rank publishes
 CLOSE = -1
@@ -52,7 +52,7 @@ class ExchangeBoard:
             raise PeerError("rank %d: rank %d closed the communicator after collective #%d while "
                             "this rank is in %s; uneven number of steps: %s (every rank must "
                             "call the same collectives)"
-                            % (self.rank, r, rows[r, 0] - 1, consistency.label(what, seq),
+                            % (self.rank, r, rows[r, 0] - 1, fingerprints.label(what, seq),
                                steps_text(counts, culprits, self.rank)),
                             culprits=culprits)
         if error is None and (rows[:, 2:] == rows[self.rank, 2:]).all():
@@ -64,7 +64,7 @@ class ExchangeBoard:
         texts = self._gather(raw, np.uint8, seq, what, deadline)
         table = [(tuple(rows[r, 2:]), bytes(texts[r]).split(b"\0", 1)[0].decode(
             "utf-8", "replace")) for r in range(self.size)]
-        failure = consistency.disagreement(self.rank, seq, what, table,
+        failure = fingerprints.disagreement(self.rank, seq, what, table,
                                            error_digest=ERROR_DIGEST)
         if error is not None:
             raise error
@@ -86,7 +86,7 @@ class ExchangeBoard:
 
     def timeout_text(self, seq, what, late):
         return ("%s did not complete before its deadline (which ranks had not arrived is not "
-                "known across nodes)" % consistency.label(what, seq))
+                "known across nodes)" % fingerprints.label(what, seq))
 
     def give_up(self, seq, what, kind, text, culprits):
         return kind("rank %d: %s" % (self.rank, text), culprits=culprits)
@@ -111,7 +111,7 @@ class ExchangeBoard:
             raise PeerError("rank %d: this rank closed the communicator after collective #%d "
                             "but rank %d entered %s: uneven number of steps: %s (every rank "
                             "must call the same collectives)"
-                            % (self.rank, completed, r, consistency.label(int(rows[r, 1]),
+                            % (self.rank, completed, r, fingerprints.label(int(rows[r, 1]),
                                                                           int(rows[r, 0])),
                                steps_text(counts, culprits, self.rank)),
                             culprits=culprits)

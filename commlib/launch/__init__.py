@@ -43,7 +43,7 @@ Modules: :mod:`~commlib.launch.cli` (arguments, ``main``),
 MPI job), :mod:`~commlib.launch.processes` (children and their output),
 :mod:`~commlib.launch.supervision` (watching a job, the report),
 :mod:`~commlib.launch.rank` (a rank's supervisor and the rank process),
-:mod:`~commlib.launch.records` (how ranks started and ended).
+:mod:`~commlib.startup.records` (how ranks started and ended).
 
 Status directory (``COMMLIB_LAUNCH_STATUS_DIR``, made by the launcher): one
 JSON object per file, written to a temporary name and renamed, with ``rank``,
@@ -82,7 +82,7 @@ blaming others, the earliest first. A rank is never blamed for giving up
 on others: when the only failures blame ranks that left no failure of
 their own (a stalled rank, which the others' watch dogs gave up on), the
 line names those ranks, and which ranks blamed them
-(:func:`~commlib.launch.records.verdict`). SIGINT or SIGTERM to the
+(:func:`~commlib.startup.records.verdict`). SIGINT or SIGTERM to the
 launcher, or ``--timeout``, ends all workers the same way. Exit status: 0
 when every rank finished its script; the blamed rank's exit code (128 +
 signal number when it was killed by a signal, 1 when it exited with 0
@@ -97,7 +97,7 @@ belongs to another MPI than mpi4py's.
 """
 import importlib
 
-#: public name -> the module of this package that defines it
+#: public name -> the module that defines it (relative to this package)
 _WHERE = {
     "main": "cli", "build_parser": "cli", "parse_args": "cli",
     "choose_backend": "backend", "gpu_status": "backend",
@@ -107,10 +107,12 @@ _WHERE = {
     "popen": "processes", "relay": "processes", "start_relays": "processes",
     "supervise": "supervision", "report": "supervision", "wrong_size": "supervision",
     "run_supervisor": "rank", "run_worker": "rank",
-    "Record": "records", "blame": "records", "verdict": "records",
-    "distinct_tracebacks": "records",
-    "read_records": "records", "write_record": "records", "launcher_rank": "records",
-    "record_started": "records", "ENV_STATUS_DIR": "records",
+    # what ranks record of themselves lies below the launcher, with start-up
+    "Record": "..startup.records", "blame": "..startup.records",
+    "verdict": "..startup.records", "distinct_tracebacks": "..startup.records",
+    "read_records": "..startup.records", "write_record": "..startup.records",
+    "record_started": "..startup.records", "ENV_STATUS_DIR": "..startup.records",
+    "launcher_rank": "..settings",
     "PROG": "common", "WORKER_FLAG": "common", "RANK_FLAG": "common",
     "ENV_MPIEXEC": "common", "ENV_PREFIX": "common", "EXIT_TIMEOUT": "common",
     "EXIT_WRONG_SIZE": "common",
@@ -121,9 +123,10 @@ __all__ = sorted(_WHERE)
 
 def __getattr__(name):
     """The package's public names, each imported from its module on first
-    use (so that ``commlib.launch.records``, which every rank imports, does
-    not load the launcher itself)."""
+    use (so that a rank, which imports commlib.startup.records, does not
+    load the launcher itself)."""
     module = _WHERE.get(name)
     if module is None:
         raise AttributeError("module %r has no attribute %r" % (__name__, name))
-    return getattr(importlib.import_module("." + module, __name__), name)
+    relative = module if module.startswith(".") else "." + module
+    return getattr(importlib.import_module(relative, __name__), name)

@@ -1,5 +1,5 @@
 """Forked workers over NCCL or an MPI job: which one ``--backend`` gives."""
-from ..startup import gpu
+from ..core import gpu
 from ..errors import ArgumentError, BackendUnavailableError
 from .common import say
 

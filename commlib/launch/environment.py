@@ -8,7 +8,7 @@ from ..startup.bootstrap import ENV_LOCAL_RANK, ENV_LOCAL_SIZE, ENV_NCCL_ID, ENV
 from .. import settings
 from ..errors import ArgumentError
 from .common import ENV_PREFIX
-from .records import ENV_STATUS_DIR
+from ..startup.records import ENV_STATUS_DIR
 
 
 LAUNCH_ENV = (ENV_NCCL_ID, ENV_RANK, ENV_SIZE, ENV_LOCAL_RANK, ENV_LOCAL_SIZE)

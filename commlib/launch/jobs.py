@@ -17,7 +17,7 @@ from ..startup import mpi_library
 from .common import ENV_MPIEXEC, ENV_PREFIX, PIPE_DRAIN_S, POLL_S, PROG, RANK_FLAG, WORKER_FLAG
 from .environment import common_env, worker_env
 from .processes import end_processes, join, popen, start_relays
-from .records import ENV_STATUS_DIR, Record, read_records
+from ..startup.records import ENV_STATUS_DIR, Record, read_records
 
 
 def _says_hydra(mpiexec):

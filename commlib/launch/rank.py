@@ -11,7 +11,8 @@ import traceback
 
 from .common import ENV_PREFIX, PIPE_DRAIN_S, PROG, RANK_FLAG, say
 from .processes import join, popen, start_relays
-from .records import ENV_STATUS_DIR, Record, launcher_rank, write_record
+from ..settings import launcher_rank
+from ..startup.records import ENV_STATUS_DIR, Record, write_record
 
 
 OUTPUT_DRAIN_S = 0.25  # a failed rank's pause between its last output and MPI_Abort

@@ -6,7 +6,8 @@ import sys
 import time
 
 from .common import EXIT_TIMEOUT, EXIT_WRONG_SIZE, POLL_S, say
-from .records import RANK_VARIABLES, distinct_tracebacks, ranks_text, signal_name, verdict
+from ..settings import RANK_VARIABLES
+from ..startup.records import distinct_tracebacks, ranks_text, signal_name, verdict
 
 
 SETTLE_S = 1.0  # after a failure, time for the job to end itself (MPI_Abort)
@@ -118,7 +119,7 @@ def print_tracebacks(records):
 
 def report(job):
     """Print the ended ``job``'s distinct tracebacks and the ranks to blame
-    (:func:`~commlib.launch.records.verdict`), or the ranks that never
+    (:func:`~commlib.startup.records.verdict`), or the ranks that never
     reported finishing; returns the exit status."""
     job.drain()
     records = job.records()

@@ -16,7 +16,7 @@ import functools
 import numpy as np
 
 from ..errors import ArgumentError, ArrayTypeError
-from ..collective.identity_cache import IdentityCache
+from ..core.caches import IdentityCache
 from .cast import FORMAT_CODES, check_counter, check_scale, copy_mode, format_of
 
 THREADS = 256

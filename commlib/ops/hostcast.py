@@ -14,7 +14,7 @@ back to nearest even with the canonical NaN.
 """
 import numpy as np
 
-from ..collective.dtypes import UFUNCS
+from ..core.dtypes import UFUNCS
 from . import native
 from .cast import format_of, numpy_cast_into
 

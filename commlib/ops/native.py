@@ -15,7 +15,7 @@ import warnings
 
 from .. import settings
 from ..errors import ArrayTypeError
-from ..launch.records import launcher_rank
+from ..settings import launcher_rank
 
 _lock = threading.Lock()
 _lib = None           # the loaded module, False once loading failed

@@ -6,7 +6,7 @@ all-reduce carrying the update's values that every rank must pass alike
 import numpy as np
 
 from ..errors import ArgumentError
-from ..progress.overlap import BackwardReducer
+from ..overlap import BackwardReducer
 
 
 def check_averaging(overlap, bucket_bytes, rank):

@@ -1,1 +1,1 @@
-"""Asynchronous work and overlap: issuing a collective inline or on the progress queue, Work handles, all-reduces in flight, the backward-order reducer."""
+"""Asynchronous work: the progress queue of a communicator's collectives, Work handles, GPU stream order, all-reduces left in flight."""

@@ -24,7 +24,7 @@ import time
 
 import numpy as np
 
-from ..faults.waiting import RELAXED_SLEEP_S
+from ..core.waiting import RELAXED_SLEEP_S
 
 #: the shortest and longest sleep between polls of collectives in flight
 #: while the caller computes (seconds)
@@ -61,7 +61,7 @@ class InFlight:
     """One started collective: its ``parts`` (objects with ``test()``, True
     once complete and raising on failure, and ``abandon()``), in the order
     started, and the callables to run once every part completed, in order.
-    ``wait``: the collective's own :class:`~commlib.faults.waiting.Wait`
+    ``wait``: the collective's own :class:`~commlib.core.waiting.Wait`
     (deadline, peers); ``nbytes``: the bytes it reduces; ``holds``: the
     arrays whose memory it reads or writes until it completes."""
 

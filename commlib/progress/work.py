@@ -14,7 +14,7 @@ flight, started and completed in order (:mod:`commlib.progress.inflight`).
 
 Where they execute: on a progress thread per communicator (its waits sleep
 with backoff instead of spinning while no thread waits for its work,
-:func:`commlib.faults.waiting.relaxed`), or,
+:func:`commlib.core.waiting.relaxed`), or,
 when the MPI library does not provide ``MPI_THREAD_MULTIPLE``, deferred:
 nothing runs until :meth:`Work.wait` (or the next synchronous collective,
 or ``close()``) runs the queue up to it on the calling thread; ``done()``
@@ -32,7 +32,7 @@ import threading
 import time
 
 from .. import interop, trace
-from ..faults import waiting
+from ..core import waiting
 from ..errors import ClosedError
 from .inflight import Pacer
 
@@ -358,7 +358,7 @@ class Progress:
         return self._pacer.longest_sleep(sum(f.nbytes for f in self.in_flight() if f.pending()))
 
     def _background(self):
-        """The waits' background poll (see :func:`commlib.faults.waiting.set_background`)."""
+        """The waits' background poll (see :func:`commlib.core.waiting.set_background`)."""
         self._advance(block=False, raise_failure=True)
 
     def _advance(self, block, raise_failure=False):

@@ -1,1 +1,1 @@
-"""Start-up and lifetime: bootstrap of a communicator's parts, the MPI library and launch-size check, process-wide hooks and the registry of open communicators, node-shared memory, GPU availability."""
+"""Start-up: bootstrap of a communicator's parts, the MPI library and the launch-size check, node-shared memory, what a rank records of itself for the launcher."""

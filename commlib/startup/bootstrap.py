@@ -13,10 +13,11 @@ import os
 
 import numpy as np
 
-from ..collective import consistency
-from . import lifetime, shared_segment
+from ..collective import lifetime
+from ..core import fingerprints
+from . import shared_segment
 from .. import settings
-from .gpu import nccl_module, nccl_unavailable_reason
+from ..core.gpu import nccl_module, nccl_unavailable_reason
 from ..errors import ArgumentError, BackendUnavailableError, CommlibError, ConsistencyError
 
 NCCL_ID_BYTES = 128
@@ -149,7 +150,7 @@ def agree(comm, rank, settings, error):
         raise ConsistencyError("rank %d: the communicator was not made:\n  %s" % (
             rank, "\n  ".join("rank %d failed: %s" % (r, t) for r, t in failed)),
             culprits=[r for r, _ in failed])
-    consistency.compare_settings(rank, [s for s, _ in records])
+    fingerprints.compare_settings(rank, [s for s, _ in records])
     return [s for s, _ in records]
 
 
@@ -261,7 +262,7 @@ def _check_launch(MPI):
     """Report this rank's world to the launcher, then refuse a world of
     another size than the launcher announced (LaunchError)."""
     from . import mpi_library
-    from ..launch import records
+    from . import records
     world = MPI.COMM_WORLD.Get_size()
     library = mpi_library.this_library()
     records.record_started(world, library.version)
@@ -270,7 +271,7 @@ def _check_launch(MPI):
 
 def _choices(rank, local_rank, local_size, device, backend, options):
     """(this rank's settings to agree on, its set-up error or None, its device)."""
-    from .gpu import available as gpu_available
+    from ..core.gpu import available as gpu_available
     error, mine, reason = None, {}, None
     try:
         if backend not in (None, "mpi", "nccl"):
@@ -370,7 +371,7 @@ def parts_from_nccl_id(nccl_id, rank, size, device, local_rank, local_size, opti
 
 def parts_single(device):
     """The parts of :meth:`Communicator.single`: one process, local collectives."""
-    from .gpu import available as gpu_available
+    from ..core.gpu import available as gpu_available
     from ..transport.local import LocalTransport
     if device is None and gpu_available():
         device = 0

@@ -1,7 +1,7 @@
 """Transports: the layer that moves flat buffers between ranks.
 
-One class per transport (:class:`MpiTransport`, :class:`NcclTransport`),
-both implementing :class:`Transport`. Everything above (validation,
+One class per transport (MPI, shared memory, NCCL, threads, one process),
+each implementing :class:`Transport`. Everything above (validation,
 bucketing, scaling, consistency checks) is shared.
 """
 from .base import Transport

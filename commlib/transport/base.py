@@ -2,8 +2,8 @@
 
 All buffers are 1-D, C-contiguous arrays of one supported dtype. ``op`` is
 one of ``"sum"``, ``"max"``, ``"min"``, ``"prod"`` (averaging is done above,
-by scaling). ``wait`` is a :class:`commlib.faults.waiting.Wait` (the collective's
-deadline and the peers to watch; :data:`commlib.faults.waiting.FOREVER` by
+by scaling). ``wait`` is a :class:`commlib.core.waiting.Wait` (the collective's
+deadline and the peers to watch; :data:`commlib.core.waiting.FOREVER` by
 default). A collective that fails (deadline, a peer left, the library
 reported an error, an interrupt) raises and leaves the transport unusable;
 it never writes into a caller's buffer after raising.
@@ -17,7 +17,7 @@ success. Receive buffers of ``all_gather``, ``all_gatherv`` and
 ``reduce_scatter`` are always commlib's own.
 """
 from ..errors import ClosedError
-from ..faults.waiting import FOREVER
+from ..core.waiting import FOREVER
 
 
 def scale_in_place(buf, scale):

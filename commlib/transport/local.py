@@ -1,7 +1,7 @@
 """The transport of a communicator of one process, which needs no MPI: every
 collective's result is this rank's own data (gathers copy it into the
 receive buffer; everything else leaves the buffer as it is)."""
-from ..faults import waiting
+from ..core import waiting
 from .base import Transport, scale_in_place
 
 

@@ -2,7 +2,7 @@
 memory unless the MPI library is CUDA-aware.
 
 Every collective is issued in its non-blocking form and tested
-(:func:`commlib.faults.waiting.until`) until done, so every rank uses the same form,
+(:func:`commlib.core.waiting.until`) until done, so every rank uses the same form,
 a deadline can end the wait, a peer that leaves is noticed, and Ctrl-C
 interrupts it. A request given up on (deadline, a peer left, an interrupt)
 stays alive inside MPI: its buffers are kept referenced for the life of the
@@ -28,7 +28,7 @@ from functools import partial
 
 import numpy as np
 
-from ..faults import waiting
+from ..core import waiting
 from ..errors import BackendUnavailableError, TransportError
 from ..progress.inflight import now
 from ..ops import hostcast

@@ -17,9 +17,9 @@ import contextlib
 import threading
 import time
 
-from ..faults import waiting
-from ..startup.gpu import nccl_module
-from ..collective.consistency import label
+from ..core import waiting
+from ..core.gpu import nccl_module
+from ..core.fingerprints import label
 from ..errors import BackendUnavailableError, CommlibError, TransportError
 from ..ops.arrays import is_cupy
 from .base import Transport, scale_in_place

@@ -40,7 +40,7 @@ sequence number per rank in the shared memory (in C without the GIL, with
 acquire/release order, when the host loops are compiled; in Python only on
 x86-64, where stores become visible in program order); ``"barrier"`` is
 ``MPI_Ibarrier`` on the communicator. The waits take the collective's
-:class:`~commlib.faults.waiting.Wait`: they give up at its deadline or when a rank
+:class:`~commlib.core.waiting.Wait`: they give up at its deadline or when a rank
 leaves the status board, naming the ranks that had not arrived, and return
 to Python every few milliseconds so signal handlers run. A failure leaves
 each element of the caller's arrays holding its input or its result (a
@@ -59,8 +59,8 @@ import time
 
 import numpy as np
 
-from ..faults import waiting
-from ..collective.dtypes import UFUNCS, supported_fast
+from ..core import waiting
+from ..core.dtypes import UFUNCS, supported_fast
 from ..errors import ArgumentError, ArrayTypeError
 from ..ops import hostcast, hostcopy, hostreduce, native
 from .base import Transport
@@ -225,7 +225,7 @@ class SharedMemoryReducer:
     def _wait_all(self, seq, wait):
         """Publish this rank's sequence number ``seq`` and wait until every
         rank has published at least ``seq``. ``wait``: the collective's
-        :class:`~commlib.faults.waiting.Wait` (deadline, and the status board whose
+        :class:`~commlib.core.waiting.Wait` (deadline, and the status board whose
         ranks leaving end the wait)."""
         if self.sync == "barrier":
             request = self._comm.Ibarrier()
@@ -286,7 +286,7 @@ class SharedMemoryReducer:
         when this reducer cannot take the call: not a numpy array or an
         unsupported dtype. Every rank must pass the same dtype and length,
         so all ranks agree. ``wait``: the collective's
-        :class:`~commlib.faults.waiting.Wait`. A failure raises with each element
+        :class:`~commlib.core.waiting.Wait`. A failure raises with each element
         of ``buf`` holding either its input or its result.
         """
         if type(buf) is not np.ndarray or not self.takes(buf.dtype, 0, fmt):

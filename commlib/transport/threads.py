@@ -13,8 +13,9 @@ import time
 
 import numpy as np
 
-from ..faults import board, waiting
-from ..collective.dtypes import UFUNCS
+from ..core import waiting
+from ..faults import board
+from ..core.dtypes import UFUNCS
 from ..ops import hostcast
 from .base import Transport, scale_in_place
 

@@ -100,7 +100,7 @@ def test_from_nccl_id_argument_checks():
 
 
 def test_without_gpu_nccl_paths_say_why():
-    from commlib.startup.gpu import nccl_unavailable_reason
+    from commlib.core.gpu import nccl_unavailable_reason
     if nccl_unavailable_reason() is None:
         pytest.skip("NCCL is usable here; this checks the message without it")
     with pytest.raises(errors.BackendUnavailableError, match="NCCL"):

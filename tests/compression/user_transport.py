@@ -5,7 +5,7 @@ import numpy as np
 from mpi4py import MPI
 
 from commlib.transport.base import Transport, scale_in_place
-from commlib.faults.waiting import FOREVER
+from commlib.core.waiting import FOREVER
 
 OPS = {"sum": MPI.SUM, "max": MPI.MAX, "min": MPI.MIN, "prod": MPI.PROD}
 

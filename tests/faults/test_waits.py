@@ -3,7 +3,7 @@ left", for every r, in the compiled wait and its Python twin alike."""
 import numpy as np
 import pytest
 
-from commlib.faults import waiting
+from commlib.core import waiting
 from commlib.ops import native
 
 NRANKS = 4

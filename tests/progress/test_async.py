@@ -13,7 +13,7 @@ import pytest
 import commlib
 from commlib.compression import TopK
 from commlib.errors import ArgumentError, ClosedError, ConsistencyError
-from commlib.progress.overlap import backward_buckets
+from commlib.overlap import backward_buckets
 from inprocess import run_ranks
 from mpirun import ROOT, mpiexec, python_path, run_bounded, run_mpi
 from test_frontend import inputs, reference

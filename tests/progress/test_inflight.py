@@ -8,7 +8,7 @@ import time
 import numpy as np
 import pytest
 
-from commlib.faults import waiting
+from commlib.core import waiting
 from commlib.errors import ClosedError, CollectiveTimeoutError, PeerError
 from commlib.progress.inflight import MAX_SLEEP_S, MIN_SLEEP_S, InFlight, Pacer, overlap, spans
 from commlib.collective.stats import CommStats

@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 import commlib
-from commlib.progress import overlap
+from commlib import overlap
 from commlib.errors import ArgumentError
 from inprocess import run_ranks
 

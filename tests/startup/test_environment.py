@@ -13,7 +13,8 @@ import pytest
 import commlib
 from commlib import settings
 from commlib.errors import ArgumentError, LaunchError
-from commlib.startup import lifetime, mpi_library
+from commlib.collective import lifetime
+from commlib.startup import mpi_library
 from mpirun import ROOT, python_path
 
 LAUNCHING_DOC = ROOT / "docs" / "launching.md"

@@ -10,7 +10,7 @@ import time
 import pytest
 
 from commlib.errors import CollectiveTimeoutError, TransportError
-from commlib.faults.waiting import Wait
+from commlib.core.waiting import Wait
 from commlib.transport.nccl import NcclWatch
 
 

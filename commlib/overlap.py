@@ -16,9 +16,9 @@ import numbers
 import os
 import weakref
 
-from ..errors import ArgumentError
-from ..ops.arrays import is_cupy
-from ..collective.reduce_state import ReduceState
+from .errors import ArgumentError
+from .ops.arrays import is_cupy
+from .collective.reduce_state import ReduceState
 
 #: communicator -> the count of BackwardReducers made with it (the same on
 #: every rank: every rank makes its reducers in the same order)

@@ -1,10 +1,10 @@
-"""commlib.collective.identity_cache: a list recognised by its arrays' identity, never
+"""commlib.core.caches: a list recognised by its arrays' identity, never
 by a dead array's recycled id, never keeping arrays alive."""
 import gc
 
 import numpy as np
 
-from commlib.collective.identity_cache import IdentityCache
+from commlib.core.caches import IdentityCache
 
 
 def test_hit_only_for_the_very_same_arrays_in_order():

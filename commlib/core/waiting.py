@@ -91,7 +91,7 @@ class Backoff:
 
 class Wait:
     """What a transport needs to wait inside collective ``seq`` (code
-    ``what``, see :data:`commlib.collective.consistency.COLLECTIVES`) of rank ``rank``:
+    ``what``, see :data:`commlib.core.fingerprints.COLLECTIVES`) of rank ``rank``:
     the collective's ``deadline`` (``time.monotonic()`` seconds, or None)
     and the status ``board`` to watch for peers that leave. One per
     collective, made when it begins, never changed."""
@@ -122,7 +122,7 @@ class Wait:
                 late = board.not_arrived(self.seq)
             return board.give_up(self.seq, self.what, CollectiveTimeoutError,
                                  board.timeout_text(self.seq, self.what, late), late or ())
-        from ..collective.consistency import label
+        from .fingerprints import label
         return CollectiveTimeoutError(
             "rank %d: %s did not complete before its deadline; a peer may have died, hung or "
             "not called it" % (self.rank, label(self.what, self.seq)), culprits=late or ())

@@ -15,15 +15,13 @@ import signal
 import time
 
 from .. import settings
+from ..settings import launcher_rank
 from ..errors import ranks_text
 from ..files import write_atomically
 
 #: directory where ranks and their supervisors record how they started and ended
 ENV_STATUS_DIR = settings.LAUNCH_STATUS_DIR
 #: (rank variable) of the launchers commlib knows, most specific first
-RANK_VARIABLES = ("COMMLIB_RANK", "PMI_RANK", "OMPI_COMM_WORLD_RANK", "MV2_COMM_WORLD_RANK",
-                  "PMIX_RANK", "SLURM_PROCID")
-
 def _shorten(text, limit=300):
     return text if len(text) <= limit else text[:limit - 3] + "..."
 
@@ -179,15 +177,6 @@ def distinct_tracebacks(records):
         group.sort(key=lambda r: r.rank)
         found.append(([r.rank for r in group], group[0].traceback))
     return found
-
-
-def launcher_rank(env=None):
-    """This process's rank (str) as its launcher numbered it, or None."""
-    env = os.environ if env is None else env
-    for name in RANK_VARIABLES:
-        if env.get(name, "").isdigit():
-            return env[name]
-    return None
 
 
 def record_started(size, library, env=None):
