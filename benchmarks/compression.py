@@ -15,13 +15,19 @@ buckets, the index/value pairs, the partial windows), summed over buckets;
 largest absolute difference from the exact average in the last repeat,
 relative to the largest magnitude of the average (error feedback makes a
 single step of top-K or threshold far from exact by design; it is the
-accumulated updates that match).
+accumulated updates that match). With ``--split``, one more traced call per
+strategy (after the timed ones) gives rank 0's time inside the transports
+("exchange": the collectives, waiting for the peers included) and the rest
+of the call ("local": casting, selection, sums, error feedback, copies):
+the cost of compressing shown apart from the exchange.
 """
 import argparse
 import contextlib
 import json
+import os
 import statistics
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -49,6 +55,9 @@ def parse_args(argv=None):
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--device", choices=("cpu", "gpu"), default="cpu")
     p.add_argument("--json", default=None, help="also write the results here")
+    p.add_argument("--split", action="store_true",
+                   help="also trace one call per strategy: time in the transports against "
+                        "the rest (see the module docstring)")
     p.add_argument("--twins", action="store_true",
                    help="also time every strategy with its numpy twins instead of the "
                         "compiled host loops (casts, selection), on its own communicator")
@@ -74,6 +83,29 @@ def numpy_twins(on):
         yield
     finally:
         hostcast.compiled = hostselect.compiled = saved
+
+
+def split_call(comm, run_comm, arrays, strategy):
+    """(exchange ms, local ms) of one all-reduce of ``arrays`` on rank 0:
+    the time of its transport calls, and the rest of the collective (see
+    the module docstring), from a trace of that one call."""
+    folder = tempfile.mkdtemp(prefix="commlib-split-") if comm.rank == 0 else None
+    folder = MPI.COMM_WORLD.bcast(folder, root=0)
+    MPI.COMM_WORLD.Barrier()
+    with commlib.trace(os.path.join(folder, "t.json")):
+        run_comm.all_reduce(arrays, op="avg", compression=strategy)
+    MPI.COMM_WORLD.Barrier()
+    if comm.rank != 0:
+        return None, None
+    path = os.path.join(folder, "t.rank0.json")
+    with open(path) as f:
+        events = json.load(f)["traceEvents"]
+    for name in os.listdir(folder):
+        os.unlink(os.path.join(folder, name))
+    os.rmdir(folder)
+    whole = max(e["dur"] for e in events if e.get("cat") == "collective")
+    inside = sum(e["dur"] for e in events if e.get("cat") == "transport")
+    return inside / 1e3, (whole - inside) / 1e3
 
 
 def main(argv=None):
@@ -120,20 +152,26 @@ def main(argv=None):
                 wire[run] = run_comm.stats.bytes_sent
         scale = max(float(np.abs(e).max()) for e in exact)
         dense = wire.get(("none", False))
+        split = {run: split_call(comm, run_comm, grads[run], STRATEGIES[run[0]])
+                 if args.split else (None, None) for run, run_comm in runs.items()}
         for run in runs:
             host = [g if xp is np else g.get() for g in grads[run]]
             error = max(float(np.abs(h - e).max()) for h, e in zip(host, exact)) / scale
             rows.append({"case": case, "strategy": run[0] + (" (numpy twins)" if run[1] else ""),
                          "ms": statistics.median(times[run]) * 1e3,
                          "wire_bytes": wire[run], "of_dense": wire[run] / dense
-                         if dense else None, "error": error})
+                         if dense else None, "error": error,
+                         "exchange_ms": split[run][0], "local_ms": split[run][1]})
     base = {r["case"]: r["ms"] for r in rows if r["strategy"] == "none"}
-    say("| case | strategy | ms | vs none | wire bytes per rank | of dense | error |")
-    say("| --- | --- | --- | --- | --- | --- | --- |")
+    split = " exchange ms | local ms |" if args.split else ""
+    say("| case | strategy | ms | vs none |%s wire bytes per rank | of dense | error |" % split)
+    say("| --- | --- | --- | --- |%s --- | --- | --- |" % (" --- | --- |" if args.split else ""))
     for r in rows:
         vs = r["ms"] / base[r["case"]] if r["case"] in base else None
-        say("| %s | %s | %.3g | %s | %d | %s | %.2g |"
-            % (r["case"], r["strategy"], r["ms"], "-" if vs is None else "%.2f" % vs,
+        parts = (" %.3g | %.3g |" % (r["exchange_ms"], r["local_ms"])
+                 if args.split and comm.rank == 0 else "")
+        say("| %s | %s | %.3g | %s |%s %d | %s | %.2g |"
+            % (r["case"], r["strategy"], r["ms"], "-" if vs is None else "%.2f" % vs, parts,
                r["wire_bytes"], "-" if r["of_dense"] is None else "%.3f" % r["of_dense"],
                r["error"]))
     if comm.rank == 0 and args.json:

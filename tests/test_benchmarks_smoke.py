@@ -52,12 +52,13 @@ def test_allreduce_benchmark_smoke(tmp_path):
 
 def test_compression_benchmark_smoke(tmp_path):
     """benchmarks/compression.py at 2 ranks on the MNIST CNN's gradients: every
-    strategy reported, payloads as the strategies define them."""
+    strategy reported, payloads as the strategies define them, each call's
+    time in the transports apart from its own work."""
     out = tmp_path / "compression.json"
     script = ROOT / "benchmarks" / "compression.py"
     code = "import runpy; runpy.run_path(%r, run_name='__main__')" % str(script)
     proc = run_mpi(2, code, timeout=120, args=["--cases", "mnist_cnn", "--repeats", "1",
-                                                "--json", str(out)])
+                                                "--split", "--json", str(out)])
     rows = {r["strategy"]: r for r in parse_table(proc.stdout)}
     assert set(rows) == {"none", "fp16", "bf16", "topk-1%", "topk-0.1%", "threshold-2.5",
                          "partial-10%"}
@@ -68,6 +69,8 @@ def test_compression_benchmark_smoke(tmp_path):
     assert float(rows["none"]["error"]) == 0 and float(rows["fp16"]["error"]) < 1e-3
     for name in ("topk-1%", "topk-0.1%", "partial-10%"):
         assert float(rows[name]["of dense"]) < 0.15, rows[name]
+    # every strategy's call spends time in the transports and some of its own
+    assert all(float(r["exchange ms"]) > 0 and float(r["local ms"]) > 0 for r in rows.values())
     assert len(json.loads(out.read_text())) == len(rows)
 
 

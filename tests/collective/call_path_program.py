@@ -68,21 +68,32 @@ def depth(comm, call):
     return _seen[0]
 
 
-def main():
-    comm = commlib.init()
-    assert comm.transport_for("numpy") == "shm", comm.transport_for("numpy")
+def main(kind="numpy"):
+    """Print the stacks of dense, fp16 and bf16 all-reduces of ``kind``
+    arrays: numpy over MPI (small buckets) and shared memory (large ones),
+    or cupy (the host build's stand-in) over the MPI transport."""
+    comm = commlib.Communicator.from_mpi(backend="mpi")
+    xp = np
+    if kind == "cupy":
+        import cupy as xp
+        assert comm.transport_for("cupy") == "mpi", comm.transport_for("cupy")
+        paths = ((1000, "mpi"),)
+    else:
+        assert comm.transport_for("numpy") == "shm", comm.transport_for("numpy")
+        paths = ((1000, "mpi"), (100000, "shm"))
     session = comm._session
     mpi = next(t for t in session.transports if t.name == "mpi")
     mpi.comm = Recorder(mpi.comm)
     native._lib = Recorder(native.module())
     results = {}
     for compression in (None, "fp16", "bf16"):
-        for size, path in ((1000, "mpi"), (100000, "shm")):
-            grads = [np.full(size, comm.rank + 1.0, np.float32) for _ in range(4)]
+        for size, path in paths:
+            grads = [xp.full(size, comm.rank + 1.0, np.float32) for _ in range(4)]
             stack = depth(comm, lambda: comm.all_reduce(grads, op="avg",
                                                         compression=compression))
             expected = (1.0 + comm.size) / 2
-            assert np.allclose(grads[0], expected, rtol=1e-2), (grads[0][:4], expected)
+            got = grads[0] if xp is np else grads[0].get()
+            assert np.allclose(got, expected, rtol=1e-2), (got[:4], expected)
             results["%s %s" % (compression or "dense", path)] = stack
     # one write of one line (below the size a pipe writes whole)
     sys.stdout.write("call path rank %d: %s\n" % (comm.rank, json.dumps(results)))
@@ -91,4 +102,4 @@ def main():
 
 
 if __name__ == "__main__":
-    main()
+    main(*sys.argv[1:])

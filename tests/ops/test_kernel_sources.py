@@ -591,3 +591,13 @@ def test_gpu_operations_per_call(host_cupy, tmp_path):
         r = rows[name]
         assert r["graphs"] == per_call and r["launches"] == 0, r
         assert r["allocations"] == 0 and r["memsets"] == 0, r
+
+
+@needs_host_build
+def test_call_path_of_cupy_arrays_on_the_host_build(host_cupy):
+    # a steady all-reduce of cupy arrays (the stand-in) reaches the MPI
+    # transport's wire in as few frames as numpy arrays do (see
+    # tests/collective/test_call_path.py, whose limits and checks hold here)
+    from test_call_path import check_call_path
+    code = "import call_path_program\ncall_path_program.main('cupy')\n"
+    check_call_path(run_on_the_host_build(host_cupy, 2, code).stdout, ("mpi",))
