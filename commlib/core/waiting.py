@@ -118,8 +118,8 @@ class Wait:
         """The CollectiveTimeoutError of this collective (marks this rank gone)."""
         board = self.board
         if board is not None:
-            if late is None and hasattr(board, "not_arrived"):
-                late = board.not_arrived(self.seq)
+            if late is None and hasattr(board, "late_for"):
+                late = board.late_for(self.seq)
             return board.give_up(self.seq, self.what, CollectiveTimeoutError,
                                  board.timeout_text(self.seq, self.what, late), late or ())
         from .fingerprints import label

@@ -12,6 +12,10 @@ Every rank owns one line of :data:`LINE_BYTES` bytes. Its int64 words:
 ``REASON``   why it left (:data:`REASONS`); the text area says more
 ``TEXT_SEQ`` the sequence number the call text describes (mismatch reports)
 ``BLAME``    1 + the first rank it blamed when it gave up (0: none)
+``SEEN``     when it last looked at the board while waiting
+             (``time.monotonic_ns()``), and ``SEEN_SEQ`` in which collective:
+             the data phase's progress; a rank that everyone waits for and
+             that no longer looks is the one that stalled
 ``SLOT``     two slots of four words, one per parity of the sequence number:
              the call's fingerprint (two words), the collective's code
              (:data:`commlib.core.fingerprints.COLLECTIVES`) and when it was entered
@@ -57,7 +61,7 @@ from ..ops import native
 
 LINE_BYTES = 1024
 STRIDE = LINE_BYTES // 8
-ENTERED, GONE, PID, REASON, TEXT_SEQ, BLAME = 0, 1, 2, 3, 4, 5
+ENTERED, GONE, PID, REASON, TEXT_SEQ, BLAME, SEEN, SEEN_SEQ = 0, 1, 2, 3, 4, 5, 6, 7
 SLOT = 8                    # two slots: digest0, digest1, collective code, monotonic ns
 SLOT_WORDS = 4
 TEXT = 16 * 8               # byte offset of the call text in a line
@@ -67,6 +71,10 @@ REASON_TEXT = TEXT + TEXT_BYTES
 SLICE_S = waiting.CHECK_EVERY_S
 #: the fingerprint a rank publishes when it rejected its own arguments
 ERROR_DIGEST = (-1, -1)
+#: seconds without a look at the board after which a rank that entered a
+#: collective and has not left is taken to have stalled inside it (a waiting
+#: rank looks every commlib.core.waiting.CHECK_EVERY_S)
+STALE_S = 0.5
 
 CLOSED, EXITED, GAVE_UP, CLOSED_ON_EXCEPTION, DROPPED = 1, 2, 3, 4, 5
 #: seconds a rank that met uneven numbers of steps waits for the other ranks'
@@ -217,7 +225,9 @@ class StatusBoard:
         other rank when None) left or died, or the deadline passed; say once,
         after :attr:`warn_after` seconds, whom this rank waits for."""
         seq, what, deadline = wait.seq, wait.what, wait.deadline
-        now = time.monotonic()
+        now_ns = time.monotonic_ns()
+        self._mine[SEEN_SEQ], self._mine[SEEN] = seq, now_ns      # this rank still waits
+        now = now_ns * 1e-9
         self.check_peers(seq, what, late)
         if deadline is not None and now >= deadline:
             raise wait.timeout(late)
@@ -249,23 +259,50 @@ class StatusBoard:
         """Ranks that have not entered collective ``seq``."""
         return [r for r in range(self.size) if self._lines[r, ENTERED] < seq]
 
+    def stalled(self, seq):
+        """Ranks that entered collective ``seq``, have not left, and have not
+        looked at the board for :data:`STALE_S` seconds: every waiting rank
+        looks every few milliseconds (see :meth:`check_waiting`), so these
+        stopped inside the collective (a stop signal, a hung thread, a long
+        pause before their part of the exchange)."""
+        now = time.monotonic_ns()
+        return [r for r in range(self.size) if r != self.rank
+                and self._lines[r, ENTERED] >= seq and not self._lines[r, GONE]
+                and now - self._lines[r, SEEN] > STALE_S * 1e9]
+
+    def late_for(self, seq):
+        """The ranks a wait in collective ``seq`` is held up by: those that
+        have not entered it, else those that stalled inside it."""
+        return self.not_arrived(seq) or self.stalled(seq)
+
     def where(self, r):
         """What rank ``r`` last did, e.g. ``rank 2 last entered barrier #7 3.1 s ago``."""
+        return "rank %d %s" % (r, self.state_of(r))
+
+    def state_of(self, r):
+        """What rank ``r`` last did, without its name: ``last entered
+        barrier #7 3.1 s ago, not seen waiting in it since``, ``has not
+        entered any collective``, ``gave up in collective #7 (...)``."""
         line = self._lines[r]
         entered = int(line[ENTERED])
         gone = int(line[GONE])
         if gone:
             reason = int(line[REASON])
             if reason == GAVE_UP:
-                return "rank %d gave up in collective #%d%s" % (r, gone, self._reason_text(r))
-            return "rank %d %s after collective #%d%s" % (
-                r, REASONS.get(reason, "left"), gone - 1, self._reason_text(r))
+                return "gave up in collective #%d%s" % (gone, self._reason_text(r))
+            return "%s after collective #%d%s" % (
+                REASONS.get(reason, "left"), gone - 1, self._reason_text(r))
         if not entered:
-            return "rank %d has not entered any collective" % r
+            return "has not entered any collective"
         at = SLOT + (entered & 1) * SLOT_WORDS
-        ago = time.monotonic() - line[at + 3] * 1e-9
-        return "rank %d last entered %s %.1f s ago" % (
-            r, fingerprints.label(int(line[at + 2]), entered), ago)
+        now = time.monotonic()
+        seen = ""
+        if line[SEEN_SEQ] == entered and line[SEEN]:
+            seen = ", last seen waiting in it %.1f s ago" % (now - line[SEEN] * 1e-9)
+        elif line[SEEN_SEQ] < entered:
+            seen = ", not seen waiting in it since"
+        return "last entered %s %.1f s ago%s" % (
+            fingerprints.label(int(line[at + 2]), entered), now - line[at + 3] * 1e-9, seen)
 
     def _reason_text(self, r):
         text = self.read_text(r, REASON_TEXT)
@@ -275,13 +312,14 @@ class StatusBoard:
         """Text of a timeout in collective ``seq`` naming the ``late`` ranks
         (default: those that have not entered it)."""
         if late is None:
-            late = self.not_arrived(seq)
+            late = self.late_for(seq)
         if late:
-            who = "; ".join(self.where(r) for r in late)
+            who = "; ".join("rank %d (%s)" % (r, self.state_of(r)) for r in late)
             return ("%s did not complete before its deadline: waiting for %s"
                     % (fingerprints.label(what, seq), who))
-        return ("%s did not complete before its deadline; every rank had entered it (a peer "
-                "stalled or was descheduled inside it)" % fingerprints.label(what, seq))
+        return ("%s did not complete before its deadline; every rank had entered it and was "
+                "still waiting in it (a transport that stopped moving?)"
+                % fingerprints.label(what, seq))
 
     def _left(self, r, seq, what):
         """PeerError for rank ``r`` having left before collective ``seq``;
@@ -291,8 +329,11 @@ class StatusBoard:
         (see :meth:`uneven_culprits`)."""
         reason = int(self._lines[r, REASON])
         uneven = reason in (CLOSED, EXITED, DROPPED)
-        blamed = int(self._lines[r, BLAME]) - 1 if reason == GAVE_UP else -1
-        culprits = (blamed if blamed >= 0 else r,)
+        if reason == GAVE_UP:       # a rank is never blamed for giving up
+            blamed = int(self._lines[r, BLAME]) - 1
+            culprits = (blamed,) if blamed >= 0 else ()
+        else:
+            culprits = (r,)
         hint = ""
         if uneven:
             counts = self.settled_counts(seq, leaving=False)
