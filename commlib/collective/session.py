@@ -17,8 +17,8 @@ from ..progress.work import Progress, gpu_order
 from . import bucketing, lifetime
 from ..core import fingerprints
 from .. import settings, trace
-from ..errors import (ArgumentError, ClosedError, CommlibError, ConsistencyError, NonFiniteError,
-                      PayloadError)
+from ..errors import (ArgumentError, ClosedError, CollectiveTimeoutError, CommlibError,
+                      ConsistencyError, NonFiniteError, PayloadError, PeerError)
 from .stats import CommStats, TracedTransport
 from ..core.waiting import Wait
 
@@ -225,13 +225,17 @@ class Session:
 
     def fail(self, exc):
         """A collective failed: the communicator is unusable from now on and
-        its peers learn that this rank gave up."""
+        its peers learn that this rank gave up, and whom it blames: the
+        ranks its error names when it waited for them (a deadline, a peer
+        that left, an earlier failure), else itself (an interrupt, a
+        library's error, a bug: the failure is its own)."""
         if self.failure is None:
             self.failure = exc
             if self.board is not None:
                 text = "%s: %s" % (type(exc).__name__, exc) if str(exc) else type(exc).__name__
-                self.board.leave(self.seq - 1, _board.GAVE_UP, text,
-                                 blame=getattr(exc, "culprits", ()))
+                waited = isinstance(exc, (CollectiveTimeoutError, PeerError, ClosedError))
+                blame = tuple(getattr(exc, "culprits", ()) or ()) if waited else (self.rank,)
+                self.board.leave(self.seq - 1, _board.GAVE_UP, text, blame=blame)
             for transport in self.transports:
                 transport.fail("%s: %s" % (type(exc).__name__, exc))
 
