@@ -37,13 +37,13 @@ A failing rank (exception or nonzero ``sys.exit``) records the failure,
 prints a one-line summary and (under MPI) calls ``MPI_Abort`` so that peers
 blocked in a collective do not wait forever.
 
-Modules: :mod:`~commlib.launch.cli` (arguments, ``main``),
-:mod:`~commlib.launch.backend` (NCCL or MPI), :mod:`~commlib.launch.environment`
-(the workers' environment), :mod:`~commlib.launch.jobs` (forked workers, an
-MPI job), :mod:`~commlib.launch.processes` (children and their output),
-:mod:`~commlib.launch.supervision` (watching a job, the report),
-:mod:`~commlib.launch.rank` (a rank's supervisor and the rank process),
-:mod:`~commlib.startup.records` (how ranks started and ended).
+Modules: :mod:`~commlib.launch.cli` (arguments, NCCL or MPI, ``main``),
+:mod:`~commlib.launch.jobs` (forked workers, an MPI job, the workers'
+environment), :mod:`~commlib.launch.processes` (the launcher's flags,
+children and their output, its messages),
+:mod:`~commlib.launch.supervision` (watching a job, the report, the exit
+status), :mod:`~commlib.launch.rank` (a rank's supervisor and the rank
+process), :mod:`~commlib.startup.records` (how ranks started and ended).
 
 Status directory (``COMMLIB_LAUNCH_STATUS_DIR``, made by the launcher): one
 JSON object per file, written to a temporary name and renamed, with ``rank``,
@@ -100,12 +100,15 @@ import importlib
 #: public name -> the module that defines it (relative to this package)
 _WHERE = {
     "main": "cli", "build_parser": "cli", "parse_args": "cli",
-    "choose_backend": "backend", "gpu_status": "backend",
-    "common_env": "environment", "worker_env": "environment", "LAUNCH_ENV": "environment",
-    "stderr_is_terminal": "environment",
-    "ForkedWorkers": "jobs", "MpiJob": "jobs",
+    "choose_backend": "cli", "gpu_status": "cli",
+    "ForkedWorkers": "jobs", "MpiJob": "jobs", "ENV_MPIEXEC": "jobs",
+    "common_env": "jobs", "worker_env": "jobs", "LAUNCH_ENV": "jobs",
+    "stderr_is_terminal": "jobs",
+    "PROG": "processes", "WORKER_FLAG": "processes", "RANK_FLAG": "processes",
+    "ENV_PREFIX": "processes",
     "popen": "processes", "relay": "processes", "start_relays": "processes",
     "supervise": "supervision", "report": "supervision", "wrong_size": "supervision",
+    "EXIT_TIMEOUT": "supervision", "EXIT_WRONG_SIZE": "supervision",
     "run_supervisor": "rank", "run_worker": "rank",
     # what ranks record of themselves lies below the launcher, with start-up
     "Record": "..startup.records", "blame": "..startup.records",
@@ -113,9 +116,6 @@ _WHERE = {
     "read_records": "..startup.records", "write_record": "..startup.records",
     "record_started": "..startup.records", "ENV_STATUS_DIR": "..startup.records",
     "launcher_rank": "..settings",
-    "PROG": "common", "WORKER_FLAG": "common", "RANK_FLAG": "common",
-    "ENV_MPIEXEC": "common", "ENV_PREFIX": "common", "EXIT_TIMEOUT": "common",
-    "EXIT_WRONG_SIZE": "common",
 }
 
 __all__ = sorted(_WHERE)

@@ -1,16 +1,16 @@
-"""The launcher's command line: arguments, and ``main``."""
+"""The launcher's command line: arguments, the backend they choose (forked
+workers over NCCL or an MPI job), and ``main``."""
 import argparse
 import os
 import sys
 
 from .. import settings
-from ..errors import CommlibError
-from .backend import choose_backend
-from .environment import common_env
-from .common import ENV_MPIEXEC, EXIT_TIMEOUT, EXIT_WRONG_SIZE, PROG, RANK_FLAG, WORKER_FLAG, say
-from .jobs import ForkedWorkers, MpiJob
+from ..core import gpu
+from ..errors import ArgumentError, BackendUnavailableError, CommlibError
+from .jobs import ENV_MPIEXEC, ForkedWorkers, MpiJob, common_env
+from .processes import PROG, RANK_FLAG, WORKER_FLAG, say
 from .rank import run_supervisor, run_worker
-from .supervision import supervise
+from .supervision import EXIT_TIMEOUT, EXIT_WRONG_SIZE, supervise
 
 
 def _positive_int(text):
@@ -74,6 +74,33 @@ def parse_args(argv=None):
     if not os.path.isfile(ns.script):
         parser.error("script %r does not exist or is not a file" % ns.script)
     return ns
+
+
+def gpu_status():
+    """(reason NCCL is unusable or None, number of visible GPUs)."""
+    reason = gpu.nccl_unavailable_reason()
+    if reason is not None:
+        return reason, 0
+    import cupy
+    return None, cupy.cuda.runtime.getDeviceCount()
+
+
+def choose_backend(requested, n):
+    """``"nccl"`` or ``"mpi"`` for ``n`` workers; ``requested`` is the --backend value."""
+    if requested not in ("auto", "nccl", "mpi"):
+        raise ArgumentError("backend must be 'auto', 'nccl' or 'mpi', got %r" % (requested,))
+    if requested == "mpi":
+        return "mpi"
+    reason, gpus = gpu_status()
+    if requested == "nccl":
+        if reason is not None:
+            raise BackendUnavailableError("--backend nccl: NCCL is not usable here: " + reason)
+        if n > gpus:
+            raise ArgumentError("--backend nccl: -n %d needs %d GPUs, %d visible" % (n, n, gpus))
+        return "nccl"
+    if reason is None and n > gpus:
+        say("-n %d is more than the %d visible GPUs; using mpiexec" % (n, gpus))
+    return "nccl" if reason is None and n <= gpus else "mpi"
 
 
 def start_job(ns):

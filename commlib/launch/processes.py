@@ -1,5 +1,8 @@
-"""Child processes that die with the launcher, and their output passed on
-in whole lines with a ``[rank] `` prefix."""
+"""The launcher's processes: the name and flags it starts its own parts
+with (``python -m commlib.launch --_worker|--_rank``), child processes that
+die with it, their output passed on in whole lines with a ``[rank] ``
+prefix, and the launcher's own messages (one line on stderr, prefixed with
+its name)."""
 import ctypes
 import os
 import re
@@ -10,11 +13,26 @@ import sys
 import threading
 import time
 
+from .. import settings
 
+
+PROG = "commlib.launch"  # also the module name workers run with -m
+WORKER_FLAG = "--_worker"  # the supervisor of one rank under mpiexec
+RANK_FLAG = "--_rank"  # the rank process itself: runs the script
+#: "1": supervisors prefix output lines with "[rank] " (mpiexec without -prepend-rank)
+ENV_PREFIX = settings.LAUNCH_PREFIX
+POLL_S = 0.05
+PIPE_DRAIN_S = 1.0  # after a process ended, wait for its pipes (held by its children?)
 PARTIAL_LINE_S = 0.5  # an unfinished output line is passed on after this long
 PARTIAL_LINE_MAX = 1 << 16  # or when it has this many bytes
 
 _prctl = None
+
+
+def say(message):
+    """Write ``message`` to stderr as one line headed by the launcher's name."""
+    sys.stderr.write("%s: %s\n" % (PROG, message))  # one write: other output is per line
+    sys.stderr.flush()
 
 
 def _child_setup(parent, new_group):

@@ -9,8 +9,8 @@ import sys
 import time
 import traceback
 
-from .common import ENV_PREFIX, PIPE_DRAIN_S, PROG, RANK_FLAG, say
-from .processes import join, popen, start_relays
+from .processes import (ENV_PREFIX, PIPE_DRAIN_S, PROG, RANK_FLAG, join, popen, say,
+                        start_relays)
 from ..settings import launcher_rank
 from ..startup.records import ENV_STATUS_DIR, Record, write_record
 

@@ -1,15 +1,19 @@
 """Watching a job: ending it on a failure, a signal, a timeout or a wrong
 world size, then printing each distinct traceback once and the rank to
-blame."""
+blame; the launcher's exit status."""
 import signal
 import sys
 import time
 
-from .common import EXIT_TIMEOUT, EXIT_WRONG_SIZE, POLL_S, say
+from .processes import POLL_S, say
 from ..settings import RANK_VARIABLES
 from ..startup.records import distinct_tracebacks, ranks_text, signal_name, verdict
 
 
+EXIT_TIMEOUT = 124
+#: the job was not -n ranks: they reported an MPI world of another size, or
+#: mpiexec exited 0 while ranks never reported finishing
+EXIT_WRONG_SIZE = 3
 SETTLE_S = 1.0  # after a failure, time for the job to end itself (MPI_Abort)
 
 

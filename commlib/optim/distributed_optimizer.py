@@ -5,46 +5,66 @@ gradient accumulation, loss scaling, clipping by the global norm, uneven
 inputs (:meth:`DistributedOptimizer.join`) and SINGA's ``DistOpt`` update
 variants.
 
-:class:`DistributedOptimizer` is a facade over parts, each in a module of
-its own: :mod:`.param_groups` (groups and their hyperparameters),
-:mod:`.rule_runs` (the rule over runs of parameters), :mod:`.accumulation`
-(micro-batches, ``no_sync``), :mod:`.averaging` (the reducers),
-:mod:`.nonfinite_guard` (NaN/inf checks, the loss scaler), :mod:`.hooks`,
-:mod:`.clipping`, :mod:`.join` (uneven inputs), :mod:`.metering` (``stats``),
-:mod:`.singa_updates` (the ``update_*`` variants), :mod:`.state` (the
-training state, state dicts) and :mod:`.training_step` (one update, put
-together from them)."""
-import functools
+:class:`DistributedOptimizer` holds the step itself: gradients marked
+ready (their buckets started early, one
+:class:`~commlib.overlap.BackwardReducer` per compression), the end of a
+micro-batch, and on the last micro-batch of an update the average, the
+non-finite check, unscaling, the gradient hooks, clipping and the rule; or
+a partial update (the rule on each rank's own gradients, then a window of
+the parameters averaged). Every all-reduce of an update carries what the
+ranks must agree on (``agree=``: the rule and every group's
+hyperparameters, the loss scale, the micro-batches of the update, the clip
+norm), so that ranks that differ raise ConsistencyError instead of
+diverging. What has a contract of its own lies in a module of its own:
+:mod:`.param_groups` (groups and their hyperparameters), :mod:`.rule_runs`
+(the rule over runs of back-to-back parameters), :mod:`.accumulation`
+(micro-batches, ``no_sync``), :mod:`.nonfinite_guard` (NaN/inf checks,
+the loss scaler's part), :mod:`.clipping`, :mod:`.join` (uneven inputs),
+:mod:`.metering` (``stats``) and :mod:`.state` (checkpoints)."""
+import numpy as np
 
 from .. import compression as _compression
-from ..errors import ArgumentError
-from . import parameters
+from ..compression import Partial, Threshold, TopK
+from ..errors import ArgumentError, NonFiniteError
+from ..overlap import BackwardReducer
+from . import parameters, state
 from .accumulation import Accumulation, check_accumulate, zeros_like
-from .averaging import GradientAveraging, check_averaging
-from .clipping import check_clip
-from .hooks import GradientHooks
-from .join import Join
+from .clipping import check_clip, clip_by_global_norm
+from .join import Join, check_joinable
 from .metering import CommMeter
 from .nonfinite_guard import NONFINITE_MODES, NonFiniteGuard, check_nonfinite
 from .param_groups import ParamGroups, checked_groups
 from .rule_runs import RuleRuns
 from .rules import Rule
-from .singa_updates import SingaUpdates
-from .state import TrainingState
-from .training_step import TrainingStep
 
 __all__ = ["DistributedOptimizer", "NONFINITE_MODES"]
 
 _DEFAULT = object()
 
 
-def _forward(part, method):
-    """A method of the optimizer that is ``method`` (its name, signature and
-    docstring) called on the part the optimizer holds in attribute ``part``."""
-    @functools.wraps(method)
-    def forwarded(self, *args, **kwargs):
-        return method(getattr(self, part), *args, **kwargs)
-    return forwarded
+def check_averaging(overlap, bucket_bytes, rank):
+    """ArgumentError unless ``overlap`` is True, False or ``"auto"`` and
+    ``bucket_bytes`` None or an int >= 1."""
+    if not (isinstance(overlap, (bool, np.bool_)) or overlap == "auto"):
+        raise ArgumentError("rank %d: overlap must be True, False or 'auto', got %r"
+                            % (rank, overlap))
+    if bucket_bytes is not None and (
+            isinstance(bucket_bytes, (bool, np.bool_))
+            or not isinstance(bucket_bytes, (int, np.integer)) or bucket_bytes < 1):
+        raise ArgumentError("rank %d: bucket_bytes must be None or an int >= 1, got %r"
+                            % (rank, bucket_bytes))
+
+
+class _Hook:
+    """Handle of a gradient hook: :meth:`remove` unregisters it."""
+
+    def __init__(self, hooks, fn):
+        self._hooks, self.fn = hooks, fn
+
+    def remove(self):
+        """Unregister the hook (once is enough; later calls do nothing)."""
+        if self.fn in self._hooks:
+            self._hooks.remove(self.fn)
 
 
 class DistributedOptimizer:
@@ -126,35 +146,22 @@ class DistributedOptimizer:
         self.nonfinite = "skip" if loss_scaler is not None else nonfinite
         self.grads = zeros_like(params)
         self.schedulers = []          # schedulers whose state checkpoints keep
-        self._make_parts()
-        if isinstance(rule, Rule):
-            rule.bind(self, rank)     # last: a rejected construction leaves it free
-
-    def _make_parts(self):
-        """The parts the optimizer hands its work to."""
-        comm, rank = self.comm, self.comm.rank
-        self._groups = ParamGroups(self.rule, self.param_groups, rank)
-        self._rule_runs = RuleRuns(self.rule, self.param_groups, self.params, self.grads)
+        self._groups = ParamGroups(rule, self.param_groups, rank)
+        self._rule_runs = RuleRuns(rule, self.param_groups, params, self.grads)
         self._runs = self._rule_runs.runs             # parameter indices the rule sees as one
         self._meter = CommMeter(comm)
-        self._averaging = GradientAveraging(comm, self.grads, self._meter,
-                                            bucket_bytes=self.bucket_bytes, overlap=self.overlap)
-        self._reducers = self._averaging.reducers     # strategy name -> BackwardReducer
-        self._accumulation = Accumulation(self.params, self.grads, self.accumulate, rank)
+        self._reducers = {}           # strategy name -> BackwardReducer of grads
+        self._accumulation = Accumulation(params, self.grads, self.accumulate, rank)
         self._guard = NonFiniteGuard(comm, self._meter, self._rule_runs.fused_grads,
-                                     self.nonfinite, self.loss_scaler)
-        self._hooks = GradientHooks(rank)
-        self._join = Join(comm, self._meter, self._groups)
-        self._training = TrainingStep(
-            comm, compression=self.compression, overlap=self.overlap, meter=self._meter,
-            accumulation=self._accumulation, averaging=self._averaging, guard=self._guard,
-            hooks=self._hooks, groups=self._groups, rule_runs=self._rule_runs, join=self._join)
-        self._singa = SingaUpdates(self._training, compression=self.compression,
-                                   clip_norm=self.clip_norm, rank=rank)
-        self._state = TrainingState(
-            comm, params=self.params, steps=self._training.steps, skipped=self._guard.skipped,
-            rule_runs=self._rule_runs, groups=self._groups, schedulers=self.schedulers,
-            loss_scaler=self.loss_scaler, accumulation=self._accumulation)
+                                     self.nonfinite, loss_scaler)
+        self._join = Join(comm, self._meter, self._groups, self._accumulation)
+        self._hooks = []              # gradient hooks, in the order of registration
+        self._started = False         # grad_ready started this update's all-reduce
+        self._agreed = None           # the agree= of the buckets grad_ready started
+        self._steps = np.zeros((), np.int64)          # updates applied (in the state)
+        self._last_grad_norm = None
+        if isinstance(rule, Rule):
+            rule.bind(self, rank)     # last: a rejected construction leaves it free
 
     # -- hyperparameters and statistics ------------------------------------------
     @property
@@ -175,7 +182,7 @@ class DistributedOptimizer:
     @property
     def steps(self):
         """Updates applied so far (skipped ones not counted)."""
-        return int(self._training.steps)
+        return int(self._steps)
 
     @property
     def skipped_steps(self):
@@ -186,7 +193,7 @@ class DistributedOptimizer:
     def last_grad_norm(self):
         """The global norm of the averaged gradients before clipping, in the last update that
         clipped (None before one)."""
-        return self._training.last_grad_norm
+        return self._last_grad_norm
 
     @property
     def stats(self):
@@ -233,7 +240,11 @@ class DistributedOptimizer:
         Raises:
             ArgumentError: ``fn`` is not callable.
         """
-        return self._hooks.register(fn)
+        if not callable(fn):
+            raise ArgumentError("rank %d: register_hook: fn must be callable, got %r"
+                                % (self.comm.rank, fn))
+        self._hooks.append(fn)
+        return _Hook(self._hooks, fn)
 
     # -- the training step ---------------------------------------------------------
     def grad_ready(self, i):
@@ -247,7 +258,18 @@ class DistributedOptimizer:
         Raises:
             ArgumentError: ``i`` out of range or marked twice.
         """
-        self._training.grad_ready(i)
+        accumulation, compression = self._accumulation, self.compression
+        i = accumulation.mark(i)
+        self._prepare(i, compression)
+        if (accumulation.last() and self.overlap and not self._join.joining
+                and not (self._guard.mode is not None and compression is not None)
+                and not isinstance(compression, Partial)):
+            if self._agreed is None:
+                self._agreed = self._agreement(self._groups.checked(), accumulation.micro + 1)
+            self._started = True
+            reducer = self._reducer_for(compression)
+            reducer.agree = self._agreed
+            self._meter.timed(reducer.ready, i)
 
     def step(self, grads=None, clip_norm=_DEFAULT):
         """Finish this micro-batch (collective).
@@ -276,11 +298,250 @@ class DistributedOptimizer:
         """
         clip = (self.clip_norm if clip_norm is _DEFAULT
                 else check_clip(clip_norm, self.comm.rank))
-        return self._training.step(grads, self.compression, clip)
+        return self._step(grads, self.compression, clip)
+
+    # SINGA's DistOpt: each variant is one step with a strategy of its own
+    def update(self, grads=None):
+        """SINGA's ``backward_and_update``: :meth:`step` (the constructor's
+        compression and clip_norm).
+
+        Args:
+            grads: as :meth:`step`'s (None: the backward pass wrote into
+                ``grads``).
+
+        Returns:
+            As :meth:`step`: True when an update was applied.
+
+        Raises:
+            ArgumentError: as :meth:`step`'s.
+            ArrayTypeError: as :meth:`step`'s.
+            NonFiniteError: as :meth:`step`'s.
+        """
+        return self._step(grads, self.compression, self.clip_norm)
+
+    def update_half(self, grads=None):
+        """SINGA's ``backward_and_update_half``: the gradients are averaged in
+        float16 (``compression="fp16"``), clipped to the constructor's
+        clip_norm.
+
+        Args:
+            grads: as :meth:`step`'s.
+
+        Returns:
+            As :meth:`step`.
+
+        Raises:
+            ArgumentError: as :meth:`step`'s; also after :meth:`grad_ready`
+                started this update's all-reduce with another compression.
+            ArrayTypeError: as :meth:`step`'s.
+            NonFiniteError: as :meth:`step`'s; fp16's own check raises on
+                NaN or inf unless ``nonfinite="skip"``.
+        """
+        fp16 = _compression.resolve("fp16", self.comm.rank)
+        return self._step(grads, fp16, self.clip_norm)
+
+    def update_partial(self, grads=None, fraction=None):
+        """SINGA's ``backward_and_partial_update``: each rank updates its
+        parameters with its own gradients, then one rotating window of
+        ``fraction`` of each parameter bucket is averaged over the ranks
+        (:class:`~commlib.compression.Partial`; default: the constructor's
+        Partial, else 0.1). Ranks' parameters differ between windows:
+        average them all (``comm.all_reduce(params, op="avg")``) before
+        evaluating or saving. Partial updates cannot be clipped by a global
+        norm (each rank applies its own gradients): with a clip_norm set in
+        the constructor it raises, as :meth:`step` with a Partial
+        compression does; the ``nonfinite`` check is not made.
+
+        Args:
+            grads: as :meth:`step`'s.
+            fraction: the share of each bucket averaged per call, a number in
+                (0, 1]; None: the constructor's Partial's, else 0.1.
+
+        Returns:
+            As :meth:`step` (True on the last micro-batch of an update).
+
+        Raises:
+            ArgumentError: a bad fraction; bad ``grads`` (as :meth:`step`'s);
+                a clip_norm set in the constructor; inside :meth:`join`; after
+                :meth:`grad_ready` started this update's all-reduce with another
+                compression.
+            ArrayTypeError: as :meth:`step`'s.
+        """
+        if fraction is None:
+            strategy = (self.compression if isinstance(self.compression, Partial)
+                        else Partial(0.1))
+        else:
+            strategy = Partial(fraction)
+        return self._step(grads, strategy, self.clip_norm)
+
+    def update_sparse(self, grads, spars, topK=True, corr=True):
+        """SINGA's ``backward_and_sparse_update``: with ``topK`` the
+        ``spars`` fraction of largest-magnitude gradients of each bucket
+        travel (:class:`~commlib.compression.TopK`), else those with
+        magnitude above ``spars`` (:class:`~commlib.compression.Threshold`);
+        ``corr``: error feedback (what was not sent is added to the next
+        step's gradients).
+
+        Args:
+            grads: as :meth:`step`'s.
+            spars: the fraction (top-K; in (0, 1]) or the threshold (a finite
+                number >= 0).
+            topK: top-K (True) or threshold (False).
+            corr: error feedback.
+
+        Returns:
+            As :meth:`step`.
+
+        Raises:
+            ArgumentError: a bad ``spars``; bad ``grads`` (as :meth:`step`'s);
+                inside :meth:`join`; after :meth:`grad_ready` started this
+                update's all-reduce with another compression.
+            ArrayTypeError: as :meth:`step`'s.
+            NonFiniteError: as :meth:`step`'s; the sparsifier's own check
+                raises on NaN or inf unless ``nonfinite="skip"``.
+        """
+        kind = TopK if topK else Threshold
+        return self._step(grads, kind(spars, error_feedback=corr), self.clip_norm)
+
+    def _step(self, grads, strategy, clip):
+        """Finish this micro-batch, averaging with ``strategy`` and clipping
+        to ``clip``; True when an update was applied."""
+        rank, accumulation = self.comm.rank, self._accumulation
+        if self._started and strategy is not self.compression:
+            raise ArgumentError(
+                "rank %d: grad_ready() started this update's all-reduce with compression=%r; "
+                "finish it with step()" % (rank, self.compression))
+        if clip is not None and isinstance(strategy, Partial):
+            raise ArgumentError("rank %d: clip_norm: a partial update applies each rank's own "
+                                "gradients, which have no global norm; use clip_norm=None"
+                                % rank)
+        if self._join.joining:
+            check_joinable(strategy, rank)
+        if grads is not None:
+            accumulation.take(grads)
+        for i in range(len(self.grads)):
+            if i not in accumulation.marked:
+                self._prepare(i, strategy)
+        micro = accumulation.micro + 1
+        if not accumulation.end_micro_batch():
+            return False
+        try:
+            if isinstance(strategy, Partial):
+                return self._partial_update(strategy, micro)
+            active = self.comm.size
+            if self._join.joining:
+                self._join.clip = clip
+                active = self._join.vote(True)
+                self._join.updates += 1
+            return self._finish(strategy, clip, active, micro)
+        finally:
+            self._started = False
+            self._agreed = None
+            self._guard.bad.clear()
+            self._meter.close()
+
+    def _agreement(self, hypers, micro):
+        """What the ranks must agree on in this update (``agree=`` of its
+        all-reduces): the rule and every group's hyperparameters
+        (``hypers``, validated), the loss scale (or ``nonfinite=``, which
+        decides alike what a NaN does), and (but inside ``join()``, where
+        ranks that have finished bring none) the update's number of
+        micro-batches ``micro`` when more than one."""
+        agree = self._groups.agreement(hypers)
+        scaler = self._guard.loss_scaler
+        if scaler is not None:
+            agree += (("loss scale", scaler.scale),)
+        elif self._guard.mode is not None:
+            agree += (("nonfinite", self._guard.mode),)
+        if micro > 1 and not self._join.joining:
+            agree += (("micro-batches", int(micro)),)
+        return agree
+
+    def _prepare(self, i, strategy):
+        """grads[i] is final for this micro-batch (see
+        :meth:`Accumulation.prepare <commlib.optim.accumulation.Accumulation.prepare>`);
+        its non-finite values are counted when it is the update's mean."""
+        if self._accumulation.prepare(i):
+            self._guard.note(i, self.grads[i], strategy)
+
+    def _partial_update(self, strategy, micro):
+        """The rule on this rank's gradients, then ``strategy``'s window of
+        the parameters averaged (``micro``: the update's micro-batches)."""
+        hypers = self._groups.checked()
+        agree = self._agreement(hypers, micro)
+        self._rule_runs.apply(hypers)
+        self._meter.timed(lambda: self.comm.all_reduce(self.params, op="avg",
+                                                       compression=strategy, agree=agree))
+        self._steps += 1
+        return True
+
+    def _idle_update(self, strategy, clip, active):
+        """``join()``: an update of the ``active`` ranks that this rank,
+        having left, takes part in with zero gradients."""
+        for g in self._rule_runs.fused_grads:
+            g.fill(0)
+        self._guard.bad.clear()
+        self._finish(strategy, clip, active, 1)
+
+    def _finish(self, strategy, clip, active, micro):
+        """Average, check, unscale, hook, clip and apply (every rank;
+        ``micro``: the update's micro-batches). The hyperparameters are
+        checked first; when they changed since ``grad_ready`` started the
+        update's all-reduce, they are compared again after the average (by
+        the clipping's all-reduce, or by one of a single number)."""
+        hypers = self._groups.checked()
+        agree = self._agreement(hypers, micro)
+        found, check_average = self._guard.before_send(strategy)
+        if not (found and any(found)):
+            found = self._average(strategy, active, found, check_average, agree)
+        if self._agreed is not None and agree != self._agreed and clip is None:
+            check = np.zeros(1)
+            self._meter.timed(lambda: self.comm.all_reduce(check, op="max", agree=agree))
+        if found is not None and any(found) and not self._guard.proceed(found):
+            return False
+        self._guard.unscale()
+        for fn in list(self._hooks):            # a hook may remove itself
+            fn(self.grads)
+        if clip is not None:
+            self._last_grad_norm = clip_by_global_norm(
+                self._rule_runs.fused_grads, clip, self.comm, self._meter,
+                agree=agree + (("clip_norm", clip),))
+        self._rule_runs.apply(hypers)
+        self._guard.taken()
+        self._steps += 1
+        return True
+
+    def _average(self, strategy, active, found, check_average, agree):
+        """Average with ``strategy`` as the mean over ``active`` ranks,
+        finishing the buckets :meth:`grad_ready` started; the all-reduces
+        carry ``agree``. Returns the non-finite counts found (or
+        ``found``)."""
+        reducer = self._reducer_for(strategy)
+        reducer.agree = agree
+        try:
+            self._meter.timed(reducer.wait)
+        except NonFiniteError as exc:       # a compression's check, on every rank alike
+            if self._guard.mode != "skip":
+                raise
+            found = list(exc.counts)
+        if active != self.comm.size:    # join(): the mean over the ranks that contributed
+            factor = self.comm.size / active
+            for g in self._rule_runs.fused_grads:
+                g *= factor
+        if found is None and check_average:
+            found = self._guard.counts(averaged=True)
+        return found
 
     def _reducer_for(self, strategy):
-        """The BackwardReducer that averages the gradients with ``strategy``."""
-        return self._averaging.reducer_for(strategy)
+        """The BackwardReducer that averages the gradients with ``strategy``
+        (None: plain), made at first use."""
+        name = None if strategy is None else strategy.name
+        found = self._reducers.get(name)
+        if found is None:
+            found = self._reducers[name] = BackwardReducer(
+                self.comm, self.grads, bucket_bytes=self.bucket_bytes, op="avg",
+                compression=strategy, overlap=self.overlap or False)
+        return found
 
     # -- uneven inputs -----------------------------------------------------------------
     def join(self):
@@ -300,14 +561,7 @@ class DistributedOptimizer:
                 inside join(), or gradients marked ready in this micro-batch; on leaving in
                 the middle of an accumulation.
         """
-        return self._join.block(self, training=self._training, compression=self.compression,
-                                live_state=self.live_state, loaded=self.loaded)
-
-    # -- SINGA's DistOpt: singa_updates.SingaUpdates's -------------------------------
-    update = _forward("_singa", SingaUpdates.update)
-    update_half = _forward("_singa", SingaUpdates.update_half)
-    update_partial = _forward("_singa", SingaUpdates.update_partial)
-    update_sparse = _forward("_singa", SingaUpdates.update_sparse)
+        return self._join.block(self, self._idle_update)
 
     # -- parameters and checkpoints -------------------------------------------------
     def broadcast_parameters(self, root=0):
@@ -337,15 +591,75 @@ class DistributedOptimizer:
         """
         parameters.check_parameters(self.comm, self.params)
 
-    # the training state and checkpoints: state.TrainingState's
-    live_state = _forward("_state", TrainingState.live_state)
-    loaded = _forward("_state", TrainingState.loaded)
-    state_dict = _forward("_state", TrainingState.state_dict)
-    load_state_dict = _forward("_state", TrainingState.load_state_dict)
+    def live_state(self):
+        """The arrays that make up the training state, by name: ``"steps"``
+        and ``"skipped_steps"`` (0-d int64), ``"params.<i>"``,
+        ``"rule.<name>"`` (the rule's :meth:`~commlib.optim.rules.Rule.state`,
+        when it has one), ``"groups.sizes"`` (each group's number of arrays,
+        which a state loaded must match), ``"groups.<k>.<hyperparameter>"``
+        (float64; copies: :meth:`load_state_dict` sets the groups from them),
+        ``"scheduler.<j>.<name>"`` for each scheduler made on this optimizer
+        and ``"scaler.<name>"`` for the loss scaler. Not collective.
+
+        Returns:
+            ``{name: array}``: the arrays themselves, not copies, except the
+            groups'.
+        """
+        out = {"steps": self._steps, "skipped_steps": self._guard.skipped}
+        out.update(("params.%d" % i, p) for i, p in enumerate(self.params))
+        out.update(self._rule_runs.state_arrays())
+        out.update(self._groups.state_arrays())
+        for j, sched in enumerate(self.schedulers):
+            out.update(("scheduler.%d.%s" % (j, k), v) for k, v in sched.state_arrays().items())
+        if self.loss_scaler is not None:
+            out.update(("scaler." + k, v) for k, v in self.loss_scaler.state_arrays().items())
+        return out
+
+    def loaded(self, live):
+        """After ``live`` (from :meth:`live_state`) was overwritten: set the
+        groups' hyperparameters from it and the rule's step count.
+
+        Args:
+            live: the dict :meth:`live_state` returned, its arrays
+                overwritten (the ``groups.*`` ones it has are read).
+        """
+        self._groups.load(live)
+        self._rule_runs.loaded(self._steps)
+
+    def state_dict(self):
+        """numpy copies of :meth:`live_state` (not compression residuals);
+        only between updates (not in the middle of an accumulation). Not
+        collective.
+
+        Returns:
+            ``{name: numpy array}``.
+
+        Raises:
+            ArgumentError: in the middle of an update.
+        """
+        self._accumulation.check_between_updates()
+        return state.host_copies(self.live_state())
+
+    def load_state_dict(self, state_dict, root=0):
+        """Restore a :meth:`state_dict` on every rank (collective): only
+        ``root``'s ``state_dict`` is used (the others may pass None). A
+        state without ``groups.*`` or ``skipped_steps`` (an older one)
+        leaves those as they are.
+
+        Args:
+            state_dict: ``{name: array}`` from :meth:`state_dict` (or
+                :func:`commlib.optim.load`'s file), used on ``root`` only.
+            root: the rank whose ``state_dict`` every rank takes.
+
+        Raises:
+            ArgumentError: on every rank (``culprits``: ``root``), naming what
+                differs, when root's state does not fit (not a dict; other
+                parameter groups, as ``torch.optim``'s checks: their number or
+                sizes; names, shapes or dtypes); nothing is changed.
+        """
+        state.load_state_dict(self, state_dict, root)
 
     def __repr__(self):
         return ("DistributedOptimizer(%r, %d params, compression=%r, accumulate=%d, "
                 "overlap=%r, steps=%d)" % (self.rule, len(self.params), self.compression,
                                            self.accumulate, self.overlap, self.steps))
-
-

@@ -44,10 +44,13 @@ class Join:
         comm: the communicator.
         meter: the :class:`~commlib.optim.metering.CommMeter` timing the votes.
         groups: the :class:`~commlib.optim.param_groups.ParamGroups` voted on.
+        accumulation: the :class:`~commlib.optim.accumulation.Accumulation`
+            (the block starts and ends between micro-batches).
     """
 
-    def __init__(self, comm, meter, groups):
+    def __init__(self, comm, meter, groups, accumulation):
         self.comm, self.meter, self.groups = comm, meter, groups
+        self.accumulation = accumulation
         self.joining = False        # inside join(): vote before every average
         self.updates = 0            # updates with this rank's own gradients in join()
         self.clip = None            # the clip_norm of the update voted on
@@ -71,22 +74,23 @@ class Join:
         return count
 
     @contextlib.contextmanager
-    def block(self, owner, *, training, compression, live_state, loaded):
-        """The ``join()`` context, yielding ``owner``: ``training`` (the
-        :class:`~commlib.optim.training_step.TrainingStep`) runs the updates
-        after this rank has left; ``compression`` is the optimizer's;
-        ``live_state`` and ``loaded`` are the optimizer's methods."""
-        rank = self.comm.rank
+    def block(self, owner, idle_update):
+        """The ``join()`` context of the optimizer ``owner``, yielding it:
+        after this rank has left, ``idle_update(strategy, clip, active)``
+        takes part in each update of the ``active`` ranks that have not
+        (with ``owner.compression``), then every rank takes the
+        hyperparameters and schedulers' state (``owner.live_state()``,
+        ``owner.loaded()``) of the rank that took the most steps."""
+        rank, accumulation, compression = self.comm.rank, self.accumulation, owner.compression
         if self.joining:
             raise ArgumentError("rank %d: join(): already inside join()" % rank)
-        if training.busy():
+        if accumulation.marked:
             raise ArgumentError("rank %d: join(): entered in the middle of a micro-batch "
                                 "whose gradients were marked ready" % rank)
         check_joinable(compression, rank)
         self.joining, self.updates = True, 0
         try:
             yield owner
-            accumulation = training.accumulation
             if accumulation.micro:
                 raise ArgumentError("rank %d: join(): left after %d of %d micro-batches of an "
                                     "update; finish the update first"
@@ -96,10 +100,10 @@ class Join:
                     count = self.vote(False)
                     if not count:
                         break
-                    training.idle_update(compression, self.clip, count)
+                    idle_update(compression, self.clip, count)
                 finally:
                     self.meter.close()
             root = int(np.argmax(self.table[:, 1]))
-            sync_small_state(self.comm, live_state, loaded, root)
+            sync_small_state(self.comm, owner.live_state, owner.loaded, root)
         finally:
             self.joining = False

@@ -1,8 +1,9 @@
 """Checkpoints of a :class:`~commlib.optim.DistributedOptimizer`: its
 training state (update count, parameters, the rule's buffers, the groups'
-hyperparameters, schedulers and loss scaler; :class:`TrainingState`) as a
-dict of numpy arrays, restored on every rank from one rank's copy, and
-saved to / loaded from ``.npz`` files."""
+hyperparameters, schedulers and loss scaler; its
+:meth:`~commlib.optim.DistributedOptimizer.live_state`) as a dict of numpy
+arrays, restored on every rank from one rank's copy, and saved to / loaded
+from ``.npz`` files."""
 import os
 from collections.abc import Mapping
 
@@ -174,95 +175,3 @@ def load(path, opt, root=0):
     _restore(opt, read, root, "load",
              os.fspath(path) if isinstance(path, (str, bytes, os.PathLike)) else path)
 
-
-class TrainingState:
-    """The training state of a DistributedOptimizer, by name, and its
-    checkpoints; the optimizer's methods of the same names call these.
-
-    Args:
-        comm: the communicator.
-        params: the parameters.
-        steps, skipped: the 0-d int64 counts of updates applied and skipped
-            (updated in place).
-        rule_runs: the :class:`~commlib.optim.rule_runs.RuleRuns` (the
-            rule's state).
-        groups: the :class:`~commlib.optim.param_groups.ParamGroups`.
-        schedulers: the optimizer's list of schedulers (shared, not copied).
-        loss_scaler: None or the loss scaler.
-        accumulation: the :class:`~commlib.optim.accumulation.Accumulation`
-            (no state dict in the middle of an update).
-    """
-
-    def __init__(self, comm, *, params, steps, skipped, rule_runs, groups, schedulers,
-                 loss_scaler, accumulation):
-        self.comm, self.params, self.steps, self.skipped = comm, params, steps, skipped
-        self.rule_runs, self.groups, self.schedulers = rule_runs, groups, schedulers
-        self.loss_scaler, self.accumulation = loss_scaler, accumulation
-
-    def live_state(self):
-        """The arrays that make up the training state, by name: ``"steps"``
-        and ``"skipped_steps"`` (0-d int64), ``"params.<i>"``,
-        ``"rule.<name>"`` (the rule's :meth:`~commlib.optim.rules.Rule.state`,
-        when it has one), ``"groups.sizes"`` (each group's number of arrays,
-        which a state loaded must match), ``"groups.<k>.<hyperparameter>"``
-        (float64; copies: :meth:`load_state_dict` sets the groups from them),
-        ``"scheduler.<j>.<name>"`` for each scheduler made on this optimizer
-        and ``"scaler.<name>"`` for the loss scaler. Not collective.
-
-        Returns:
-            ``{name: array}``: the arrays themselves, not copies, except the
-            groups'.
-        """
-        out = {"steps": self.steps, "skipped_steps": self.skipped}
-        out.update(("params.%d" % i, p) for i, p in enumerate(self.params))
-        out.update(self.rule_runs.state_arrays())
-        out.update(self.groups.state_arrays())
-        for j, sched in enumerate(self.schedulers):
-            out.update(("scheduler.%d.%s" % (j, k), v) for k, v in sched.state_arrays().items())
-        if self.loss_scaler is not None:
-            out.update(("scaler." + k, v) for k, v in self.loss_scaler.state_arrays().items())
-        return out
-
-    def loaded(self, live):
-        """After ``live`` (from :meth:`live_state`) was overwritten: set the
-        groups' hyperparameters from it and the rule's step count.
-
-        Args:
-            live: the dict :meth:`live_state` returned, its arrays
-                overwritten (the ``groups.*`` ones it has are read).
-        """
-        self.groups.load(live)
-        self.rule_runs.loaded(self.steps)
-
-    def state_dict(self):
-        """numpy copies of :meth:`live_state` (not compression residuals);
-        only between updates (not in the middle of an accumulation). Not
-        collective.
-
-        Returns:
-            ``{name: numpy array}``.
-
-        Raises:
-            ArgumentError: in the middle of an update.
-        """
-        self.accumulation.check_between_updates()
-        return host_copies(self.live_state())
-
-    def load_state_dict(self, state_dict, root=0):
-        """Restore a :meth:`state_dict` on every rank (collective): only
-        ``root``'s ``state_dict`` is used (the others may pass None). A
-        state without ``groups.*`` or ``skipped_steps`` (an older one)
-        leaves those as they are.
-
-        Args:
-            state_dict: ``{name: array}`` from :meth:`state_dict` (or
-                :func:`load`'s file), used on ``root`` only.
-            root: the rank whose ``state_dict`` every rank takes.
-
-        Raises:
-            ArgumentError: on every rank (``culprits``: ``root``), naming what
-                differs, when root's state does not fit (not a dict; other
-                parameter groups, as ``torch.optim``'s checks: their number or
-                sizes; names, shapes or dtypes); nothing is changed.
-        """
-        load_state_dict(self, state_dict, root)

@@ -20,7 +20,7 @@ from collections import namedtuple
 import pytest
 
 from commlib import NcclId, launch
-from commlib.launch import backend as launch_backend, processes as launch_processes
+from commlib.launch import cli as launch_cli, processes as launch_processes
 from commlib.startup.bootstrap import launcher_env
 from commlib.errors import ArgumentError, BackendUnavailableError
 from mpirun import ROOT, assert_each_rank, run_bounded
@@ -520,7 +520,7 @@ def test_an_mpiexec_that_starts_nothing_is_not_a_success(tmp_path):
         "MV2_COMM_WORLD_RANK, PMIX_RANK, SLURM_PROCID)"], res.stderr
 
 
-@pytest.mark.skipif(launch_backend.gpu_status()[0] is None, reason="NCCL is usable here")
+@pytest.mark.skipif(launch_cli.gpu_status()[0] is None, reason="NCCL is usable here")
 def test_forced_nccl_without_gpu_is_refused(tmp_path):
     script = write(tmp_path / "ok.py", "print('ran')\n")
     res = run_launcher("-n", 1, script, backend="nccl", timeout=30)
@@ -539,7 +539,7 @@ def test_forced_nccl_without_gpu_is_refused(tmp_path):
     ((None, 2), "gloo", 1, ArgumentError),
 ])
 def test_choose_backend(monkeypatch, status, requested, n, expected):
-    monkeypatch.setattr(launch_backend, "gpu_status", lambda: status)
+    monkeypatch.setattr(launch_cli, "gpu_status", lambda: status)
     if isinstance(expected, str):
         assert launch.choose_backend(requested, n) == expected
     else:
@@ -822,8 +822,8 @@ def test_forked_worker_killed_by_signal_is_named(tmp_path):
 
 @pytest.mark.gpu
 def test_forked_workers_all_reduce_on_gpu(tmp_path):
-    if launch_backend.gpu_status()[0] is not None:
-        pytest.skip("NCCL is not usable: %s" % launch_backend.gpu_status()[0])
+    if launch_cli.gpu_status()[0] is not None:
+        pytest.skip("NCCL is not usable: %s" % launch_cli.gpu_status()[0])
     script = write(tmp_path / "job.py", """
         import cupy, commlib
         comm = commlib.init()
