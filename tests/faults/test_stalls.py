@@ -24,11 +24,10 @@ import time
 import numpy as np
 import pytest
 
-from commlib.compression import Compression
 from commlib.errors import CommlibError
 from commlib.transport.shm import MIN_BYTES
 from fault_jobs import assert_raised, find, others, run
-from fault_programs import LARGE, SMALL, STALL_DEADLINE
+from fault_programs import LARGE, SMALL, STALL_DEADLINE, Hold
 from inprocess import run_ranks
 
 N = 3
@@ -152,24 +151,6 @@ def test_stall_inside_the_data_phase_each_rank_in_turn():
 # -- the thread transport (ranks as threads of this process) ----------------------------------
 
 THREAD_DEADLINE = 0.5
-
-
-class Hold(Compression):
-    """A plain all-reduce of each array, after ``hold()`` on rank ``late``."""
-
-    name = "hold"
-
-    def __init__(self, late, hold):
-        self.late, self.hold = late, hold
-
-    def applies_to(self, dtype):
-        return dtype == np.float32
-
-    def reduce(self, bucket):
-        if bucket.rank == self.late:
-            self.hold()
-        for a in bucket.arrays:
-            bucket.all_reduce(a.reshape(-1))
 
 
 def thread_episode(monkeypatch, late, check, inside):
