@@ -73,3 +73,35 @@ def test_a_wait_ends_when_the_peer_writes_the_word():
     rank0, rank1 = two_ranks()
     rank1.words[board.STRIDE + board.TEXT_SEQ] = 1
     rank0.wait_words(board.TEXT_SEQ, 1, 1, ALL_REDUCE, time.monotonic() + 5)
+
+
+def test_a_peer_that_gave_up_ends_a_wait_for_its_text():
+    """Rank 1 gave up (blaming rank 0) before publishing its call text for
+    collective 1: rank 0's wait for that text raises PeerError passing the
+    blame on, at once; nothing rank 1 wrote when leaving reads as its text
+    having been published."""
+    rank0, rank1 = two_ranks()
+    rank1.leave(0, board.GAVE_UP, "all_reduce #1: gave up", blame=(0,))
+    start = time.monotonic()
+    with pytest.raises(PeerError, match=r"^rank 0: rank 1 gave up in collective #1 "
+                                        r"\(all_reduce #1: gave up\) while this rank is in "
+                                        r"all_reduce #1$") as info:
+        rank0.wait_words(board.TEXT_SEQ, 1, 1, ALL_REDUCE, start + 5)
+    assert info.value.culprits == (0,) and time.monotonic() - start < 1
+
+
+def test_texts_longer_than_their_area_are_cut_and_read_back():
+    """A text is cut to one byte less than its area (a NUL always ends it),
+    even inside a multi-byte character, and reads back without error; the
+    call text and the reason text do not overlap."""
+    rank0, rank1 = two_ranks()
+    long = "é" * board.TEXT_BYTES                         # two bytes each
+    rank1.write_text(long)
+    rank1.write_text("why", board.REASON_TEXT)
+    # 447 bytes: 223 whole characters and the first byte of one more
+    assert rank0.read_text(1) == "é" * ((board.TEXT_BYTES - 1) // 2) + "\ufffd" * (
+        (board.TEXT_BYTES - 1) % 2)
+    assert rank0.read_text(1, board.REASON_TEXT) == "why"
+    rank1.write_text("x" * (2 * board.TEXT_BYTES))
+    assert rank0.read_text(1) == "x" * (board.TEXT_BYTES - 1)
+    assert rank0.read_text(1, board.REASON_TEXT) == "why"
