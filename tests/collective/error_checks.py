@@ -11,10 +11,13 @@ from commlib import errors
 
 
 def expect(exc_type, fragments, fn):
-    """Call ``fn``; assert it raises ``exc_type`` whose text holds every fragment."""
+    """Call ``fn``; assert it raises exactly ``exc_type`` (not a subclass)
+    whose text holds every fragment."""
     try:
         fn()
     except exc_type as exc:
+        assert type(exc) is exc_type, "%s raised, not %s: %s" % (
+            type(exc).__name__, exc_type.__name__, exc)
         text = str(exc)
         for frag in fragments:
             assert frag in text, "%r not in %r" % (frag, text)

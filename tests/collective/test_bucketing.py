@@ -1,5 +1,6 @@
 """The bucket plan: which arrays are fused, which reduced in place."""
 import numpy as np
+import pytest
 
 from commlib.collective import bucketing
 
@@ -123,3 +124,69 @@ def test_views_with_gaps_or_out_of_order_are_copied():
         prepared = bucketing.PreparedList(arrays, bucketing.plan_for(arrays, 1 << 20), "numpy", True)
         buf = prepared.pack(arrays, 0)
         assert not np.shares_memory(buf, flat)
+
+
+# -- at, before and after the bucket cap ----------------------------------------------------
+
+CAP = 4096          # bytes: 1024 float32
+
+
+@pytest.mark.parametrize("size, direct", [(1023, False), (1024, True), (1025, True)])
+def test_an_array_below_the_cap_is_fused_at_or_above_it_reduced_in_place(size, direct):
+    arrays = arrays_of(("float32", size), ("float32", 1), ("float32", 1))
+    plan = bucketing.plan_for(arrays, bucket_bytes=CAP)
+    if direct:
+        assert plan.direct == (0,) and [(b.indices, b.size) for b in plan.buckets] == [((1, 2), 2)]
+    else:      # 1023 + 1 fill the bucket; the third opens one alone, reduced in place
+        assert plan.direct == (2,) and [(b.indices, b.size) for b in plan.buckets] == [
+            ((0, 1), 1024)]
+
+
+@pytest.mark.parametrize("last, buckets, direct", [
+    (399, [(0, 1, 2)], ()),              # 1023 floats: one bucket
+    (400, [(0, 1, 2)], ()),              # 1024 floats: exactly full, still one
+    (401, [(0, 1)], (2,)),               # 1025: the last opens a bucket alone, reduced in place
+])
+def test_a_bucket_fills_up_to_the_cap_exactly(last, buckets, direct):
+    arrays = arrays_of(("float32", 300), ("float32", 324), ("float32", last))
+    plan = bucketing.plan_for(arrays, bucket_bytes=CAP)
+    assert [b.indices for b in plan.buckets] == buckets and plan.direct == direct
+    assert all(b.size * 4 <= CAP for b in plan.buckets)
+
+
+def test_results_at_the_bucket_boundaries_equal_numpy():
+    """Thread ranks: lists that fill a bucket to one element below, at and
+    one above the cap, and arrays one below, at and one above it, reduced
+    (sum and avg) against numpy on every rank's inputs."""
+    from inprocess import run_ranks
+
+    layouts = [[300, 324, 399], [300, 324, 400], [300, 324, 401], [1023, 2], [1024, 2],
+               [1025, 2], [1, 1023], [1, 1024, 1]]
+
+    def inputs(rank, layout, seed):
+        rng = np.random.default_rng([seed, rank])
+        return [rng.integers(-20, 21, n).astype(np.float32) for n in layout]
+
+    def body(comm):
+        out = []
+        for seed, layout in enumerate(layouts):
+            for op in ("sum", "avg"):
+                arrays = inputs(comm.rank, layout, seed)
+                comm.all_reduce(arrays, op=op)
+                out.append(arrays)
+        return out
+
+    n = 3
+    results = run_ranks(n, body, bucket_bytes=CAP)
+    k = 0
+    for seed, layout in enumerate(layouts):
+        everyone = [inputs(r, layout, seed) for r in range(n)]
+        for op in ("sum", "avg"):
+            for i in range(len(layout)):
+                want = (everyone[0][i] + everyone[1][i]) + everyone[2][i]
+                if op == "avg":
+                    want = want * np.float32(1.0 / n)
+                for r in range(n):
+                    got = results[r][k][i]
+                    assert got.tobytes() == want.tobytes(), (layout, op, i, r)
+            k += 1

@@ -109,16 +109,16 @@ def test_broadcast_reduce_gather_scatter(n):
 def test_a_mismatch_raises_on_every_rank_and_the_next_call_works(n):
     def body(comm):
         x = np.ones(6 if comm.rank == n - 1 else 5, np.float32)
-        try:
+        with pytest.raises(ConsistencyError, match="^rank %d: ranks disagree on all_reduce #1:"
+                                                   % comm.rank) as info:
             comm.all_reduce(x)
-        except ConsistencyError as exc:
-            text = str(exc)
+        assert info.value.culprits == (n - 1,)      # the odd one out (of two: the second)
+        text = str(info.value)
         x = np.full(4, comm.rank + 1.0)
         comm.all_reduce(x)
         return text, x
 
     for text, x in run_ranks(n, body):
-        assert "ranks disagree on all_reduce #1" in text
         assert "float32(5,)" in text and "float32(6,)" in text and "[%d]" % (n - 1) in text
         assert np.all(x == n * (n + 1) / 2)
 
@@ -126,13 +126,13 @@ def test_a_mismatch_raises_on_every_rank_and_the_next_call_works(n):
 def test_rejected_arguments_reach_every_rank():
     def body(comm):
         x = np.ones(4, np.complex64 if comm.rank == 1 else np.float32)
-        try:
+        with pytest.raises((ArrayTypeError, ConsistencyError)) as info:
             comm.all_reduce(x)
-        except (ArrayTypeError, ConsistencyError) as exc:
-            return type(exc).__name__, str(exc), exc.culprits
+        return type(info.value).__name__, str(info.value), info.value.culprits
 
     got = run_ranks(3, body)
-    assert got[1][0] == "ArrayTypeError" and "complex64" in got[1][1]
+    assert got[1][0] == "ArrayTypeError" and "complex64" in got[1][1] and got[1][2] == ()
+    assert got[1][1].startswith("rank 1: "), got[1]
     for r in (0, 2):
         assert got[r][0] == "ConsistencyError" and got[r][2] == (1,)
         assert "rank 1 rejected its arguments" in got[r][1]
@@ -175,13 +175,13 @@ def test_topk_error_feedback_over_steps(n):
 def test_uneven_steps_are_an_error_on_both_sides():
     def body(comm):
         comm.all_reduce(np.ones(3))
-        try:
+        with pytest.raises(PeerError) as info:
             if comm.rank == 1:
                 comm.close()
             else:
                 comm.all_reduce(np.ones(3))
-        except PeerError as exc:
-            return str(exc), exc.culprits
+        assert type(info.value) is PeerError
+        return str(info.value), info.value.culprits
 
     (text0, blamed0), (text1, blamed1) = run_ranks(2, body)
     # two ranks: neither count is the majority's, so both are named

@@ -55,9 +55,13 @@ def test_without_states_the_same_layout_shares_residuals():
 def test_a_state_name_that_differs_between_ranks_is_a_mismatch():
     def body(comm):
         x = [np.ones(5, np.float32)]
-        with pytest.raises(commlib.ConsistencyError):
+        with pytest.raises(commlib.ConsistencyError,
+                           match=r"^rank %d: ranks disagree on all_reduce #1:\n  ranks \[0\]: "
+                                 r".*state=rank 0's\) 1 numpy arrays: float32\(5,\)\n  ranks "
+                                 r"\[1\]: .*state=rank 1's\) " % comm.rank) as info:
             comm.all_reduce(x, compression=TopK(0.5),
                             state=commlib.ReduceState("rank %d's" % comm.rank))
+        assert info.value.culprits == (1,)
         comm.all_reduce(x)               # usable afterwards
         return float(x[0][0])
     assert run_ranks(2, body) == [2.0, 2.0]

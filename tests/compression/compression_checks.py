@@ -211,17 +211,33 @@ def check_errors(comm, xp):
 
 
 def check_sparse_errors(comm, xp):
-    for bad in (lambda: TopK(0), lambda: TopK(1.5), lambda: TopK(True), lambda: Threshold(-1),
-                lambda: Threshold(float("inf")), lambda: Partial(0), lambda: Partial("a"),
-                lambda: TopK(nonfinite="ignore"), lambda: Threshold(1, nonfinite=None),
-                lambda: FP16(nonfinite="Raise"), lambda: BF16(nonfinite=1),
-                lambda: HalfPrecision("float16", "zero")):
+    ratio = "TopK: ratio must be a number in (0, 1], got %s"
+    for bad, text in ((lambda: TopK(0), ratio % 0), (lambda: TopK(1.5), ratio % 1.5),
+                      (lambda: TopK(True), ratio % True),
+                      (lambda: Threshold(-1), "Threshold: threshold must be a finite number "
+                                              ">= 0, got -1"),
+                      (lambda: Threshold(float("inf")), "Threshold: threshold must be a finite "
+                                                        "number >= 0, got inf"),
+                      (lambda: Partial(0), "Partial: fraction must be a number in (0, 1], got 0"),
+                      (lambda: Partial("a"), "Partial: fraction must be a number in (0, 1], "
+                                             "got 'a'"),
+                      (lambda: TopK(nonfinite="ignore"), "TopK: nonfinite must be 'raise' or "
+                                                         "'warn', got 'ignore'"),
+                      (lambda: Threshold(1, nonfinite=None), "Threshold: nonfinite must be "
+                                                             "'raise' or 'warn', got None"),
+                      (lambda: FP16(nonfinite="Raise"), "FP16: nonfinite must be 'raise' or "
+                                                        "'warn', got 'Raise'"),
+                      (lambda: BF16(nonfinite=1), "BF16: nonfinite must be 'raise' or 'warn', "
+                                                  "got 1"),
+                      (lambda: HalfPrecision("float16", "zero"), "HalfPrecision: nonfinite "
+                                                                 "must be 'raise' or 'warn', "
+                                                                 "got 'zero'")):
         try:
             bad()
-        except errors.ArgumentError:
-            pass
+        except errors.ArgumentError as exc:
+            assert type(exc) is errors.ArgumentError and str(exc) == text, (str(exc), text)
         else:
-            raise AssertionError("bad compression settings accepted")
+            raise AssertionError("bad compression settings accepted: " + text)
     x = xp.ones(8, dtype=np.float32)
     for strategy in (TopK(0.5), Threshold(0.5)):
         try:

@@ -117,6 +117,7 @@ def expect_raise(exc_type, call, *fragments):
     try:
         call()
     except exc_type as exc:
+        assert type(exc) is exc_type, (type(exc).__name__, exc_type.__name__, str(exc))
         for f in fragments:
             assert f in str(exc), (f, str(exc))
         return exc

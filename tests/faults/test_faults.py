@@ -1,12 +1,13 @@
-"""The fault suite: every failure mode at 2 and 3 real ranks, with commlib's
+"""The fault suite: every failure mode on real ranks, with commlib's
 default settings (only the watch dog's deadline is shortened, to
-:data:`DEADLINE` seconds).
+:data:`fault_jobs.DEADLINE` seconds), the misbehaving rank tried as the
+first, a middle and the last of three (stalls: tests/faults/test_stalls.py).
 
 For each fault: no hang (every job runs under a hard bound), every
-surviving rank raises a CommlibError naming the culprit within the deadline
-plus 5 s, and no array is written after an error (a failed call leaves its
-arrays untouched, and they stay so after the late peer has come and gone).
-The rank programs are in tests/faults/fault_programs.py; rank 1 misbehaves.
+surviving rank raises a CommlibError naming the culprit, and no array is
+written after an error (a failed call leaves its arrays untouched). The
+rank programs are in tests/faults/fault_programs.py; scenarios after which
+the communicator stays usable try every rank in one job.
 """
 import json
 import os
@@ -15,171 +16,138 @@ import sys
 import numpy as np
 import pytest
 
-from mpirun import ROOT, mpiexec, run_bounded, run_mpi
+from fault_jobs import DEADLINE, assert_raised, find, others, run
+from mpirun import ROOT, mpiexec, run_bounded
 
-DEADLINE = 2.0
-LATE = 1
-SIZES = [2, 3]
-CODE = "import sys, fault_programs\nfault_programs.main(*sys.argv[1:])\n"
-
-
-def run(n, scenario, *args, expect_fail=False, env=None):
-    """Run ``scenario`` on ``n`` ranks; returns (records by rank, process)."""
-    proc = run_mpi(n, CODE, timeout=DEADLINE * 4 + 40, args=(scenario, *args),
-                   expect_fail=expect_fail,
-                   env=dict({"COMMLIB_WATCHDOG_TIMEOUT": str(DEADLINE)}, **(env or {})))
-    records = {}
-    for line in proc.stdout.splitlines():
-        if line.startswith("FAULT "):
-            record = json.loads(line[len("FAULT "):])
-            records.setdefault(record["rank"], []).append(record)
-    return records, proc
+N = 3
+RANKS = list(range(N))
+LATE = 1          # the misbehaving rank of scenarios that try one rank only
 
 
-def find(records, rank, what):
-    found = [r for r in records.get(rank, []) if r["what"] == what]
-    assert found, "rank %d reported no %r: %s" % (rank, what, records.get(rank))
-    return found[0]
+# -- a rank that dies or leaves ------------------------------------------------------------
 
-
-def uneven_blame(n):
-    """Whom uneven steps blame when rank LATE alone stopped early: LATE, the
-    rank whose count differs from the majority's; both ranks of two."""
-    return [LATE] if n > 2 else [0, 1]
-
-
-def others(n):
-    return [r for r in range(n) if r != LATE]
-
-
-def assert_raised(record, error, culprits=None, within=DEADLINE + 5, text=()):
-    assert record["error"] == error, record
-    if culprits is not None:
-        assert record["culprits"] == list(culprits), record
-    assert record["seconds"] <= within, record
-    assert record["untouched"], record
-    for fragment in text:
-        assert fragment in record["message"], (fragment, record)
-
-
-# -- a rank that hangs, dies or leaves ------------------------------------------------------
-
-@pytest.mark.parametrize("n", SIZES)
-@pytest.mark.parametrize("scenario", ["stall", "stall_large"])
-def test_stalled_rank_is_named_and_no_array_is_written_later(n, scenario):
-    """The others raise at the deadline naming the late rank; the late rank,
-    when it comes, raises naming one that gave up; nobody's arrays change."""
-    records, proc = run(n, scenario, env={"COMMLIB_STALL_WARNING": "1"})
-    for r in others(n):      # a warning at 1 s, the error at the deadline
-        assert "commlib: rank %d has waited 1 s in all_reduce #2; rank %d last entered " \
-               "all_reduce #1" % (r, LATE) in proc.stderr, proc.stderr
-        got = find(records, r, "all_reduce")
-        assert_raised(got, "CollectiveTimeoutError", [LATE], text=["rank %d " % LATE])
-        assert got["seconds"] >= DEADLINE - 0.1, got
-        assert not find(records, r, "after")["written_after"]
-        assert find(records, r, "next")["error"] == "ClosedError"
-    # the late rank learns that its peers gave up waiting for it
-    assert_raised(find(records, LATE, "all_reduce"), "PeerError", [LATE], within=2.0,
-                  text=["gave up", "waiting for rank %d" % LATE])
-    assert not find(records, LATE, "after")["written_after"]
-
-
-@pytest.mark.parametrize("n", SIZES)
-def test_abandoned_mpi_collective_never_writes_into_the_arrays(n):
-    """Consistency check off: the late rank joins the collective its peers
-    gave up on inside MPI; it completes, but the peers' arrays, staged out
-    of MPI's reach, stay as they were when their error was raised."""
-    records, _ = run(n, "stall_unchecked")
-    for r in others(n):
-        got = find(records, r, "all_reduce")
-        # the first to time out names the late rank; a peer that sees it give
-        # up first passes the blame on
-        assert got["error"] in ("CollectiveTimeoutError", "PeerError"), got
-        assert_raised(got, got["error"], [LATE], text=["rank %d" % LATE])
-        assert not find(records, r, "after")["written_after"]
-    late = find(records, LATE, "all_reduce")
-    if late["error"] is None:       # completed with the staged data its peers left
-        assert find(records, LATE, "next")["error"] == "PeerError"
-    else:                           # or noticed that they gave up
-        assert_raised(late, "PeerError", within=3, text=["gave up"])
-    assert not find(records, LATE, "after")["written_after"]
-
-
-@pytest.mark.parametrize("n", SIZES)
+@pytest.mark.parametrize("late", RANKS)
 @pytest.mark.parametrize("scenario, text", [("die_by_exception", "breaks down"),
                                             ("exception_in_with", "breaks inside with")])
-def test_uncaught_exception_ends_the_job_and_peers_name_the_rank(n, scenario, text):
-    records, proc = run(n, scenario, expect_fail=True)
-    assert "RuntimeError: rank %d %s" % (LATE, text) in proc.stderr   # the traceback shows
-    for r in others(n):
-        assert_raised(find(records, r, "all_reduce"), "PeerError", [LATE], within=3,
-                      text=["rank %d left after an exception" % LATE, text])
+def test_uncaught_exception_ends_the_job_and_peers_name_the_rank(scenario, text, late):
+    records, proc = run(N, scenario, late, expect_fail=True)
+    assert "RuntimeError: rank %d %s" % (late, text) in proc.stderr   # the traceback shows
+    for r in others(N, late):
+        assert_raised(find(records, r, "all_reduce"), "PeerError", [late], 3,
+                      ["rank %d: rank %d left after an exception after collective #%d"
+                       % (r, late, 0 if scenario == "die_by_exception" else 1),
+                       "RuntimeError: rank %d %s" % (late, text)])
+    assert late not in records, records          # it died before any record
 
 
-@pytest.mark.parametrize("n", SIZES)
-def test_sys_exit_on_one_rank(n):
-    records, proc = run(n, "sys_exit")
-    for r in others(n):
+@pytest.mark.parametrize("late", RANKS)
+def test_sys_exit_on_one_rank(late):
+    """An exit at another step is uneven steps: the rank with fewer is blamed."""
+    records, proc = run(N, "sys_exit", late)
+    for r in others(N, late):
         got = find(records, r, "all_reduce")
-        # an exit at another step is uneven steps: the minority is blamed
-        assert_raised(got, "PeerError", uneven_blame(n), within=3,
-                      text=["after collective #1"])
+        assert_raised(got, "PeerError", [late], 3,
+                      ["after collective #1", "uneven number of steps: rank %d entered 1 "
+                       "collective, ranks %s entered 2 collectives; blaming rank %d"
+                       % (late, ", ".join(map(str, others(N, late))), late)])
         # at exit, or dropped as its frame unwound: both say the rank is gone
-        assert ("rank %d exited" % LATE in got["message"]
-                or "rank %d dropped the communicator" % LATE in got["message"]), got
-    assert "commlib: at exit: rank %d:" % LATE in proc.stderr
+        assert ("rank %d exited" % late in got["message"]
+                or "rank %d dropped the communicator" % late in got["message"]), got
+    assert "commlib: at exit: rank %d:" % late in proc.stderr
 
 
-@pytest.mark.parametrize("n", SIZES)
-def test_close_on_one_rank_while_others_reduce(n):
-    """Uneven steps: an error on every rank naming the rank that stopped
-    early and the collective the others were in."""
-    records, _ = run(n, "close_early")
-    blamed = uneven_blame(n)
-    for r in others(n):
-        assert_raised(find(records, r, "all_reduce"), "PeerError", blamed, within=3,
-                      text=["rank %d closed the communicator after collective #2" % LATE,
-                            "all_reduce #3", "uneven number of steps"])
-    assert_raised(find(records, LATE, "close"), "PeerError", blamed, within=3,
-                  text=["this rank left after collective #2", "all_reduce #3", "uneven"])
+@pytest.mark.parametrize("late", RANKS)
+def test_rank_that_vanishes_is_named_by_its_peers(late):
+    """os._exit on one rank: no word on the status board; the others find
+    its process gone and raise PeerError naming it at once. (A SIGKILL
+    makes hydra end the whole job at once, so the peers may not get to
+    report: test_launcher_names_a_rank_that_vanished covers it.)"""
+    records, _ = run(N, "vanish", late, survivors=True)
+    for r in others(N, late):
+        got = find(records, r, "all_reduce")
+        assert_raised(got, "PeerError", [late], 3,
+                      ["rank %d: rank %d (pid " % (r, late),
+                       ") died while this rank waits in all_reduce #2"])
+        find(records, r, "done")
+    assert late not in records, records
 
 
-@pytest.mark.parametrize("n", SIZES)
-def test_uneven_steps_without_close(n):
-    records, proc = run(n, "uneven_steps")
-    for r in others(n):
-        assert find(records, r, "step 1")["error"] is None
-        got = find(records, r, "step 2")
-        assert_raised(got, "PeerError", uneven_blame(n), within=3,
-                      text=["after collective #2", "all_reduce #3", "uneven number of steps"])
-    assert "this rank left after collective #2" in proc.stderr
+@pytest.mark.parametrize("how", ["close", "drop"])
+def test_one_rank_leaving_early_each_rank_in_turn(how):
+    """Uneven steps: a rank closes (or drops) its communicator after two
+    steps while the others take a third; an error on every rank naming the
+    rank that stopped early (the one whose count differs) and the
+    collective the others were in."""
+    records, _ = run(N, how + "_early")
+    said = {"close": "closed the communicator",
+            "drop": "dropped the communicator without close() (its script ended, or the "
+                    "last reference went away)"}[how]
+    for late in RANKS:
+        steps = ("uneven number of steps: rank %d entered 2 collectives, ranks %s entered 3 "
+                 "collectives; "
+                 % (late, ", ".join(map(str, others(N, late)))))
+        for r in others(N, late):
+            assert_raised(find(records, r, "step 2", late=late), "PeerError", [late], 3,
+                          ["rank %d: rank %d %s after collective #2" % (r, late, said),
+                           "while this rank is in all_reduce #3", steps + "blaming rank %d"
+                           % late])
+        if how == "close":
+            assert_raised(find(records, late, "close", late=late), "PeerError", [late], 3,
+                          ["rank %d: this rank left after collective #2 but rank " % late,
+                           "all_reduce #3", steps + "blaming this rank"])
 
 
-@pytest.mark.parametrize("n", SIZES)
-def test_ctrl_c_ends_a_waiting_rank_and_its_peers_learn_it(n):
-    records, _ = run(n, "interrupt")
+def test_uneven_steps_without_close():
+    """A script that ends after fewer steps: its communicator is closed at
+    exit, and the ranks still stepping learn it."""
+    records, proc = run(2, "uneven_steps")
+    got = find(records, 0, "step 2")
+    assert_raised(got, "PeerError", [0, 1], 3,
+                  ["rank 0: rank 1 exited after collective #2 while this rank is in "
+                   "all_reduce #3", "uneven number of steps"])
+    assert find(records, 0, "step 1")["error"] is None
+    assert "rank 1: this rank left after collective #2" in proc.stderr
+
+
+def test_ctrl_c_ends_a_waiting_rank_and_its_peers_learn_it():
+    records, _ = run(N, "interrupt")
     got = find(records, 0, "all_reduce")
     assert got["error"] == "KeyboardInterrupt" and got["seconds"] < 1.5 and got["untouched"]
-    for r in range(1, n):
-        assert_raised(find(records, r, "all_reduce"), "PeerError", [0], within=3,
-                      text=["rank 0 gave up", "KeyboardInterrupt"])
+    for r in range(1, N):
+        assert_raised(find(records, r, "all_reduce"), "PeerError", [0], 3,
+                      ["rank %d: rank 0 gave up in collective #1" % r, "KeyboardInterrupt"])
 
 
 # -- calls that disagree -------------------------------------------------------------------
 
-MISMATCHES = ["op", "shape", "dtype", "count", "order", "division", "compression",
-              "compression settings", "root", "collective", "barrier timeout"]
+#: what each rank's line of the error says of the misbehaving rank's call
+MISMATCHES = {
+    "op": lambda late: "all_reduce(op=max, average=False) 3 arrays",
+    "shape": lambda late: "3 arrays: float32(1000,) float32(1000,) float32(10, 100)",
+    "dtype": lambda late: "3 arrays: float64(1000,) float64(1000,) float64(1000,)",
+    "count": lambda late: "2 arrays: float32(1000,) float32(1000,)",
+    "order": lambda late: "3 arrays: float32(1000,) float32(1000,) float32(2000,)",
+    "division": lambda late: "all_reduce(op=sum, average=True)",
+    "compression": lambda late: "all_reduce(op=sum, average=False, compression=fp16)",
+    "compression settings": lambda late: "compression=topk(ratio=0.1,",
+    "root": lambda late: "broadcast(root=%d)" % ((late + 1) % N),
+    "collective": lambda late: "barrier() 0 arrays",
+    "barrier timeout": lambda late: "barrier(timeout=30) 0 arrays"}
 
 
-@pytest.mark.parametrize("n", SIZES)
-def test_every_mismatch_raises_on_every_rank_before_data_moves(n):
-    records, _ = run(n, "mismatches")
-    for r in range(n):
-        for what in MISMATCHES:
-            assert_raised(find(records, r, what), "ConsistencyError", within=2,
-                          text=["ranks disagree on"])
-        assert find(records, r, "afterwards")["error"] is None
-        assert find(records, r, "result")["value"] == n * (n + 1) / 2
+def test_every_mismatch_raises_on_every_rank_before_data_moves():
+    records, _ = run(N, "mismatches")
+    for late in RANKS:
+        for r in RANKS:
+            for what, shown in MISMATCHES.items():
+                got = find(records, r, what, late=late)
+                assert_raised(got, "ConsistencyError", [late], 2,
+                              ["rank %d: ranks disagree on" % r,
+                               "\n  ranks %s: " % others(N, late), "\n  ranks [%d]: " % late])
+                line = got["message"].split("\n  ranks [%d]: " % late)[1].split("\n")[0]
+                assert shown(late) in line, (what, got)
+            assert find(records, r, "afterwards", late=late)["error"] is None
+            assert find(records, r, "result", late=late)["value"] == N * (N + 1) / 2
 
 
 BAD_INPUT = {"None": "ArrayTypeError", "scalar": "ArrayTypeError",
@@ -191,91 +159,133 @@ BAD_INPUT = {"None": "ArrayTypeError", "scalar": "ArrayTypeError",
              "compression": "ArgumentError"}
 
 
-@pytest.mark.parametrize("n", SIZES)
-def test_bad_input_on_one_rank_reaches_every_rank(n):
-    records, _ = run(n, "bad_input")
-    for what, error in BAD_INPUT.items():
-        assert_raised(find(records, LATE, what), error, within=2, text=["rank %d" % LATE])
-        for r in others(n):
-            assert_raised(find(records, r, what), "ConsistencyError", [LATE], within=2,
-                          text=["rank %d rejected its arguments" % LATE])
-    for r in range(n):
-        assert find(records, r, "afterwards")["error"] is None
-        assert find(records, r, "result")["value"] == n * (n + 1) / 2
+def test_bad_input_on_one_rank_reaches_every_rank():
+    records, _ = run(N, "bad_input")
+    for late in RANKS:
+        for what, error in BAD_INPUT.items():
+            mine = find(records, late, what, late=late)
+            assert_raised(mine, error, [], 2, ["rank %d" % late])
+            for r in others(N, late):
+                assert_raised(find(records, r, what, late=late), "ConsistencyError", [late], 2,
+                              ["rank %d: " % r, "rank %d rejected its arguments: %s"
+                               % (late, mine["message"][:60])])
+        for r in RANKS:
+            assert find(records, r, "afterwards", late=late)["error"] is None
+            assert find(records, r, "result", late=late)["value"] == N * (N + 1) / 2
 
 
-@pytest.mark.parametrize("n", SIZES)
-def test_nonfinite_values_with_every_compression(n):
-    records, _ = run(n, "nonfinite")
-    cases = [r["what"] for r in records[0] if r["what"] not in ("afterwards", "done")]
+def test_nonfinite_values_with_every_compression():
+    records, _ = run(N, "nonfinite")
+    cases = sorted({r["what"] for r in records[0] if r["what"] not in ("afterwards", "done")})
     assert len(cases) == 8, cases
-    for r in range(n):
-        for what in cases:
-            assert_raised(find(records, r, what), "NonFiniteError", [LATE], within=2)
-        assert find(records, r, "afterwards")["error"] is None
+    for late in RANKS:
+        for r in RANKS:
+            for what in cases:
+                assert_raised(find(records, r, what, late=late), "NonFiniteError", [late], 2,
+                              ["rank %d (1 value)" % late])
+            assert find(records, r, "afterwards", late=late)["error"] is None
 
 
-@pytest.mark.parametrize("n", SIZES)
-def test_tampered_sparse_payload(n):
-    records, _ = run(n, "tampered")
-    for r in range(n):
-        assert_raised(find(records, r, "out of range"), "PayloadError", [LATE], within=2,
-                      text=["rank %d sent index 10000000" % LATE])
-        assert find(records, r, "afterwards")["error"] is None
+def test_tampered_sparse_payload():
+    records, _ = run(N, "tampered")
+    for late in RANKS:
+        for r in RANKS:
+            assert_raised(find(records, r, "out of range", late=late), "PayloadError", [late], 2,
+                          ["rank %d sent index 10000000" % late])
+            assert find(records, r, "afterwards", late=late)["error"] is None
 
 
-@pytest.mark.parametrize("n", SIZES)
-def test_new_partial_object_per_call_on_one_rank_keeps_windows_in_step(n):
-    from commlib.compression import Partial
-    records, _ = run(n, "partial_objects")
-    for r in range(n):
-        values = find(records, r, "partial")["values"]
-        for call, got in enumerate(values):
-            start, stop = Partial(0.25).window(len(got), call)
-            want = np.arange(len(got)) + r + 1.0 + call
-            want[start:stop] = np.arange(start, stop) + call + (n + 1) / 2
-            assert np.array_equal(np.float32(got), np.float32(want)), (r, call)
+def partial_windows(size, calls):
+    """The window of each call of Partial(0.25) over ``size`` values, from
+    the documented rule, apart from the code: windows of ceil(size / 4)
+    values in turn."""
+    width = -(-size // 4)
+    starts = list(range(0, size, width))
+    return [(starts[c % len(starts)], min(size, starts[c % len(starts)] + width))
+            for c in range(calls)]
+
+
+def test_partial_windows_rule_of_the_test():
+    assert partial_windows(1000, 6) == [(0, 250), (250, 500), (500, 750), (750, 1000),
+                                        (0, 250), (250, 500)]
+    assert partial_windows(10, 4) == [(0, 3), (3, 6), (6, 9), (9, 10)]
+
+
+def test_new_partial_object_per_call_on_one_rank_keeps_windows_in_step():
+    records, _ = run(N, "partial_objects")
+    for late in RANKS:
+        for r in RANKS:
+            values = find(records, r, "partial", late=late)["values"]
+            assert len(values) == 6
+            for call, ((start, stop), got) in enumerate(
+                    zip(partial_windows(len(values[0]), 6), values)):
+                want = np.arange(len(got)) + r + 1.0 + call
+                want[start:stop] = np.arange(start, stop) + call + (N + 1) / 2
+                assert np.array_equal(np.float32(got), np.float32(want)), (late, r, call)
 
 
 # -- settings --------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("variable, setting", [("COMMLIB_WATCHDOG_ENABLE", "timeout"),
-                                               ("COMMLIB_CHECK", "check")])
-def test_watch_dog_or_check_on_one_rank_only(variable, setting):
-    records, _ = run(2, "settings_differ", variable)
+@pytest.mark.parametrize("variable, setting, value", [
+    ("COMMLIB_WATCHDOG_ENABLE", "timeout", "None"), ("COMMLIB_CHECK", "check", "False")])
+def test_watch_dog_or_check_on_one_rank_only(variable, setting, value):
+    """Each rank in turn turns one off: no rank makes the communicator."""
+    records, _ = run(N, "settings_differ", variable)
+    usual = {"timeout": repr(DEADLINE), "check": "True"}[setting]
+    for late in RANKS:
+        groups = sorted([([late], value), (others(N, late), usual)])
+        for r in RANKS:
+            assert_raised(find(records, r, variable, late=late), "ConsistencyError", [], 5,
+                          ["rank %d: ranks made their communicators with different settings"
+                           % r, "\n  %s: %s" % (setting, ", ".join(
+                               "ranks %s: %s" % group for group in groups))])
+
+
+#: what each bad COMMLIB_WATCHDOG_TIMEOUT is told
+BAD_TIMEOUTS = {
+    "0": "COMMLIB_WATCHDOG_TIMEOUT must be a positive, finite number of seconds, got 0.0",
+    "-1": "COMMLIB_WATCHDOG_TIMEOUT must be a positive, finite number of seconds, got -1.0",
+    "nan": "COMMLIB_WATCHDOG_TIMEOUT must be a positive, finite number of seconds, got nan",
+    "inf": "COMMLIB_WATCHDOG_TIMEOUT must be a positive, finite number of seconds, got inf",
+    "ten": "COMMLIB_WATCHDOG_TIMEOUT='ten' is not a number of seconds"}
+
+
+def test_bad_watchdog_timeout_in_the_environment():
+    records, _ = run(2, "bad_environment", *BAD_TIMEOUTS)
+    for value, text in BAD_TIMEOUTS.items():
+        for r in range(2):
+            assert_raised(find(records, r, value), "ArgumentError", [], 5, [text])
+
+
+@pytest.mark.xfail(strict=True, raises=AssertionError, reason=(
+    "defect: commlib.settings' errors for a bad COMMLIB_WATCHDOG_TIMEOUT do not name the "
+    "rank that read it (every other argument error does)"))
+def test_bad_watchdog_timeout_names_the_rank():
+    records, _ = run(2, "bad_environment", "ten")
     for r in range(2):
-        assert_raised(find(records, r, variable), "ConsistencyError", within=5,
-                      text=["different settings", setting])
+        assert_raised(find(records, r, "ten"), "ArgumentError", [], 5, ["rank %d" % r])
 
 
-@pytest.mark.parametrize("value", ["0", "-1", "nan", "inf", "ten"])
-def test_bad_watchdog_timeout_in_the_environment(value):
-    records, _ = run(2, "bad_environment", value)
-    for r in range(2):
-        assert_raised(find(records, r, value), "ArgumentError", within=5,
-                      text=["COMMLIB_WATCHDOG_TIMEOUT"])
+def test_error_inside_init_on_one_rank():
+    records, _ = run(N, "init_error")
+    for late in RANKS:
+        assert_raised(find(records, late, "init", late=late), "ArgumentError", [], 5,
+                      ["rank %d" % late, "backend"])
+        for r in others(N, late):
+            assert_raised(find(records, r, "init", late=late), "ConsistencyError", [late], 5,
+                          ["rank %d: " % r, "rank %d failed" % late, "backend"])
 
 
-@pytest.mark.parametrize("n", SIZES)
-def test_error_inside_init_on_one_rank(n):
-    records, _ = run(n, "init_error")
-    assert_raised(find(records, LATE, "init"), "ArgumentError", within=5, text=["backend"])
-    for r in others(n):
-        assert_raised(find(records, r, "init"), "ConsistencyError", [LATE], within=5,
-                      text=["rank %d failed" % LATE, "backend"])
-
-
-@pytest.mark.parametrize("n", SIZES)
-def test_mpi_error_becomes_a_transport_error(n):
-    records, _ = run(n, "mpi_error", env={"COMMLIB_SHM": "0"})
-    for r in range(1, n):      # the ranks that received too little
-        assert_raised(find(records, r, "broadcast"), "TransportError", within=3,
-                      text=["rank %d: MPI reported an error in broadcast" % r,
-                            "different sizes or dtypes"])
+def test_mpi_error_becomes_a_transport_error():
+    records, _ = run(N, "mpi_error", env={"COMMLIB_SHM": "0"})
+    for r in range(1, N):      # the ranks that received too little
+        assert_raised(find(records, r, "broadcast"), "TransportError", [], 3,
+                      ["rank %d: MPI reported an error in broadcast" % r,
+                       "different sizes or dtypes"])
 
 
 def test_dropped_communicators_do_not_exhaust_mpi():
-    records, _ = run(2, "dropped")
+    records, _ = run(2, "dropped", timeout=120)
     assert [find(records, r, "dropped")["left"] for r in range(2)] == [0, 0]
 
 
@@ -293,14 +303,17 @@ def _env():
                 PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
 
 
-@pytest.mark.parametrize("how", ["os._exit(0)", "os.kill(os.getpid(), signal.SIGKILL)"])
-def test_launcher_names_a_rank_that_vanished(tmp_path, how):
-    script = _script(tmp_path, "if comm.rank == 1:\n    %s\ncomm.all_reduce(x)\n" % how)
-    proc = run_bounded([sys.executable, "-m", "commlib.launch", "-n", "3", "--backend", "mpi",
-                        script], 60, env=_env())
+@pytest.mark.parametrize("how, late", [("os._exit(0)", 1)] + [
+    ("os.kill(os.getpid(), signal.SIGKILL)", late) for late in RANKS])
+def test_launcher_names_a_rank_that_vanished(tmp_path, how, late):
+    script = _script(tmp_path, "if comm.rank == %d:\n    %s\ncomm.all_reduce(x)\n"
+                     % (late, how))
+    proc = run_bounded([sys.executable, "-m", "commlib.launch", "-n", str(N), "--backend",
+                        "mpi", script], 60, env=_env())
     last = [l for l in proc.stderr.splitlines() if l.startswith("commlib.launch:")][-1]
-    assert proc.returncode != 0 and "rank 1 " in last, proc.stderr
-    assert "rank 0 " not in last and "rank 2 " not in last, proc.stderr
+    assert proc.returncode != 0 and last.startswith("commlib.launch: rank %d " % late), \
+        proc.stderr
+    assert all("rank %d " % r not in last for r in others(N, late)), proc.stderr
 
 
 @pytest.mark.parametrize("runner", ["launcher", "mpi4py"])

@@ -264,6 +264,31 @@ def killed(comm):
     _failing(comm, lambda: (time.sleep(0.3), os.kill(os.getpid(), signal.SIGKILL)))
 
 
+def vanished(comm):
+    """Rank LATE ends with ``os._exit(0)`` once every rank completed a good
+    step, while the others wait for an async all-reduce of both sizes:
+    their wait() raises PeerError naming it; they report and leave at once
+    (MPI cannot finalize with a rank missing)."""
+    rank = comm.rank
+    x = [np.full(300001, rank + 1.0, np.float32), np.full(1001, rank + 1.0, np.float32)]
+    comm.all_reduce([a.copy() for a in x], async_op=True).wait()
+    WORLD.Barrier()
+    if rank == LATE:
+        os._exit(0)
+    before = [a.copy() for a in x]
+    start = time.monotonic()
+    work = comm.all_reduce(x, async_op=True)
+    try:
+        work.wait()
+        error = None
+    except CommlibError as exc:
+        error = exc
+    report(what="failed", rank=rank, error=type(error).__name__ if error else None,
+           culprits=list(getattr(error, "culprits", ())), seconds=time.monotonic() - start,
+           untouched=all(np.array_equal(a, b) for a, b in zip(x, before)), message=str(error))
+    os._exit(0)
+
+
 def interrupt(comm):
     """Ctrl-C on rank 0 while it waits for an async all-reduce that rank LATE
     has not issued: rank 0's wait() raises KeyboardInterrupt at once and its

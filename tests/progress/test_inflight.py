@@ -203,9 +203,10 @@ def test_interrupt_fails_the_collectives_in_flight():
     h = Harness(depth=3)
     outs, started = h.several(2)
     assert h.progress.interrupt(stop_s=5)
-    with pytest.raises(KeyboardInterrupt):
+    with pytest.raises(KeyboardInterrupt) as info:
         started[0][0].wait()
-    with pytest.raises(ClosedError):
+    assert type(info.value) is KeyboardInterrupt
+    with pytest.raises(ClosedError, match="^an earlier collective failed: KeyboardInterrupt: $"):
         started[1][0].wait()
     assert not any(out.any() for out in outs)
     h.progress.stop()

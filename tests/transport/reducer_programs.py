@@ -30,9 +30,12 @@ def make_reducer(comm, capacity_bytes=4 << 20, **options):
     return reducer
 
 
-def reduce(sync):
+def reduce(sync, *more):
     """Every dtype and op, odd and zero lengths, repeated calls of changing
-    size, pieces longer than the window; ``sync``: flags, barrier or auto."""
+    size, pieces longer than the window; ``sync``: flags, barrier or auto;
+    then each of ``more`` (``thresholds``: :func:`thresholds`; ``no-grid``:
+    without the grid of every dtype, length and op, whose arithmetic does
+    not depend on how the ranks synchronise)."""
     DTYPES = ["float16", "float32", "float64", "int32", "int64", "uint8"]
     try:
         import ml_dtypes
@@ -64,7 +67,7 @@ def reduce(sync):
         assert all(b == mine for b in comm.allgather(mine)), "ranks differ"
 
     seed = 0
-    for dtype in DTYPES:
+    for dtype in DTYPES if "no-grid" not in more else ():
         itemsize = np.dtype(dtype).itemsize
         for length in (0, 1, 2, 3, 5, 7, 64, 1001, CAPACITY // itemsize):
             for op in UFUNCS:
@@ -123,9 +126,80 @@ def reduce(sync):
     assert red.all_reduce([1.0, 2.0], "sum") is False
     assert red.all_reduce(np.ones(4, np.complex64), "sum") is False
     assert red.all_reduce(np.ones(4, np.int16), "sum") is False
+    # at, before and after each window boundary (one element is 4 bytes)
+    for length in (CAPACITY // 4 - 1, CAPACITY // 4, CAPACITY // 4 + 1, 2 * CAPACITY // 4,
+                   2 * CAPACITY // 4 + 1):
+        x = make("float32", length, 999 + rank)
+        everyone = comm.allgather(x)
+        assert red.all_reduce(x, "sum") is True
+        assert x.tobytes() == sum(everyone[1:], everyone[0].copy()).tobytes(), length
+    # the average's scale at float32's limits: the sum in rank order, then the scale
+    top = float(np.finfo(np.float32).max)
+    for value, ranks in ((top * 0.75, range(n)), (top / (2 * n), range(n)),
+                         (2.0 ** -149, range(n)), (2.0 ** -126 * 3, [0])):
+        x = np.full(1001, value if rank in ranks else 0.0, np.float32)
+        everyone = comm.allgather(x)
+        with np.errstate(over="ignore"):
+            ref = sum(everyone[1:], everyone[0].copy()) * np.float32(1.0 / n)
+            assert red.all_reduce(x, "sum", scale=1.0 / n) is True
+        assert x.tobytes() == ref.tobytes(), (value, x[:2], ref[:2])
     red.close()
     red.close()
+    for name in more:
+        {"thresholds": thresholds, "no-grid": lambda: None}[name]()
     print("rank %d ok" % rank, flush=True)
+
+
+def thresholds():
+    """Through a communicator: all-reduces one element below, at and above
+    the shared-memory threshold (MIN_BYTES: MPI's path below), and below,
+    at and above one and two windows (WINDOW_BYTES: rounds of the reducer),
+    and fused buckets of exactly a window and one element more (reduced
+    from the arrays where they lie, or packed and reduced window by
+    window); results against numpy on every rank's inputs, the path by the
+    calls the reducer and MPI's transport saw."""
+    import commlib
+    from commlib.transport import mpi as mpi_transport, shm
+
+    calls = []
+
+    def counting(cls, name, tag):
+        original = getattr(cls, name)
+
+        def call(self, *args, **kwargs):
+            calls.append((tag, args))
+            return original(self, *args, **kwargs)
+        setattr(cls, name, call)
+
+    counting(shm.SharedMemoryReducer, "all_reduce_parts", "window")
+    counting(mpi_transport.MpiTransport, "all_reduce", "mpi")
+    low, window = shm.MIN_BYTES // 4, shm.WINDOW_BYTES // 4
+    comm = commlib.Communicator.from_mpi(bucket_bytes=8 * shm.WINDOW_BYTES)
+    cases = [([low - 1], "mpi", 1), ([low], "window", 1), ([low + 1], "window", 1),
+             ([window - 1], "window", 1), ([window], "window", 1), ([window + 1], "window", 2),
+             ([2 * window + 1], "window", 3),
+             ([window // 2, window // 2], "parts", 1), ([window // 2, window // 2 + 1],
+                                                        "window", 2)]
+    def inputs(seed, layout, r):         # every rank's, made anew on each (no gather)
+        rng = np.random.default_rng([seed, r])
+        return [rng.integers(-20, 21, size).astype(np.float32) for size in layout]
+
+    for seed, (layout, path, rounds) in enumerate(cases):
+        arrays = inputs(seed, layout, rank)
+        everyone = [inputs(seed, layout, r) for r in range(n)]
+        del calls[:]
+        comm.all_reduce(arrays, op="avg")
+        for i, a in enumerate(arrays):
+            want = everyone[0][i].copy()
+            for e in everyone[1:]:
+                want = want + e[i]
+            assert a.tobytes() == (want * np.float32(1.0 / n)).tobytes(), (layout, i)
+        tags = [tag for tag, _ in calls]
+        if path == "parts":       # the bucket's arrays, straight from where they lie
+            assert tags == ["window"] and len(calls[0][1][0]) == len(layout), (layout, calls)
+        else:
+            assert tags == [path] * rounds, (layout, tags)
+    comm.close()
 
 
 def parts(mode, stores):
@@ -215,34 +289,36 @@ def gil():
     print("rank %d ok" % rank, flush=True)
 
 
-def errors():
-    """Bad settings, op and layouts are refused."""
-    from commlib.errors import ArgumentError, ArrayTypeError
-    for bad in (dict(capacity_bytes=0), dict(sync="spin")):
-        try:
-            make_reducer(comm, **bad)
-        except ArgumentError:
-            pass
-        else:
-            raise AssertionError(bad)
-    red = make_reducer(comm)
+def refused(error, text, call):
+    """``call()`` raises exactly ``error`` with the message ``text``."""
     try:
-        red.all_reduce(np.ones(4, np.float32), "avg")
-    except ArgumentError:
-        pass
+        call()
+    except Exception as exc:
+        assert type(exc) is error and str(exc) == text, (type(exc), str(exc), text)
     else:
-        raise AssertionError("bad op accepted")
+        raise AssertionError("accepted: expected %s(%r)" % (error.__name__, text))
+
+
+def errors():
+    """Bad settings, op and layouts are refused, before anything is written."""
+    from commlib.errors import ArgumentError, ArrayTypeError
+    refused(ArgumentError, "commlib: capacity_bytes must be positive, got 0",
+            lambda: make_reducer(comm, capacity_bytes=0))
+    refused(ArgumentError, "commlib: sync must be 'auto', 'flags' or 'barrier', got 'spin'",
+            lambda: make_reducer(comm, sync="spin"))
+    red = make_reducer(comm)
+    x = np.ones(4, np.float32)
+    refused(ArgumentError, "commlib: op must be one of ['max', 'min', 'prod', 'sum'], got 'avg'",
+            lambda: red.all_reduce(x, "avg"))
+    assert (x == 1).all()
     for bad in (np.ones((2, 2), np.float32), np.ones(8, np.float32)[::2]):
-        try:
-            red.all_reduce(bad, "sum")
-        except ArrayTypeError:
-            pass
-        else:
-            raise AssertionError("bad layout accepted")
+        refused(ArrayTypeError, "commlib: all_reduce needs a 1-D C-contiguous writeable array",
+                lambda: red.all_reduce(bad, "sum"))
+        assert (bad == 1).all()
     x = np.full(3, comm.Get_rank() + 1.0)
     assert red.all_reduce(x, "sum") and (x == comm.Get_size() * (comm.Get_size() + 1) / 2).all()
     red.close()
-    print("ok", flush=True)
+    print("rank %d ok" % rank, flush=True)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,107 @@
+"""The status board's words, read and written by two ranks' views of one
+board in this process's memory (commlib.faults.board.StatusBoard): what a
+rank publishes when it leaves must not overwrite what its peers still read,
+and a wait for a word a peer has not written yet gives up only at the
+deadline."""
+import subprocess
+import time
+
+import numpy as np
+import pytest
+
+from commlib.collective.consistency import CODES
+from commlib.errors import CollectiveTimeoutError, PeerError
+from commlib.faults import board
+
+ALL_REDUCE = CODES["all_reduce"]
+
+
+def two_ranks():
+    memory = np.zeros(2 * board.LINE_BYTES, np.uint8)
+    views = [board.StatusBoard(memory, r, 2) for r in range(2)]
+    for view in views:
+        view.join()
+    return views
+
+
+def ended_pid():
+    """The process id of a process that has ended (and was reaped)."""
+    proc = subprocess.Popen(["true"])
+    proc.wait()
+    return proc.pid
+
+
+@pytest.mark.parametrize("reason", sorted(board.REASONS))
+def test_a_rank_that_left_later_and_whose_process_ended_is_named_dead(reason):
+    """Rank 1 leaves after collective 1 (for any reason) and its process
+    ends while rank 0 still waits in collective 1: rank 0 learns it from
+    rank 1's process id, which leaving must leave as it was."""
+    rank0, rank1 = two_ranks()
+    pid = ended_pid()
+    rank1.words[board.STRIDE + board.PID] = pid
+    rank1.leave(1, reason, "gone", blame=(0,))
+    with pytest.raises(PeerError, match=r"^rank 0: rank 1 \(pid %d\) died while this rank waits "
+                                        r"in all_reduce #1$" % pid) as info:
+        rank0.check_peers(1, ALL_REDUCE)
+    assert info.value.culprits == (1,)
+
+
+def test_leaving_keeps_the_first_reason_and_blame():
+    rank0, rank1 = two_ranks()
+    rank1.leave(2, board.GAVE_UP, "first", blame=(0,))
+    rank1.leave(5, board.CLOSED, "second")
+    assert rank0.where(1) == "rank 1 gave up in collective #3 (first)"
+
+
+def test_a_wait_for_a_word_not_yet_written_gives_up_at_the_deadline():
+    """Rank 1 entered collective 1 but has not published its text: rank 0's
+    wait for it runs slice after slice until the deadline, then raises
+    CollectiveTimeoutError naming nobody (every rank had entered)."""
+    rank0, rank1 = two_ranks()
+    for view in (rank0, rank1):
+        view.arrive(1)
+    wait_s = 5 * board.SLICE_S
+    start = time.monotonic()
+    with pytest.raises(CollectiveTimeoutError,
+                       match=r"^rank 0: all_reduce #1 did not complete before its deadline; "
+                             r"every rank had entered it") as info:
+        rank0.wait_words(board.TEXT_SEQ, 1, 1, ALL_REDUCE, start + wait_s)
+    assert time.monotonic() - start >= wait_s - 1e-3 and info.value.culprits == ()
+
+
+def test_a_wait_ends_when_the_peer_writes_the_word():
+    rank0, rank1 = two_ranks()
+    rank1.words[board.STRIDE + board.TEXT_SEQ] = 1
+    rank0.wait_words(board.TEXT_SEQ, 1, 1, ALL_REDUCE, time.monotonic() + 5)
+
+
+def test_a_peer_that_gave_up_ends_a_wait_for_its_text():
+    """Rank 1 gave up (blaming rank 0) before publishing its call text for
+    collective 1: rank 0's wait for that text raises PeerError passing the
+    blame on, at once; nothing rank 1 wrote when leaving reads as its text
+    having been published."""
+    rank0, rank1 = two_ranks()
+    rank1.leave(0, board.GAVE_UP, "all_reduce #1: gave up", blame=(0,))
+    start = time.monotonic()
+    with pytest.raises(PeerError, match=r"^rank 0: rank 1 gave up in collective #1 "
+                                        r"\(all_reduce #1: gave up\) while this rank is in "
+                                        r"all_reduce #1$") as info:
+        rank0.wait_words(board.TEXT_SEQ, 1, 1, ALL_REDUCE, start + 5)
+    assert info.value.culprits == (0,) and time.monotonic() - start < 1
+
+
+def test_texts_longer_than_their_area_are_cut_and_read_back():
+    """A text is cut to one byte less than its area (a NUL always ends it),
+    even inside a multi-byte character, and reads back without error; the
+    call text and the reason text do not overlap."""
+    rank0, rank1 = two_ranks()
+    long = "é" * board.TEXT_BYTES                         # two bytes each
+    rank1.write_text(long)
+    rank1.write_text("why", board.REASON_TEXT)
+    # 447 bytes: 223 whole characters and the first byte of one more
+    assert rank0.read_text(1) == "é" * ((board.TEXT_BYTES - 1) // 2) + "\ufffd" * (
+        (board.TEXT_BYTES - 1) % 2)
+    assert rank0.read_text(1, board.REASON_TEXT) == "why"
+    rank1.write_text("x" * (2 * board.TEXT_BYTES))
+    assert rank0.read_text(1) == "x" * (board.TEXT_BYTES - 1)
+    assert rank0.read_text(1, board.REASON_TEXT) == "why"
