@@ -117,7 +117,7 @@ class Communicator:
             BackendUnavailableError: cupy, NCCL or the GPU are not usable.
         """
         return cls(**bootstrap.parts_from_nccl_id(nccl_id, rank, size, device, local_rank,
-                                                  local_size, settings.options(**options)))
+                                                  local_size, settings.options(rank, **options)))
 
     @classmethod
     def from_transport(cls, transport, *, cupy_transport=None, local_rank=None,
@@ -141,7 +141,7 @@ class Communicator:
             ArgumentError: a bad option, or a ``transport`` that is not a
                 Transport.
         """
-        options = settings.options(**options)
+        options = settings.options(getattr(transport, "rank", None), **options)
         return cls(options=options, **bootstrap.parts_from_transport(
             transport, cupy_transport, local_rank, local_size, device))
 
@@ -157,7 +157,7 @@ class Communicator:
         Returns:
             The Communicator (rank 0 of 1).
         """
-        options = settings.options(**options)
+        options = settings.options(0, **options)
         return cls(options=options, **bootstrap.parts_single(device))
 
     # -- the collectives ------------------------------------------------------------------

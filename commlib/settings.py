@@ -286,12 +286,14 @@ def trace_path():
 OPTIONS = ("bucket_bytes", "check", "timeout")
 
 
-def options(**given):
+def options(rank=None, **given):
     """A communicator's options, checked once and resolved against the
     environment (``COMMLIB_CHECK``, the watch-dog variables): a dict of
     :data:`OPTIONS`.
 
     Args:
+        rank: the rank whose options these are, named in an error (None:
+            not known yet).
         bucket_bytes: a positive int, or None (each transport's default).
         check: the consistency check, a bool, or None (``COMMLIB_CHECK``,
             default on).
@@ -304,6 +306,15 @@ def options(**given):
             (:func:`check_environment`: naming it, its value and what is
             valid).
     """
+    try:
+        return _options(given)
+    except ArgumentError as exc:
+        if rank is None:
+            raise
+        raise ArgumentError("rank %s: %s" % (rank, exc)) from None
+
+
+def _options(given):
     check_environment()
     unknown = sorted(set(given) - set(OPTIONS))
     if unknown:

@@ -54,7 +54,7 @@ COVERING = {
         "tests/faults/test_waits.py", "tests/collective/test_frontend.py",
         "tests/faults/test_stalls.py", "tests/faults/test_faults.py",
         "tests/collective/test_errors.py"],
-    "commlib/faults/waiting.py": [
+    "commlib/core/waiting.py": [
         "tests/faults/test_waits.py", "tests/progress/test_inflight.py",
         "tests/faults/test_stalls.py", "tests/faults/test_faults.py"],
     "commlib/compression/partial.py": [

@@ -74,7 +74,7 @@ ERROR_DIGEST = (-1, -1)
 #: seconds without a look at the board after which a rank that entered a
 #: collective and has not left is taken to have stalled inside it (a waiting
 #: rank looks every commlib.core.waiting.CHECK_EVERY_S)
-STALE_S = 0.5
+STALE_S = 0.25
 
 CLOSED, EXITED, GAVE_UP, CLOSED_ON_EXCEPTION, DROPPED = 1, 2, 3, 4, 5
 #: seconds a rank that met uneven numbers of steps waits for the other ranks'

@@ -277,7 +277,7 @@ def _choices(rank, local_rank, local_size, device, backend, options):
         if backend not in (None, "mpi", "nccl"):
             raise ArgumentError("rank %d: backend must be None, 'mpi' or 'nccl', got %r"
                                 % (rank, backend))
-        mine = dict(settings.options(**options), backend=backend,
+        mine = dict(settings.options(rank, **options), backend=backend,
                     shm=settings.flag(settings.SHM, True), stores=settings.shm_stores())
         if backend != "mpi":
             reason = nccl_unavailable_reason()

@@ -9,7 +9,6 @@ rank order, as the other transports compute them. The group also holds the
 memory of the ranks' status board.
 """
 import threading
-import time
 
 import numpy as np
 
@@ -27,12 +26,14 @@ class ThreadGroup:
         self.size = size
         #: memory of the ranks' status board (zero-filled)
         self.board_memory = np.zeros(size * board.LINE_BYTES, np.uint8)
-        self._barrier = threading.Barrier(size)
         self._table = [None] * size
+        self._cond = threading.Condition()
+        self._arrived = 0          # ranks waiting at the current meeting
+        self._meetings = 0         # meetings completed
 
     def exchange(self, rank, value, wait):
         """Every rank's ``value``, as a list by rank (a rendezvous of all
-        ranks; gives up at ``wait``'s deadline)."""
+        ranks; gives up at ``wait``'s deadline, or when a peer left)."""
         self._table[rank] = value
         self._meet(wait)
         values = list(self._table)
@@ -40,11 +41,31 @@ class ThreadGroup:
         return values
 
     def _meet(self, wait):
-        timeout = None if wait.deadline is None else max(0.0, wait.deadline - time.monotonic())
+        """Wait until every rank has come to this meeting, through
+        :func:`commlib.core.waiting.until` (the deadline and the status
+        board end it); a rank that gives up withdraws."""
+        cond = self._cond
+        with cond:
+            meeting = self._meetings
+            self._arrived += 1
+            if self._arrived == self.size:
+                self._arrived, self._meetings = 0, meeting + 1
+                cond.notify_all()
+                return
+
+        def step(slice_s):
+            with cond:
+                if self._meetings == meeting and slice_s:
+                    cond.wait(slice_s)
+                return True if self._meetings != meeting else None
+
         try:
-            self._barrier.wait(timeout)
-        except threading.BrokenBarrierError:
-            raise wait.timeout() from None
+            waiting.until(step, wait)
+        except BaseException:
+            with cond:
+                if self._meetings == meeting:
+                    self._arrived -= 1
+            raise
 
 
 def _reduce(values, op, fmt=None):

@@ -9,7 +9,8 @@ import time
 import numpy as np
 import pytest
 
-from commlib.collective.consistency import CODES
+from commlib.core.fingerprints import CODES
+from commlib.core.waiting import Wait
 from commlib.errors import CollectiveTimeoutError, PeerError
 from commlib.faults import board
 
@@ -53,26 +54,45 @@ def test_leaving_keeps_the_first_reason_and_blame():
     assert rank0.where(1) == "rank 1 gave up in collective #3 (first)"
 
 
+def waiting(rank0, deadline):
+    """Rank 0's Wait in collective 1 (an all-reduce) until ``deadline``."""
+    return Wait(deadline, 1, ALL_REDUCE, rank0, 0)
+
+
 def test_a_wait_for_a_word_not_yet_written_gives_up_at_the_deadline():
-    """Rank 1 entered collective 1 but has not published its text: rank 0's
-    wait for it runs slice after slice until the deadline, then raises
-    CollectiveTimeoutError naming nobody (every rank had entered)."""
+    """Rank 1 entered collective 1 but has not published its text, nor
+    looked at the board since: rank 0's wait for it runs slice after slice
+    until the deadline, then raises CollectiveTimeoutError naming rank 1,
+    which stopped inside the collective."""
     rank0, rank1 = two_ranks()
     for view in (rank0, rank1):
         view.arrive(1)
     wait_s = 5 * board.SLICE_S
     start = time.monotonic()
     with pytest.raises(CollectiveTimeoutError,
-                       match=r"^rank 0: all_reduce #1 did not complete before its deadline; "
-                             r"every rank had entered it") as info:
-        rank0.wait_words(board.TEXT_SEQ, 1, 1, ALL_REDUCE, start + wait_s)
-    assert time.monotonic() - start >= wait_s - 1e-3 and info.value.culprits == ()
+                       match=r"^rank 0: all_reduce #1 did not complete before its deadline: "
+                             r"waiting for rank 1 \(last entered all_reduce #1 ") as info:
+        rank0.wait_words(board.TEXT_SEQ, 1, waiting(rank0, start + wait_s))
+    assert time.monotonic() - start >= wait_s - 1e-3 and info.value.culprits == (1,)
+
+
+def test_a_wait_for_a_rank_still_waiting_names_nobody():
+    """Rank 1 entered collective 1 and keeps looking at the board (it waits
+    too): at the deadline rank 0's error names nobody."""
+    rank0, rank1 = two_ranks()
+    for view in (rank0, rank1):
+        view.arrive(1)
+    rank1.check_waiting(waiting(rank1, None))          # rank 1 looked just now
+    with pytest.raises(CollectiveTimeoutError,
+                       match=r"every rank had entered it and was still waiting in it") as info:
+        rank0.wait_words(board.TEXT_SEQ, 1, waiting(rank0, time.monotonic() + board.SLICE_S))
+    assert info.value.culprits == ()
 
 
 def test_a_wait_ends_when_the_peer_writes_the_word():
     rank0, rank1 = two_ranks()
     rank1.words[board.STRIDE + board.TEXT_SEQ] = 1
-    rank0.wait_words(board.TEXT_SEQ, 1, 1, ALL_REDUCE, time.monotonic() + 5)
+    rank0.wait_words(board.TEXT_SEQ, 1, waiting(rank0, time.monotonic() + 5))
 
 
 def test_a_peer_that_gave_up_ends_a_wait_for_its_text():
@@ -86,7 +106,7 @@ def test_a_peer_that_gave_up_ends_a_wait_for_its_text():
     with pytest.raises(PeerError, match=r"^rank 0: rank 1 gave up in collective #1 "
                                         r"\(all_reduce #1: gave up\) while this rank is in "
                                         r"all_reduce #1$") as info:
-        rank0.wait_words(board.TEXT_SEQ, 1, 1, ALL_REDUCE, start + 5)
+        rank0.wait_words(board.TEXT_SEQ, 1, waiting(rank0, start + 5))
     assert info.value.culprits == (0,) and time.monotonic() - start < 1
 
 

@@ -1,9 +1,9 @@
-"""A rank that stalls inside a collective, after every rank entered it, is
-named by every rank that waits for it (the status board's heartbeat: a
-waiting rank looks at the board every few milliseconds, a stalled one does
-not), on MPI's path (small arrays) and shared memory's (large ones), with
-the consistency check on and off, whichever rank stalls; a rank that only
-gave up first is never blamed."""
+"""A rank that stalls inside a collective, after it entered it with the
+consistency check off (it published only that it entered), is named by
+every rank that waits for it (the status board's heartbeat: a waiting rank
+looks at the board every few milliseconds, a stalled one does not); a rank
+that only gave up first is never blamed. tests/faults/test_stalls.py covers
+the check on, every rank in turn, and both data paths."""
 import json
 import re
 
@@ -15,8 +15,7 @@ CODE = "import sys, stalled_inside_program\nstalled_inside_program.main(*sys.arg
 N = 3
 
 
-@pytest.mark.parametrize("stalled, check, size", [
-    (0, "1", 1000), (2, "0", 1000), (1, "1", 300_000)])
+@pytest.mark.parametrize("stalled, check, size", [(2, "0", 1000)])
 def test_a_rank_stalled_inside_a_collective_is_named(stalled, check, size):
     proc = run_mpi(N, CODE, timeout=90, args=[str(stalled), check, str(size)],
                    survivors=True)
