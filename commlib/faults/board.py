@@ -175,6 +175,9 @@ class StatusBoard:
                                self.rank, slice_s)
         if code != 0:
             return code
+        for r in range(self.size):          # entered, then gave up on this collective
+            if r != self.rank and 0 < self._lines[r, GONE] <= seq:
+                return -2 - r
         same = (self._lines[:, at:at + 2] == np.array(slot[:2])).all()
         return 0 if same else 1
 

@@ -66,10 +66,18 @@ int commlib_board_enter(volatile int64_t *words, Py_ssize_t stride, int nranks, 
             __atomic_store_n(&mine[parity + i], slot[i], __ATOMIC_RELAXED);
         __atomic_store_n(&mine[at[COMMLIB_BOARD_ENTERED]], seq, __ATOMIC_RELEASE);
     }
+    const volatile int64_t *gone = words + at[COMMLIB_BOARD_GONE];
     int status = commlib_wait_all(words + at[COMMLIB_BOARD_ENTERED], stride, nranks, rank, seq,
-                                  words + at[COMMLIB_BOARD_GONE], stride, seq, until);
+                                  gone, stride, seq, until);
     if (status != COMMLIB_WAIT_DONE)
         return status;
+    /* a rank that entered and then gave up on this collective will never
+     * take part in its exchange */
+    for (int r = 0; r < nranks; ++r) {
+        int64_t left = __atomic_load_n(&gone[r * stride], __ATOMIC_ACQUIRE);
+        if (r != rank && left > 0 && left <= seq)
+            return COMMLIB_WAIT_GONE(r);
+    }
     /* every rank wrote its fingerprint (words 0 and 1 of its slot) before
      * its sequence number; nobody writes this parity's slot again before
      * every rank has entered the next collective */

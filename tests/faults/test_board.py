@@ -125,3 +125,26 @@ def test_texts_longer_than_their_area_are_cut_and_read_back():
     rank1.write_text("x" * (2 * board.TEXT_BYTES))
     assert rank0.read_text(1) == "x" * (board.TEXT_BYTES - 1)
     assert rank0.read_text(1, board.REASON_TEXT) == "why"
+
+
+@pytest.mark.parametrize("compiled", [True, False], ids=["compiled", "python"])
+def test_entering_after_a_peer_entered_and_gave_up_raises_at_once(compiled, monkeypatch):
+    """Rank 1 entered collective 1 with the same fingerprint, then gave up on
+    it (blaming rank 0): rank 0, entering late, must not go on into an
+    exchange rank 1 abandoned; it raises PeerError passing the blame on, at
+    once, in the compiled wait and its Python twin alike."""
+    rank0, rank1 = two_ranks()
+    if not compiled:
+        monkeypatch.setattr(rank0, "_ext", None)
+    elif rank0._ext is None:
+        pytest.skip("compiled host loops not built")
+    digest = (11, 22)
+    rank1.words[board.STRIDE + board.SLOT + 2:board.STRIDE + board.SLOT + 4] = (ALL_REDUCE, 0)
+    rank1.words[board.STRIDE + board.SLOT + board.SLOT_WORDS:
+                board.STRIDE + board.SLOT + board.SLOT_WORDS + 2] = digest
+    rank1.arrive(1)
+    rank1.leave(0, board.GAVE_UP, "all_reduce #1: waited for rank 0", blame=(0,))
+    start = time.monotonic()
+    with pytest.raises(PeerError, match=r"^rank 0: rank 1 gave up in collective #1 ") as info:
+        rank0.enter(waiting(rank0, start + 5), digest)
+    assert info.value.culprits == (0,) and time.monotonic() - start < 1
