@@ -56,14 +56,23 @@ static BLOCK_ATTR Py_ssize_t BLOCK_NAME(_narrow)(const float *v, void *dst, int 
         uint16_t *d = (uint16_t *)dst;
         Py_ssize_t i = 0;
 #ifdef BLOCK_F16C
-        for (; i + 8 <= n; i += 8)
-            _mm_storeu_si128((__m128i *)(d + i),
-                             _mm256_cvtps_ph(_mm256_loadu_ps(v + i),
-                                             _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+        /* eight at a time: convert, then count inf and NaN and make NaN
+         * canonical on the eight halves in a vector register */
+        const __m128i exponent = _mm_set1_epi16(0x7C00), magnitude = _mm_set1_epi16(0x7FFF);
+        const __m128i canonical = _mm_set1_epi16(0x7E00);
+        for (; i + 8 <= n; i += 8) {
+            __m128i h = _mm256_cvtps_ph(_mm256_loadu_ps(v + i),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+            __m128i special = _mm_cmpeq_epi16(_mm_and_si128(h, exponent), exponent);
+            /* NaN: magnitude above inf's (signed compare is right below 0x8000) */
+            __m128i nan = _mm_cmpgt_epi16(_mm_and_si128(h, magnitude), exponent);
+            count += __builtin_popcount((unsigned)_mm_movemask_epi8(special)) / 2;
+            _mm_storeu_si128((__m128i *)(d + i), _mm_blendv_epi8(h, canonical, nan));
+        }
 #endif
-        for (; i < n; ++i)
-            d[i] = f32_to_f16(u[i]);
-        for (i = 0; i < n; ++i) {          /* canonical NaN; count inf and NaN */
+        for (Py_ssize_t j = i; j < n; ++j)
+            d[j] = f32_to_f16(u[j]);
+        for (; i < n; ++i) {               /* canonical NaN; count inf and NaN */
             count += (d[i] & 0x7C00u) == 0x7C00u;
             d[i] = (d[i] & 0x7FFFu) > 0x7C00u ? (uint16_t)0x7E00u : d[i];
         }

@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 
 from commlib.errors import CommlibError
-from commlib.ops import hostreduce
+from commlib.ops import hostcast, hostreduce
 
 pytestmark = pytest.mark.skipif(not hostreduce.supports(np.dtype(np.float32), "sum"),
                                 reason="compiled host loops unavailable")
@@ -63,6 +63,39 @@ def test_every_rank_share_matches_numpy(dtype, op, n):
         assert got.tobytes() == expect.tobytes()
 
 
+@pytest.mark.parametrize("fmt", ["float16", "bfloat16", "bfloat16 bits"])
+@pytest.mark.parametrize("op", list(UFUNCS))
+@pytest.mark.parametrize("n", [2, 3])
+def test_half_formats_round_as_the_numpy_twin_at_every_step(fmt, op, n):
+    """float16 and bfloat16 (an ml_dtypes array, or uint16 bits with
+    fmt="bfloat16"): each element is the rank-order reduction of the numpy
+    twin of the MPI operators (hostcast.numpy_reduce_into: widened to
+    float32, op, rounded back to nearest even with the canonical NaN, at
+    every step), NaN, inf and signed zeros included."""
+    ml_dtypes = pytest.importorskip("ml_dtypes")
+    rng = np.random.default_rng(hash((fmt, op, n)) % 2**32)
+    count = sum(SIZES)
+    wide = contributions("float32", n, count, rng) * np.float32(1 + 1 / 3)
+    wide[0, :4] = (65504, -65504, 3e38, 1e-8)                  # overflow and underflow
+    dtype = np.float16 if fmt == "float16" else ml_dtypes.bfloat16
+    with np.errstate(over="ignore"):
+        x = wide.astype(dtype)
+    bits = fmt == "bfloat16 bits"
+    want = x[0].copy()
+    raw = (lambda a: a.view(np.uint16)) if fmt != "float16" else (lambda a: a)
+    with np.errstate(over="ignore"):
+        for q in range(1, n):
+            hostcast.numpy_reduce_into(raw(x[q]), raw(want), op)
+    for rank in range(n):
+        lo, hi = count * rank // n, count * (rank + 1) // n
+        slots = [(x[q].view(np.uint16) if bits else x[q]).copy() for q in range(n)]
+        parts = split(x[rank].view(np.uint16) if bits else x[rank], SIZES)
+        result = np.zeros(count, np.uint16 if bits else dtype)
+        hostreduce.reduce_share(parts, tuple(slots), rank, result, lo, hi, op,
+                                fmt="bfloat16" if bits else None)
+        assert result[lo:hi].tobytes() == want[lo:hi].tobytes(), (rank, op)
+
+
 @pytest.mark.parametrize("dtype", ["float32", "float64"])
 def test_scale_is_applied_in_the_element_type(dtype):
     rng = np.random.default_rng(5)
@@ -108,6 +141,9 @@ def test_unsupported_inputs_write_nothing():
         with pytest.raises(CommlibError):
             hostreduce.reduce_share([part], slots, 0, out, 0, 16, "sum")
         assert (result == 0).all() and (part == 5).all()
-    assert not hostreduce.supports(np.dtype(np.float16), "sum")
+    assert hostreduce.supports(np.dtype(np.float16), "sum")
+    assert not hostreduce.supports(np.dtype(np.uint16), "sum")          # bits of what?
+    assert hostreduce.supports(np.dtype(np.uint16), "sum", fmt="bfloat16")
+    assert not hostreduce.supports(np.dtype(np.float32), "sum", fmt="bfloat16")
     assert not hostreduce.supports(np.dtype(">f4"), "sum")
     assert not hostreduce.supports(np.dtype(np.float32), "avg")
