@@ -103,3 +103,14 @@ for _name in ("all_reduce", "broadcast", "reduce", "all_gather", "all_gatherv",
     setattr(TracedTransport, _name, _traced(_name))
 TracedTransport.all_reduce_parts = _traced("all_reduce_parts", at=1)
 TracedTransport.barrier = _traced("barrier", at=None)
+
+
+def _traced_cast(self, parts, *args, **kwargs):
+    """The transport's all_reduce_cast, recorded with the bytes of its
+    half-format wire (two per element)."""
+    return trace.transport_call(self.rank, self.name, "all_reduce_cast",
+                                2 * sum(p.size for p in parts),
+                                self.transport.all_reduce_cast, (parts,) + args, kwargs)
+
+
+TracedTransport.all_reduce_cast = _traced_cast

@@ -94,6 +94,34 @@ class Bucket:
         self._count(buf)
         self._transport.all_reduce(buf, op or self.op, self._wait, fmt=fmt, owned=owned)
 
+    def casts(self):
+        """Whether the bucket's transport casts its float32 arrays into and
+        out of a half-format wire of its own (:meth:`all_reduce_cast`); the
+        same answer on every rank for the same arrays' shapes."""
+        return self._transport.casts(self.arrays)
+
+    def all_reduce_cast(self, fmt, guarded):
+        """All-reduce the bucket's float32 arrays in place through a wire of
+        the half format ``fmt`` (``"float16"``/``"bfloat16"``) that the
+        transport casts into and out of itself, where :meth:`casts` says so
+        (see :meth:`commlib.transport.base.Transport.all_reduce_cast`): the
+        arrays times :attr:`scale` rounded to ``fmt``, reduced there with
+        :attr:`op`, cast back unless ``guarded`` and the result holds NaN
+        or inf.
+
+        Returns:
+            ``(sent, found)``: the NaN and inf this rank sent and those in
+            the result.
+
+        Raises:
+            As :meth:`all_reduce`.
+        """
+        arrays = self.arrays
+        if self._stats is not None:
+            self._stats.bytes_sent += 2 * sum(a.size for a in arrays)
+        return self._transport.all_reduce_cast(arrays, fmt, self.op, self.scale, guarded,
+                                               self._wait)
+
     def all_gather(self, send, out):
         """Gather every rank's ``send`` into ``out``, back to back in rank order.
 

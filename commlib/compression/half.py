@@ -18,7 +18,10 @@ and bfloat16 types, the shared-memory reducer's and the MPI operators'
 compiled loops, which widen to float32 and round back to nearest even
 (:mod:`commlib.ops.hostcast`). Other dtypes are not compressed. A call's
 buckets travel together, in one wire and one all-reduce
-(:meth:`HalfPrecision.reduce_all`).
+(:meth:`HalfPrecision.reduce_all`), except numpy buckets that the
+shared-memory transport casts into and out of its own memory itself, with
+no wire of ours (:meth:`~commlib.compression.base.Bucket.all_reduce_cast`:
+the same bits, one cast each way and no copy).
 
 ``nonfinite`` (see :mod:`.nonfinite`) looks at the reduced half-precision
 result, whose bits are the same on every rank, so every rank decides alike:
@@ -140,7 +143,7 @@ class HalfPrecision(Compression):
             found = np.array(hostcast.count_nonfinite(wire, self.fmt), np.int64)
             if not (found and guarded):
                 _flat.cast_parts(arrays, wire, workspace, into_wire=False)
-        return Completion((found,), functools.partial(self._settle, bucket, wire, sent))
+        return Completion((found,), functools.partial(self._settle, bucket, wire.size, sent))
 
     def _reduce_on_device(self, bucket, at, wire, guarded):
         """cupy buckets: the arrays cast into ``wire`` (one pack launch),
@@ -185,7 +188,9 @@ class HalfPrecision(Compression):
         lie back to back in one buffer, all-reduced in one call, and every
         bucket's counts come to the host in one read. numpy: each bucket's
         arrays cast into their part of the wire and back by the compiled
-        host cast. cupy: the casts in are one launch sequence (one pack
+        host cast, or, where the transport casts on the way itself
+        (shared memory, :meth:`~commlib.compression.base.Bucket.casts`),
+        handed to it without a wire. cupy: the casts in are one launch sequence (one pack
         launch per bucket), the casts back another (guarded per bucket),
         both replayed as CUDA graphs once they repeat. ``state`` keeps the
         plan of a list of arrays (see :func:`._flat.plan_of`): the wire and
@@ -194,15 +199,23 @@ class HalfPrecision(Compression):
         scale, guarded = buckets[0].scale, self.nonfinite == "raise"
         counts, pairs, wires = plan["counts"], plan["pairs"], plan["wires"]
         if type(counts) is np.ndarray:
-            factor = np.float32(1) if scale is None else np.float32(scale)
+            # a transport that casts on the way takes a bucket itself (no
+            # wire of ours); the others' wires travel in one all-reduce
+            factor, wired = np.float32(1) if scale is None else np.float32(scale), []
             for i, (b, wire) in enumerate(zip(buckets, wires)):
-                counts[2 * i] = _flat.cast_parts(b.arrays, wire, b.state, factor)
-            with np.errstate(over="ignore", invalid="ignore"):
-                buckets[0].all_reduce(plan["wire"], fmt=self._wire_fmt, owned=True)
-            for i, (b, wire) in enumerate(zip(buckets, wires)):
-                counts[2 * i + 1] = found = hostcast.count_nonfinite(wire, self.fmt)
+                if wire is None:
+                    counts[2 * i:2 * i + 2] = b.all_reduce_cast(self.fmt, guarded)
+                else:
+                    counts[2 * i] = _flat.cast_parts(b.arrays, wire, b.state, factor)
+                    wired.append(i)
+            if wired:
+                with np.errstate(over="ignore", invalid="ignore"):
+                    buckets[0].all_reduce(plan["wire"], fmt=self._wire_fmt, owned=True)
+            for i in wired:
+                counts[2 * i + 1] = found = hostcast.count_nonfinite(wires[i], self.fmt)
                 if not (found and guarded):
-                    _flat.cast_parts(b.arrays, wire, b.state, into_wire=False)
+                    _flat.cast_parts(buckets[i].arrays, wires[i], buckets[i].state,
+                                     into_wire=False)
         else:
             def cast_in():
                 zero(counts)
@@ -221,15 +234,20 @@ class HalfPrecision(Compression):
             + [None] * (len(buckets) - 1)
 
     def _plan(self, buckets):
-        """:meth:`reduce_all`'s plan: one wire for every bucket, each
-        bucket's part of it, and each bucket's counts of NaN and inf sent
-        and found (0-d views of one buffer)."""
+        """:meth:`reduce_all`'s plan: one wire for the buckets that need one
+        of ours (not those a numpy transport casts itself, see
+        :meth:`~commlib.compression.base.Bucket.casts`), each such bucket's
+        part of it (None for the others), and each bucket's counts of NaN
+        and inf sent and found (0-d views of one buffer)."""
         xp = array_module(buckets[0].arrays[0])
-        sizes = [_flat.identity(b.arrays, b.state)[1] for b in buckets]
+        own = [xp is not np or not b.casts() for b in buckets]
+        sizes = [_flat.identity(b.arrays, b.state)[1] if mine else 0
+                 for b, mine in zip(buckets, own)]
         wire = xp.empty(sum(sizes), self._storage)
         starts = np.concatenate(([0], np.cumsum(sizes))).tolist()
         plan = {"wire": wire, "graphs": {},
-                "wires": [wire[a:b] for a, b in zip(starts, starts[1:])]}
+                "wires": [wire[a:b] if mine else None
+                          for a, b, mine in zip(starts, starts[1:], own)]}
         # plan["counts"]: (sent, found) of bucket i at 2 i and 2 i + 1
         _, parts = _flat.counters(plan, "counts", xp, 2 * len(buckets), zero=True)
         plan["pairs"] = list(zip(parts[0::2], parts[1::2]))
@@ -242,12 +260,13 @@ class HalfPrecision(Compression):
         found = counts[1::2]
         if not found.any():
             return
-        for b, wire, (sent, _), n in zip(buckets, plan["wires"], plan["pairs"], found):
-            self._settle(b, wire, sent, int(n))
+        for b, (sent, _), n in zip(buckets, plan["pairs"], found):
+            self._settle(b, _flat.identity(b.arrays, b.state)[1], sent, int(n))
 
-    def _settle(self, bucket, wire, sent, found):
+    def _settle(self, bucket, size, sent, found):
         """The end of :meth:`reduce`, once ``found``, the number of NaN and
-        inf in the reduced ``wire``, is on the host (the result has been
+        inf in the reduced result of the bucket's ``size`` values, is on the
+        host (the result has been
         written, or, with ``"raise"`` and a count, not). If there are any,
         all-gather every rank's count of non-finite values sent (``sent``:
         int or 0-d device array), then raise NonFiniteError (``"raise"``)
@@ -255,7 +274,7 @@ class HalfPrecision(Compression):
         total = int(found)
         if not total:
             return
-        xp = array_module(wire)
+        xp = array_module(bucket.arrays[0])
         counts = xp.empty(bucket.size, dtype=np.int64)
         bucket.all_gather(xp.asarray(sent, dtype=np.int64).reshape(1), counts)
         counts = (counts if xp is np else counts.get()).tolist()
@@ -263,7 +282,7 @@ class HalfPrecision(Compression):
                   else "no rank sent any: the %s reduction overflowed" % self.fmt)
         text = ("rank %d: compression %s: the reduced %s result holds %d NaN or inf, in %s; %s"
                 % (bucket.rank, self.name, self.fmt, total,
-                   _flat.describe(wire.size, len(bucket.arrays)), origin))
+                   _flat.describe(size, len(bucket.arrays)), origin))
         if self.nonfinite == "raise":
             raise _nonfinite.error(text + "; nothing was written: arrays are unchanged", counts)
         _nonfinite.warn(text + "; written as they are")

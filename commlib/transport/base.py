@@ -66,6 +66,24 @@ class Transport:
         lie. Only where :meth:`reduces_parts` says so."""
         raise NotImplementedError
 
+    def casts(self, parts):
+        """Whether :meth:`all_reduce_cast` takes the float32 arrays
+        ``parts`` (the default: never; the caller then casts into a wire of
+        its own and calls :meth:`all_reduce`). The answer depends only on
+        what every rank has alike (the arrays' kind, dtype and sizes)."""
+        return False
+
+    def all_reduce_cast(self, parts, fmt, op, scale, guarded, wait=FOREVER):
+        """All-reduce the float32 arrays ``parts`` in the half format ``fmt``
+        (``"float16"`` or ``"bfloat16"``), casting on the way: each rank's
+        values times ``scale`` (float or None) rounded to ``fmt``, reduced
+        with ``op`` in that format (as :meth:`all_reduce` reduces a wire of
+        it), and cast back into ``parts`` unless ``guarded`` and the result
+        holds NaN or inf (then nothing is written). Only where
+        :meth:`casts` says so. Returns ``(sent, found)``: the NaN and inf
+        this rank sent and those in the reduced result."""
+        raise NotImplementedError
+
     def broadcast(self, buf, root, wait=FOREVER, owned=False):
         raise NotImplementedError
 

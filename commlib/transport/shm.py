@@ -133,6 +133,24 @@ def _reduce_share(slots, out, lo, hi, op, scale, fmt):
             _scale(out, scale, fmt)
 
 
+class _Concatenation:
+    """float32 arrays seen as one vector, for casts of ranges of it."""
+
+    def __init__(self, parts):
+        self.parts = [p.reshape(-1) for p in parts]
+        self.starts = np.concatenate(([0], np.cumsum([p.size for p in self.parts]))).tolist()
+        self.size = self.starts[-1]
+
+    def pieces(self, a, b):
+        """``[(part slice, its offset in [a, b))]`` of the elements ``[a, b)``."""
+        found = []
+        for part, start, end in zip(self.parts, self.starts, self.starts[1:]):
+            if end > a and start < b:
+                lo, hi = max(a, start), min(b, end)
+                found.append((part[lo - start:hi - start], lo - a))
+        return found
+
+
 class SharedMemoryReducer:
     """All-reduce of numpy buffers over ``comm`` (an mpi4py communicator
     whose ranks all share one node), ``capacity_bytes`` at a time, in
@@ -359,6 +377,66 @@ class SharedMemoryReducer:
             hostcopy.scatter_any(result, parts)
         return True
 
+    def all_reduce_cast(self, parts, fmt, op, scale, guarded, wait=waiting.FOREVER):
+        """All-reduce float32 ``parts`` (C-contiguous writeable numpy arrays,
+        any shapes) in the half format ``fmt`` (``"float16"`` or
+        ``"bfloat16"``), casting on the way in and out of the shared memory:
+        each rank's values times ``scale`` (float or None) are rounded to
+        ``fmt`` into its slot, reduced there with ``op`` in rank order as
+        :meth:`all_reduce_parts` reduces that format, and the result is cast
+        back into ``parts``, unless ``guarded`` and it holds NaN or inf;
+        then nothing is written. The compression strategies' wire without
+        a wire buffer: one cast in, one cast out, window by window.
+
+        Returns:
+            ``(sent, found)``: how many NaN and inf this rank sent (its
+            values after the cast), and how many the reduced result holds
+            (the same on every rank).
+        """
+        storage = np.dtype(np.uint16) if fmt == "bfloat16" else np.dtype(np.float16)
+        bits = "bfloat16" if fmt == "bfloat16" else None
+        flat = _Concatenation(parts)
+        count = flat.size
+        step = max(1, self.capacity_bytes // storage.itemsize)
+        windows = [(a, min(count, a + step)) for a in range(0, count, step)] or [(0, 0)]
+        slots, result = self._views_for(storage)
+        factor = np.float32(1) if scale is None else np.float32(scale)
+        # a result of several windows waits in a buffer of its own until every
+        # window's count is known (nothing is written before a NaN is known)
+        wire = np.empty(count, storage) if len(windows) > 1 else None
+        sent = found = 0
+        n, rank, words = self.size, self.rank, self._control
+        for a, b in windows:
+            length = b - a
+            slot = slots[rank][:length]
+            for piece, at in flat.pieces(a, b):
+                sent += hostcast.cast_into(piece, slot[at:at + piece.size], factor)
+            if n > 1:
+                self._seq += 2
+                self._wait_all(self._seq - 1, wait)
+                lo, hi = length * rank // n, length * (rank + 1) // n
+                if hostreduce.supports(storage, op, bits):
+                    hostreduce.reduce_share((slot,), slots, rank, result, lo, hi, op,
+                                            None, False, bits)
+                else:
+                    _reduce_share(slots, result[lo:hi], lo, hi, op, None, bits)
+                words[rank * (_LINE // 8) + 1] = hostcast.count_nonfinite(result[lo:hi], fmt)
+                self._wait_all(self._seq, wait)
+                found += int(words[1::_LINE // 8][:n].sum())
+                reduced = result[:length]
+            else:
+                reduced = slot
+                found += hostcast.count_nonfinite(slot, fmt)
+            if wire is not None:
+                wire[a:b] = reduced
+            elif not (found and guarded):
+                for piece, at in flat.pieces(a, b):
+                    hostcast.cast_into(reduced[at:at + piece.size], piece)
+        if wire is not None and not (found and guarded):
+            for piece, at in flat.pieces(0, count):
+                hostcast.cast_into(wire[at:at + piece.size], piece)
+        return sent, found
+
     def close(self):
         """Drop this rank's views of the shared memory (local). Idempotent."""
         self._control = None
@@ -408,6 +486,23 @@ class SharedMemoryTransport(Transport):
         try:
             for piece in reducer.windows(buf):
                 reducer.all_reduce_parts((piece,), piece.size, buf.dtype, op, scale, wait, fmt)
+        except BaseException as exc:
+            self.fail("all_reduce failed (%s)" % type(exc).__name__)
+            raise
+
+    def casts(self, parts):
+        """float32 numpy arrays whose half-format wire would be at least
+        :data:`MIN_BYTES`, with the compiled host loops."""
+        return (native.available() and bool(parts)
+                and all(type(p) is np.ndarray and p.dtype == np.float32 for p in parts)
+                and 2 * sum(p.size for p in parts) >= MIN_BYTES)
+
+    def all_reduce_cast(self, parts, fmt, op, scale, guarded, wait=waiting.FOREVER):
+        """See :meth:`Transport.all_reduce_cast`: cast on the way into and
+        out of the shared memory (:meth:`SharedMemoryReducer.all_reduce_cast`)."""
+        self.check_usable()
+        try:
+            return self.reducer.all_reduce_cast(parts, fmt, op, scale, guarded, wait)
         except BaseException as exc:
             self.fail("all_reduce failed (%s)" % type(exc).__name__)
             raise

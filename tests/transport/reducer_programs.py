@@ -120,6 +120,37 @@ def reduce(sync, *more):
             assert red.all_reduce(bits, op, scale=scale, fmt="bfloat16") is True
             assert bits.tobytes() == ref.tobytes(), ("bfloat16 bits", length, op, bits, ref)
         assert red.all_reduce(np.ones(4, np.uint16), "sum") is False     # uint16 alone
+    # float32 arrays cast into and out of a half-format wire by the reducer
+    # itself (all_reduce_cast): the bits of the same wire cast by hostcast and
+    # reduced by all_reduce, in one window and over several; the counts of
+    # NaN and inf sent and found; guarded, nothing written when one is found
+    from commlib.ops import hostcast
+    for fmt, storage in (("float16", np.float16), ("bfloat16", np.uint16)):
+        for total, scale in ((CAPACITY // 2 - 3, None), (3 * CAPACITY // 2 + 5, 1.0 / n)):
+            sizes = [total // 3, 0, total - total // 3 - 7, 7]
+            rng = np.random.default_rng([total, rank])
+            flat = (rng.standard_normal(total) * 50).astype(np.float32)
+            if rank == n - 1:
+                flat[1] = np.nan                # one rank sends a NaN
+            wire = np.empty(total, storage)
+            sent = hostcast.cast_into(flat, wire, np.float32(1 if scale is None else scale))
+            assert red.all_reduce(wire, "sum", fmt="bfloat16" if storage is np.uint16
+                                  else None) is True
+            want = np.empty(total, np.float32)
+            hostcast.cast_into(wire, want)
+            for guarded in (False, True):
+                parts = [x.copy() for x in np.split(flat, np.cumsum(sizes)[:-1])]
+                got = red.all_reduce_cast(parts, fmt, "sum", scale, guarded)
+                found = hostcast.count_nonfinite(wire, fmt)
+                assert got == (sent, found) and found >= 1, (fmt, total, got, sent, found)
+                out = np.concatenate(parts)
+                if guarded:                      # a NaN in the result: nothing written
+                    assert out.tobytes() == flat.tobytes(), (fmt, total)
+                else:
+                    assert out.tobytes() == want.tobytes(), (fmt, total)
+        clean = [np.full(CAPACITY, rank + 1.0, np.float32)]
+        assert red.all_reduce_cast(clean, fmt, "max", None, True) == (0, 0)
+        assert (clean[0] == n).all()
     # a bucket longer than the window, not numpy, unsupported dtype: declined, untouched
     big = np.ones(CAPACITY // 4 + 1, np.float32)
     assert red.all_reduce_parts((big,), big.size, big.dtype, "sum") is False and (big == 1).all()
