@@ -1,0 +1,298 @@
+"""Every collective across real nodes: ranks in network namespaces of their
+own, joined by a bridge, talking TCP (tests/nodes.py), at 2x1, 2x2 and 3x1
+(nodes x ranks per node).
+
+One job per layout runs every check; each rank regenerates every rank's
+inputs from their seeds and compares its results with numpy on them. Each
+rank prints a digest of its results that are the same on every rank: the test asserts that every rank
+printed the same one, that each node's link carried the large arrays, and
+that commlib saw the nodes (``local_size``, ``local_rank``, the
+fingerprint exchange rather than the shared status board)."""
+import re
+
+import pytest
+
+from mpirun import assert_each_rank
+from nodes import run_nodes
+
+CHECKS = ["placement", "all_reduce", "all_reduce avg", "fp16", "bf16", "broadcast", "reduce",
+          "all_gather", "all_gatherv", "reduce_scatter", "barrier", "async",
+          "mismatch", "check=False", "uneven steps"]
+
+CODE = r"""
+import hashlib, os, sys, time
+import numpy as np
+import ml_dtypes
+import commlib
+from commlib import errors
+from commlib.faults.board_exchange import ExchangeBoard
+from commlib.transport.mpi import MpiTransport
+
+NODES, PER_NODE = int(sys.argv[1]), int(sys.argv[2])
+comm = commlib.init()
+n, rank = comm.size, comm.rank
+digest = hashlib.sha256()
+LENGTHS = (0, 1, 7, 4097, 300_001)
+
+
+def ok(check):
+    print("ok %s rank %d" % (check, rank), flush=True)
+
+
+def everyone(seed, make):
+    # every rank's input, made anew from its seed (no communication)
+    return [make(np.random.default_rng([seed, r])) for r in range(n)]
+
+
+def same(got, want, what, alike=True):
+    # alike: every rank's result is the same (added to the digest)
+    assert got.dtype == want.dtype and got.shape == want.shape, (what, got.dtype, got.shape,
+                                                                 want.dtype, want.shape)
+    assert np.array_equal(got, want), "%s: rank %d got %s, want %s" % (what, rank, got[:6],
+                                                                       want[:6])
+    if alike:
+        digest.update(got.tobytes())
+
+
+def exact(rng, dtype, m):
+    # integers (quarters for floats): any order of summation is exact at 4 ranks
+    if np.dtype(dtype).kind == "f":
+        return (rng.integers(-64, 65, m) / 4).astype(dtype)
+    if dtype == "uint8":
+        return rng.integers(0, 60, m).astype(dtype)
+    return rng.integers(-1000, 1000, m).astype(dtype)
+
+
+REDUCE = {"sum": np.add, "max": np.maximum, "min": np.minimum, "prod": np.multiply}
+
+
+def reduced(inputs, op):
+    acc = inputs[0].copy()
+    for x in inputs[1:]:
+        acc = REDUCE[op](acc, x).astype(acc.dtype)
+    return acc
+
+
+# -- placement: one rank per node's share of the machine, over MPI only
+assert comm.backend == "mpi", comm.backend
+assert (comm.local_rank, comm.local_size) == (rank % PER_NODE, PER_NODE), \
+    (comm.local_rank, comm.local_size)
+assert isinstance(comm._session.board, ExchangeBoard), type(comm._session.board)
+assert [type(t) for t in comm._session.transports] == [MpiTransport], comm._session.transports
+print("local %d of %d rank %d" % (comm.local_rank, comm.local_size, rank), flush=True)
+ok("placement")
+
+# -- all_reduce: dtypes, lengths (one list per dtype and op; the large array
+# with sum only), every op
+seed = 0
+for dtype in ("float16", "float32", "float64", "int32", "int64", "uint8"):
+    for op in ("sum", "max", "min", "prod"):
+        seed += 1
+        lengths = LENGTHS if op == "sum" else LENGTHS[:-1]
+        if op == "prod":
+            ins = everyone(seed, lambda g: [g.integers(1, 3, m).astype(dtype) for m in lengths])
+        else:
+            ins = everyone(seed, lambda g: [exact(g, dtype, m) for m in lengths])
+        mine = [a.copy() for a in ins[rank]]
+        assert comm.all_reduce(mine, op=op) is mine
+        for k, a in enumerate(mine):
+            same(a, reduced([x[k] for x in ins], op), "all_reduce %s %s n=%d"
+                 % (dtype, op, lengths[k]))
+ok("all_reduce")
+
+# -- avg of random floats, and division=True; a bucket of 4 KiB (many buckets)
+small = commlib.Communicator.from_mpi(bucket_bytes=4096)
+for c, kwargs in ((comm, dict(op="avg")), (small, dict(division=True))):
+    ins = everyone(100, lambda g: [g.standard_normal(m).astype(np.float32) for m in LENGTHS])
+    mine = [a.copy() for a in ins[rank]]
+    c.all_reduce(mine, **kwargs)
+    for k, a in enumerate(mine):
+        want = np.add.reduce(np.stack([x[k] for x in ins]).astype(np.float64), axis=0) / n
+        np.testing.assert_allclose(a, want, rtol=1e-5, atol=1e-6)
+        digest.update(a.tobytes())
+small.close()
+ok("all_reduce avg")
+
+
+# -- fp16/bf16: float32 arrays travel in half precision; float64 as they are
+def halves(x, fmt):
+    return x.astype(np.float16 if fmt == "fp16" else ml_dtypes.bfloat16).astype(np.float32)
+
+
+for fmt in ("fp16", "bf16"):
+    for op in ("sum", "avg"):
+        ins = everyone(200, lambda g: [(g.standard_normal(m) * 3).astype(np.float32)
+                                       for m in LENGTHS] + [g.standard_normal(5)])
+        mine = [a.copy() for a in ins[rank]]
+        comm.all_reduce(mine, op=op, compression=fmt)
+        for k, a in enumerate(mine):
+            xs = [x[k] for x in ins]
+            if a.dtype == np.float64:
+                want = np.add.reduce(np.stack(xs), axis=0) / (n if op == "avg" else 1)
+                np.testing.assert_allclose(a, want, rtol=1e-12, atol=0)
+                continue
+            # divided by n first when averaging, then cast; each step rounds
+            terms = [halves(x / np.float32(n) if op == "avg" else x, fmt).astype(np.float64)
+                     for x in xs]
+            want = np.add.reduce(np.stack(terms), axis=0)
+            eps = 2.0 ** -10 if fmt == "fp16" else 2.0 ** -7
+            bound = np.add.reduce(np.abs(np.stack(terms)), axis=0) * (n * eps) + 2.0 ** -24
+            assert (halves(a, fmt) == a).all(), "%s: not through %s" % (k, fmt)
+            assert (np.abs(a - want) <= bound).all(), (fmt, op, k, np.abs(a - want).max())
+            digest.update(a.tobytes())
+    ok(fmt)
+
+# -- broadcast from every root
+for root in range(n):
+    ins = everyone(300 + root, lambda g: [exact(g, dt, m) for dt in ("float32", "int64", "uint8")
+                                          for m in LENGTHS])
+    mine = [a.copy() for a in ins[rank]]
+    assert comm.broadcast(mine, root=root) is mine
+    for a, w in zip(mine, ins[root]):
+        same(a, w, "broadcast root=%d" % root)
+ok("broadcast")
+
+# -- reduce to every root: the root gets the sum, the others keep theirs
+for root in range(n):
+    ins = everyone(400 + root, lambda g: [exact(g, "float64", m) for m in LENGTHS])
+    mine = [a.copy() for a in ins[rank]]
+    comm.reduce(mine, root=root, op="sum")
+    for k, a in enumerate(mine):
+        same(a, reduced([x[k] for x in ins], "sum") if rank == root else ins[rank][k],
+             "reduce root=%d n=%d" % (root, LENGTHS[k]), alike=False)
+ok("reduce")
+
+# -- all_gather
+for dtype in ("float32", "int32", "uint8"):
+    for shape in ((0,), (1,), (3, 5), (100_003,)):
+        ins = everyone(500, lambda g: exact(g, dtype, shape))
+        same(comm.all_gather(ins[rank].copy()), np.stack(ins), "all_gather %s %s"
+             % (dtype, shape))
+ok("all_gather")
+
+# -- all_gatherv: lengths differ, rank 1's is empty
+ins = everyone(600, lambda g: exact(g, "float32", int(g.integers(0, 70_000))))
+ins[1] = ins[1][:0]
+mine = ins[rank].copy() if rank != 1 else np.zeros(0, np.float32)
+values, counts = comm.all_gatherv(mine)
+assert list(counts) == [x.size for x in ins], counts
+same(values, np.concatenate(ins), "all_gatherv")
+ok("all_gatherv")
+
+# -- reduce_scatter: block r of the sum goes to rank r
+for m in (0, 1, 7, 40_001):
+    for op in ("sum", "max"):
+        ins = everyone(700 + m, lambda g: exact(g, "float32", n * m))
+        got = comm.reduce_scatter(ins[rank].copy(), op=op)
+        same(got, reduced(ins, op)[rank * m:(rank + 1) * m], "reduce_scatter %s m=%d" % (op, m),
+             alike=False)
+ok("reduce_scatter")
+
+# -- barrier: nobody leaves before everyone's notice is written (the last
+# rank comes late, so that a barrier that does not wait is seen)
+folder = os.environ["COMMLIB_TEST_NODES_FOLDER"]
+for step in range(2):
+    if rank == n - 1:
+        time.sleep(0.2)
+    open(os.path.join(folder, "barrier-%d-%d" % (step, rank)), "x").close()
+    comm.barrier()
+    missing = [r for r in range(n) if not os.path.exists(
+        os.path.join(folder, "barrier-%d-%d" % (step, r)))]
+    assert not missing, "rank %d left barrier %d before ranks %s came" % (rank, step, missing)
+ok("barrier")
+
+# -- async: two all_reduces in flight, then a broadcast, then the waits
+ins = everyone(800, lambda g: [exact(g, "float32", m) for m in LENGTHS])
+first = [a.copy() for a in ins[rank]]
+second = [a.copy() for a in ins[rank]]
+w1 = comm.all_reduce(first, op="sum", async_op=True)
+w2 = comm.all_reduce(second, op="max", async_op=True)
+b = np.full(9, float(rank))
+comm.broadcast(b, root=n - 1)
+assert w1.wait() is first and w2.wait() is second
+for k in range(len(LENGTHS)):
+    same(first[k], reduced([x[k] for x in ins], "sum"), "async sum")
+    same(second[k], reduced([x[k] for x in ins], "max"), "async max")
+same(b, np.full(9, float(n - 1)), "broadcast between async calls")
+ok("async")
+
+# -- consistency check across nodes: a rank whose shape differs is named on
+# every rank, nothing is written, and the communicator goes on
+culprits_seen = []
+for bad in sorted({0, n - 1}):
+    z = np.full(5 if rank != bad else 6, float(rank), np.float32)
+    keep = z.copy()
+    try:
+        comm.all_reduce(z)
+    except errors.ConsistencyError as exc:
+        assert type(exc) is errors.ConsistencyError and "disagree" in str(exc), exc
+        assert "float32(5,)" in str(exc) and "float32(6,)" in str(exc), exc
+        if n > 2:
+            assert exc.culprits == (bad,), (bad, exc.culprits)
+            assert "[%d]" % bad in str(exc), exc
+        culprits_seen.append(exc.culprits)
+    else:
+        raise AssertionError("rank %d: shapes differing on rank %d passed" % (rank, bad))
+    assert np.array_equal(z, keep), "written after a disagreement"
+try:                                         # every rank but rank 0 differs
+    comm.all_reduce(np.zeros(3 + rank, np.float32))
+except errors.ConsistencyError as exc:
+    assert type(exc) is errors.ConsistencyError and "disagree" in str(exc), exc
+    assert exc.culprits == tuple(range(1, n)), exc.culprits
+    culprits_seen.append(exc.culprits)
+else:
+    raise AssertionError("shapes 3 + rank passed")
+x = np.full(3, rank + 1.0)
+comm.all_reduce(x)
+same(x, np.full(3, n * (n + 1) / 2), "all_reduce after the mismatches")
+print("culprits %s rank %d" % (culprits_seen, rank), flush=True)
+ok("mismatch")
+
+# -- the same without the check: the fingerprint exchange still carries the board
+off = commlib.Communicator.from_mpi(check=False)
+assert isinstance(off._session.board, ExchangeBoard) and not off.check
+ins = everyone(900, lambda g: [g.standard_normal(m).astype(np.float32) for m in LENGTHS])
+mine = [a.copy() for a in ins[rank]]
+off.all_reduce(mine, op="avg")
+for k, a in enumerate(mine):
+    want = np.add.reduce(np.stack([x[k] for x in ins]).astype(np.float64), axis=0) / n
+    np.testing.assert_allclose(a, want, rtol=1e-5, atol=1e-6)
+w = off.all_reduce(np.arange(7.0) * (rank + 1), op="sum", async_op=True)
+same(w.wait(), np.arange(7.0) * sum(range(1, n + 1)), "async, check=False")
+off.close()
+ok("check=False")
+comm.close()
+
+# -- uneven steps: rank 1 takes one step more; every rank blames the
+# minority (both ranks of two)
+uneven = commlib.Communicator.from_mpi()
+try:
+    for _ in range(3 if rank == 1 else 2):
+        uneven.all_reduce(np.ones(4))
+    uneven.close()
+except errors.PeerError as exc:
+    print("blame %s rank %d" % (list(exc.culprits), rank), flush=True)
+    assert list(exc.culprits) == ([1] if n > 2 else [0, 1]), exc.culprits
+else:
+    raise AssertionError("rank %d: uneven steps went unnoticed" % rank)
+ok("uneven steps")
+print("digest %s rank %d" % (digest.hexdigest(), rank), flush=True)
+"""
+
+
+@pytest.mark.parametrize("layout", [(2, 1), (2, 2), (3, 1)], ids=["2x1", "2x2", "3x1"])
+def test_every_collective_across_nodes(layout):
+    nodes, per_node = layout
+    n = nodes * per_node
+    run = run_nodes(layout, CODE, timeout=120, args=layout)
+    for check in CHECKS:
+        assert_each_rank(run.text, r"ok %s rank (?P<rank>\d+)" % re.escape(check), n)
+    assert run.node_of == [r // per_node for r in range(n)]
+    local = {int(r): (int(i), int(s)) for i, s, r in
+             re.findall(r"local (\d+) of (\d+) rank (\d+)", run.text)}
+    assert local == {r: (r % per_node, per_node) for r in range(n)}, local
+    digests = re.findall(r"digest (\w+) rank \d+", run.text)
+    assert len(digests) == n and len(set(digests)) == 1, digests
+    # the large arrays crossed the link: a 300 001-element float32 all-reduce
+    # alone makes every node send at least (nodes - 1) / nodes of its 1.2 MB
+    assert all(run.sent[i] > 1_000_000 for i in range(nodes)), run.sent
