@@ -42,6 +42,7 @@ makes the namespaces, runs the job and deletes them; :func:`run_nodes`
 starts it, inside ``unshare -r -n -m`` where not root.
 """
 import atexit
+import contextlib
 import dataclasses
 import json
 import os
@@ -59,6 +60,8 @@ import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE.parent / "benchmarks"))
+from shaped_link import _interrupts_held  # noqa: E402
 SUBNET = "10.250.0"
 #: names of the namespaces this harness and benchmarks/shaped_link.py make:
 #: ``commlib-<pid>...`` and ``commlib-probe-<pid>``, the pid of their maker
@@ -265,8 +268,11 @@ def drive(spec):
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
         remove_namespaces(prefix)
-        with open(os.path.join(folder, "result.json"), "w") as f:
-            json.dump(result, f)
+        if os.getppid() != spec["owner"]:         # run_nodes was killed: nobody reads it
+            shutil.rmtree(folder, ignore_errors=True)
+        else:
+            with open(os.path.join(folder, "result.json"), "w") as f:
+                json.dump(result, f)
     return 130 if interrupted else 0
 
 
@@ -379,12 +385,30 @@ def unavailable_reason():
     return _mode()[1]
 
 
-class _Interrupted(BaseException):
-    pass
+class Terminated(BaseException):
+    """SIGTERM or SIGHUP arrived while :func:`terminate_raises` held."""
 
 
-def _raise_interrupted(number, frame):
-    raise _Interrupted(number)
+def _raise_terminated(number, frame):
+    raise Terminated("signal %d" % number)
+
+
+@contextlib.contextmanager
+def terminate_raises():
+    """In the body, SIGTERM and SIGHUP raise :class:`Terminated` in the main
+    thread (as Ctrl-C raises KeyboardInterrupt), so that ``finally`` clauses
+    delete namespaces before the process ends; the handlers before are put
+    back afterwards. Elsewhere than in the main thread it does nothing (only
+    the main thread can set handlers)."""
+    previous = {}
+    if threading.current_thread() is threading.main_thread():
+        for sig in (signal.SIGTERM, signal.SIGHUP):
+            previous[sig] = signal.signal(sig, _raise_terminated)
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
 
 
 def run_nodes(layout=(2, 1), code="", timeout=60, env=None, args=(), expect_fail=False,
@@ -423,7 +447,7 @@ def run_nodes(layout=(2, 1), code="", timeout=60, env=None, args=(), expect_fail
     full_env.update(env or {})
     full_env[ENV_FOLDER] = folder
     prefix = "commlib-%d-%s" % (os.getpid(), secrets.token_hex(3))
-    spec = {"layout": [nodes, per_node], "prefix": prefix, "folder": folder,
+    spec = {"layout": [nodes, per_node], "prefix": prefix, "folder": folder, "owner": os.getpid(),
             "private": mode == "private", "timeout": timeout, "env": full_env,
             "mpiexec": shutil.which("mpiexec.hydra", path=os.path.dirname(sys.executable)),
             "mpiexec_args": ["-disable-auto-cleanup"] if survivors else [],
@@ -439,49 +463,51 @@ def run_nodes(layout=(2, 1), code="", timeout=60, env=None, args=(), expect_fail
         with _LOCK:
             _LIVE.add(prefix)
     proc = None
-    previous = {}
-    if threading.current_thread() is threading.main_thread():
-        for sig in (signal.SIGTERM, signal.SIGHUP):
-            previous[sig] = signal.signal(sig, _raise_interrupted)
-    try:
-        proc = subprocess.Popen(driver, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                text=True, start_new_session=True)
+    with terminate_raises():
         try:
-            dout, derr = proc.communicate(timeout=timeout + 60)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            dout, derr = proc.communicate()
-            pytest.fail("the driver of a %dx%d job did not end %ds after its job's %ds bound"
-                        "\n%s%s" % (nodes, per_node, 60, timeout, dout, derr))
-        try:
-            with open(os.path.join(folder, "result.json")) as f:
-                result = json.load(f)
-        except FileNotFoundError:
-            result = None
-        if proc.returncode or result is None or result["returncode"] is None:
-            pytest.fail("the driver of a %dx%d job failed (exit %d)\n%s%s"
-                        % (nodes, per_node, proc.returncode, dout, derr))
-        run = _collect(folder, n, result)
-    finally:
-        if proc is not None and proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
-        if mode == "root":
-            remove_namespaces(prefix)
-            with _LOCK:
-                _LIVE.discard(prefix)
-        shutil.rmtree(folder, ignore_errors=True)
+            with _interrupts_held():
+                # a Ctrl-C while the driver is being made acts once it is known
+                proc = subprocess.Popen(driver, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                        text=True, start_new_session=True)
+            dout, derr = _wait_driver(proc, timeout, nodes, per_node)
+            try:
+                with open(os.path.join(folder, "result.json")) as f:
+                    result = json.load(f)
+            except FileNotFoundError:
+                result = None
+            if proc.returncode or result is None or result["returncode"] is None:
+                pytest.fail("the driver of a %dx%d job failed (exit %d)\n%s%s"
+                            % (nodes, per_node, proc.returncode, dout, derr))
+            run = _collect(folder, n, result)
+        finally:
+            if proc is not None and proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+            if mode == "root":
+                remove_namespaces(prefix)
+                with _LOCK:
+                    _LIVE.discard(prefix)
+            shutil.rmtree(folder, ignore_errors=True)
     if result["timed_out"]:
         pytest.fail("%dx%d job timed out after %ss\n%s"
                     % (nodes, per_node, timeout, run.describe()))
     reports = run.reports
     check_world(reports, n, "a %dx%d job on namespaces" % (nodes, per_node))
     _check_placement(reports, result["namespaces"], nodes, per_node, run)
-    if (run.returncode != 0) != expect_fail:
+    if expect_fail is not None and (run.returncode != 0) != expect_fail:
         pytest.fail("%dx%d job: %s" % (nodes, per_node, run.describe()))
     return run
+
+
+def _wait_driver(proc, timeout, nodes, per_node):
+    import pytest
+    try:
+        return proc.communicate(timeout=timeout + 60)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        dout, derr = proc.communicate()
+        pytest.fail("the driver of a %dx%d job did not end 60 s after its job's %s s bound"
+                    "\n%s%s" % (nodes, per_node, timeout, dout, derr))
 
 
 def _collect(folder, n, result):
