@@ -420,7 +420,7 @@ def run_nodes(layout=(2, 1), code="", timeout=60, env=None, args=(), expect_fail
     Skips the test (with :func:`unavailable_reason`) where no namespaces
     can be made. Fails the test when the job runs past ``timeout`` seconds
     (the whole job killed), when its exit status is not what
-    ``expect_fail`` says, unless ranks 0..n-1 of one world of size n each
+    ``expect_fail`` says (None: either), unless ranks 0..n-1 of one world of size n each
     reported, or unless node i holds ranks ``i*k .. i*k+k-1`` (k ranks per
     node), alone in its network, UTS and IPC namespaces. ``survivors``: a
     rank that leaves without ``MPI_Finalize`` does not end the others
