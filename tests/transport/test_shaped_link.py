@@ -14,6 +14,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "benchmarks"))
 import shaped_link  # noqa: E402
+from nodes import remove_namespaces, remove_stale, terminate_raises  # noqa: E402
 
 
 def _usable():
@@ -21,14 +22,9 @@ def _usable():
         shaped_link.make_namespace("commlib-probe-%d" % os.getpid(), "1gbit")
     except shaped_link.ShapedLinkUnavailable as e:
         return str(e)
-    shaped_link.delete_namespace("commlib-probe-%d" % os.getpid())
+    finally:                                  # also when interrupted
+        shaped_link.delete_namespace("commlib-probe-%d" % os.getpid())
     return None
-
-
-def _namespaces():
-    proc = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True, timeout=30)
-    return {line.split()[0] for line in proc.stdout.splitlines()
-            if line.startswith("commlib-")}
 
 
 REASON = _usable()
@@ -37,6 +33,33 @@ REASON = _usable()
 pytestmark = [pytest.mark.skipif(REASON is not None, reason="no shaped link here: %s" % REASON),
               pytest.mark.xdist_group("netns")]
 NAME = "commlib-%d" % os.getpid()
+
+
+@pytest.fixture(autouse=True)
+def no_namespace_left():
+    """Around every test: the namespaces of dead processes (a run killed
+    with SIGKILL) removed before; SIGTERM raising like Ctrl-C, so that the
+    ``finally`` clauses run; and after, even when the test failed or was
+    interrupted, this process's namespace (``commlib-<pid>``) removed,
+    processes in it killed."""
+    if REASON is None:
+        remove_stale()
+    try:
+        with terminate_raises():
+            yield
+    finally:
+        if REASON is None:
+            remove_namespaces(NAME)
+
+
+def _end(proc):
+    """Kill ``proc`` (a run of benchmarks/shaped_link.py or of a script
+    that uses it) if it still runs, and remove the namespace named after
+    it with whatever runs in it: a SIGKILL leaves both behind."""
+    if proc.poll() is None:
+        proc.kill()
+        proc.wait()
+    remove_namespaces("commlib-%d" % proc.pid)
 
 
 def test_rate_limit_bites_and_tcp_carries_the_bytes():
@@ -132,11 +155,10 @@ def test_ctrl_c_deletes_the_namespace():
         assert shaped_link.namespace_exists(name)
         proc.send_signal(signal.SIGINT)
         proc.communicate(timeout=30)
+        assert proc.returncode != 0
+        assert not shaped_link.namespace_exists(name)
     finally:
-        if proc.poll() is None:
-            proc.kill()
-    assert proc.returncode != 0
-    assert not shaped_link.namespace_exists(name)
+        _end(proc)
 
 
 def ctrl_c(taker):
@@ -197,8 +219,8 @@ def test_break_even_table_over_shm_and_a_shaped_link(tmp_path):
     try:
         proc.stdout, proc.stderr = proc.communicate(timeout=300)
     finally:
-        if proc.poll() is None:
-            proc.kill()
+        leftover = shaped_link.namespace_exists("commlib-%d" % proc.pid)
+        _end(proc)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     rows = json.loads(out.read_text())["rows"]
     got = {(r["link"], r["strategy"]): r for r in rows}
@@ -215,4 +237,4 @@ def test_break_even_table_over_shm_and_a_shaped_link(tmp_path):
     assert got["200mbit", "none"]["ms"] >= 60
     assert "| mnist_cnn | 200mbit | none |" in proc.stdout
     # its namespace is gone (named after its process; other tests' come and go)
-    assert "commlib-%d" % proc.pid not in _namespaces()
+    assert not leftover
