@@ -710,6 +710,7 @@ class HostCupy:
 
             def launch(self, stream=None):
                 host.forbid_in_capture("a graph launch")
+                host.settle(None if stream is None else stream.ptr)
                 host.graph_launches += 1
                 for kernel, node in self.nodes:
                     host.replayed += kernel

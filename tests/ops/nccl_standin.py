@@ -38,6 +38,8 @@ It follows NCCL's contract, not only its names:
   and marks the rank aborted: peers waiting on it fail with
   NCCL_ERROR_REMOTE_ERROR, reported by ``check_async_error()``, as is a
   peer that failed, destroyed its communicator or whose process ended.
+  As NCCL's kernels, work that failed (and the work after it) stays
+  unfinished on its stream until the communicator is aborted or destroyed.
   After ``abort()`` or ``destroy()`` the handle is NULL, as cupy's: every
   call raises INVALID_ARGUMENT. A communicator with an asynchronous error
   refuses new calls (INVALID_ARGUMENT, with the error), as NCCL does.
@@ -46,7 +48,8 @@ It follows NCCL's contract, not only its names:
   waited for.
 - ``comm.fail_at(k, status)`` (stand-in only) makes this rank's call number
   k (0-based, calls of count 0 not counted) fail asynchronously with
-  ``status`` when it runs, before it writes anything.
+  ``status`` when it runs, before it writes anything; ``comm.stall_at(k)``
+  makes it hang (take no part) until the communicator is aborted.
 
 What it cannot show: NCCL's speed, its algorithms (ring, tree) and their
 reduction order, its topology (NVLink, PCIe, network), several nodes.
@@ -368,6 +371,12 @@ class _Communicator:
         when it runs (an asynchronous error), before writing anything."""
         self._fail_at[int(call)] = int(status)
 
+    def stall_at(self, call):
+        """Stand-in only: this rank's call number ``call`` never takes part (as
+        a hung kernel): it waits, sending nothing, until the communicator is
+        aborted (or the stand-in's limit passes)."""
+        self._fail_at[int(call)] = "stall"
+
     def abort(self):
         """Stop this rank's work and mark it aborted for its peers; nothing is
         written once this returns. The handle is NULL afterwards."""
@@ -386,7 +395,7 @@ class _Communicator:
         if not self._open:
             return
         with self._lock:
-            pending = list(self._queue)
+            pending = list(self._queue) if self._error is None else []
         from cuda_host_build import wait_all
         try:
             wait_all(pending)
@@ -582,14 +591,21 @@ class _Communicator:
                 if self._error is None and not self._aborting:
                     self._execute(launch)
             except NcclError as exc:
-                self._set_error(exc)
+                if not self._aborting:
+                    self._set_error(exc)
             except Exception as exc:         # a bug of the stand-in: report it, never hang
                 self._set_error(NcclError(INTERNAL_ERROR, "rank %d: %s: %r"
                                           % (self._rank, launch.what, exc)))
-            finally:
+            if self._error is not None:
+                # as NCCL's kernels after an asynchronous error: the work
+                # stays unfinished until the communicator is aborted
+                end = time.monotonic() + limit_s()
                 with self._lock:
-                    self._queue.pop(0)
-                launch.finished.set()
+                    while self._open and not self._aborting and time.monotonic() < end:
+                        self._lock.wait(0.05)
+            with self._lock:
+                self._queue.pop(0)
+            launch.finished.set()
 
     def _set_error(self, exc):
         if self._error is None:
@@ -625,6 +641,11 @@ class _Communicator:
                     raise NcclError(SYSTEM_ERROR, "rank %d: %s waited %g s for %s before it on "
                                     "its stream" % (self._rank, launch.what, limit_s(), dep.what))
         for o in launch.ops:
+            if o.fail == "stall":
+                while not self._aborting and time.monotonic() < end:
+                    time.sleep(0.01)
+                raise NcclError(SYSTEM_ERROR, "rank %d: %s stalled (injected)"
+                                % (self._rank, o.label()))
             if o.fail is not None:
                 raise NcclError(o.fail, "rank %d: %s failed (injected)" % (self._rank, o.label()))
             o.start()
