@@ -360,13 +360,31 @@ class HostCupy:
     (and allocations and reads would be wrong in a real capture). The
     graph's ``launch`` runs the recorded work in order, each kernel logged
     in ``launches`` when it runs; ``graph_launches`` counts the graphs
-    launched, ``replayed`` the kernels they ran."""
+    launched, ``replayed`` the kernels they ran.
 
-    def __init__(self, kernels, schedule=SCHEDULES[0], sm_count=2, lenient=False):
+    ``devices``: how many GPUs ``cuda.runtime.getDeviceCount()`` reports;
+    ``cuda.Device(i)`` makes device i current for the thread and arrays
+    remember the device current when they were allocated (``a.device``),
+    all in host memory. Work that runs apart from the caller (the NCCL
+    stand-in's collectives, tests/ops/nccl_standin.py) is registered on its
+    stream (:meth:`enqueue`): a stream's ``synchronize``, an event recorded
+    after it, and any device work or host read issued on that stream (or on
+    the legacy null stream) wait until it has finished (:meth:`settle`),
+    as stream order has it; ``wait_event`` carries an event's work over to
+    another stream. ``nccl=True`` adds ``cuda.nccl``, the NCCL stand-in."""
+
+    def __init__(self, kernels, schedule=SCHEDULES[0], sm_count=2, lenient=False, devices=1,
+                 nccl=False):
         self.kernels = kernels
         self.schedule = schedule
         self.sm_count = sm_count
         self.lenient = lenient
+        self.devices = int(devices)
+        self._device = threading.local()   # the thread's current device
+        # stream ptr -> work items not known to have finished (see enqueue)
+        self._pending = {}
+        self._pending_lock = threading.Lock()
+        self._non_blocking = set()          # ptrs of streams made with non_blocking=True
         self.launches = []
         self.reads = []           # (file, line) of every host read of a device array
         self.after_launch = None  # called as after_launch(name, args) after each launch
@@ -375,6 +393,63 @@ class HostCupy:
         # (stream, recorded nodes) while a stream of the thread captures
         self._thread = threading.local()
         self.module = self._make_module()
+        self.nccl = None
+        if nccl:
+            import nccl_standin
+            self.nccl = self.module.cuda.nccl = nccl_standin.make_module(self)
+
+    # -- the current device and work that runs apart from the caller
+    def current_device(self):
+        return getattr(self._device, "id", 0)
+
+    def use_device(self, device):
+        if not 0 <= int(device) < self.devices:
+            raise RuntimeError("stand-in cupy: cudaErrorInvalidDevice: device %d of %d"
+                               % (device, self.devices))
+        self._device.id = int(device)
+
+    def enqueue(self, stream_ptr, item):
+        """Register ``item`` (``finished``: a threading.Event, ``what``: text)
+        as work on stream ``stream_ptr`` that has not run yet."""
+        with self._pending_lock:
+            self._pending.setdefault(stream_ptr, []).append(item)
+
+    def _unfinished(self, stream_ptr):
+        """The registered work that work on ``stream_ptr`` comes after: the
+        stream's own, the legacy null stream's (for a blocking stream), and
+        every blocking stream's (for the null stream)."""
+        with self._pending_lock:
+            for ptr in list(self._pending):
+                left = [i for i in self._pending[ptr] if not i.finished.is_set()]
+                if left:
+                    self._pending[ptr] = left
+                else:
+                    del self._pending[ptr]
+            if not self._pending:
+                return []
+            if stream_ptr == 0:
+                ptrs = [p for p in self._pending if p not in self._non_blocking]
+            else:
+                ptrs = [stream_ptr] + ([0] if stream_ptr not in self._non_blocking else [])
+            return [i for p in ptrs for i in self._pending.get(p, ())]
+
+    def settle(self, stream_ptr=None, limit=None):
+        """Wait until the registered work that ``stream_ptr`` (default: the
+        thread's current stream) comes after has finished; bounded by
+        ``limit`` seconds (default COMMLIB_NCCL_STANDIN_LIMIT_S, 120)."""
+        if not self._pending:
+            return
+        if stream_ptr is None:
+            stream_ptr = self.module.cuda.get_current_stream().ptr
+        wait_all(self._unfinished(stream_ptr), limit)
+
+    def settle_all(self, limit=None):
+        """Wait for all registered work (a device synchronisation)."""
+        if not self._pending:
+            return
+        with self._pending_lock:
+            items = [i for v in self._pending.values() for i in v]
+        wait_all(items, limit)
 
     @property
     def capture(self):
@@ -407,25 +482,52 @@ class HostCupy:
         host = self
 
         class ndarray(np.ndarray):
+            def __array_finalize__(self, obj):
+                self._device_id = getattr(obj, "_device_id", None)
+                if self._device_id is None:
+                    self._device_id = host.current_device()
+
             @property
             def data(self):
-                return _Memory(_address(self))
+                return _Memory(_address(self), host)
 
             @property
             def device(self):
-                return _Device(0)
+                return _Device(self._device_id, host)
 
-            def get(self):
+            def get(self, stream=None, out=None):
                 host.forbid_in_capture("a host read (get)")
+                host.settle(None if stream is None else stream.ptr)
                 host.read()
+                if out is not None:
+                    out[...] = self.view(np.ndarray)
+                    return out
                 return np.array(self)
 
             def set(self, arr):
                 host.forbid_in_capture("a copy from the host (set)")
+                host.settle()
                 self[...] = np.asarray(arr).reshape(self.shape)
+
+            def copy(self, order="C"):
+                host.settle()
+                return super().copy(order)
+
+            def astype(self, *args, **kwargs):
+                host.settle()
+                return super().astype(*args, **kwargs)
+
+            def fill(self, value):
+                host.settle()
+                return super().fill(value)
+
+            def __array_function__(self, func, types, args, kwargs):
+                host.settle()
+                return super().__array_function__(func, types, args, kwargs)
 
             def __array_ufunc__(self, ufunc, method, *inputs, **kwargs):
                 host.forbid_in_capture("the operation %s.%s" % (ufunc.__name__, method))
+                host.settle()
                 inputs = tuple(i.view(np.ndarray) if isinstance(i, ndarray) else i
                                for i in inputs)
                 outs = kwargs.get("out")
@@ -441,6 +543,7 @@ class HostCupy:
 
             def __setitem__(self, key, value):
                 host.forbid_in_capture("a copy into an array")
+                host.settle()
                 # a device value goes device to device, as in cupy: not a read
                 if isinstance(value, ndarray):
                     value = value.view(np.ndarray)
@@ -450,6 +553,7 @@ class HostCupy:
         def reading(convert):
             def method(self, *args):
                 host.forbid_in_capture("a host read")
+                host.settle()
                 host.read()
                 return convert(np.asarray(self), *args)
             return method
@@ -511,6 +615,7 @@ class HostCupy:
                 if nodes is not None:
                     nodes.append((True, functools.partial(self._run, grid, block, tuple(args))))
                     return
+                host.settle()
                 self._run(grid, block, args)
 
             def _run(self, grid, block, args):
@@ -538,9 +643,12 @@ class HostCupy:
 
             def __init__(self, null=False, non_blocking=False):
                 self.ptr = 0 if null else id(self)
+                if non_blocking and not null:
+                    host._non_blocking.add(self.ptr)
 
             def synchronize(self):
                 host.forbid_in_capture("a stream synchronisation")
+                host.settle(self.ptr)
 
             def begin_capture(self, mode=None):
                 if self.ptr == 0:
@@ -565,7 +673,9 @@ class HostCupy:
                 return event
 
             def wait_event(self, event):
-                pass
+                for item in event.items:
+                    if not item.finished.is_set():
+                        host.enqueue(self.ptr, item)
 
             def use(self):
                 current.stream = self
@@ -589,6 +699,7 @@ class HostCupy:
                 nodes.append((False, functools.partial(ctypes.memset, ptr, value, size)))
                 return
             host.forbid_in_capture("a memset on another stream")
+            host.settle(stream)
             ctypes.memset(ptr, value, size)
 
         class _Graph:
@@ -599,6 +710,7 @@ class HostCupy:
 
             def launch(self, stream=None):
                 host.forbid_in_capture("a graph launch")
+                host.settle(None if stream is None else stream.ptr)
                 host.graph_launches += 1
                 for kernel, node in self.nodes:
                     host.replayed += kernel
@@ -610,15 +722,18 @@ class HostCupy:
         class _Event:
             def __init__(self, *args, **kwargs):
                 self.t = 0.0
+                self.items = ()     # registered work recorded before the event
 
             def record(self, stream=None):
+                stream = cuda.get_current_stream() if stream is None else stream
+                self.items = tuple(host._unfinished(stream.ptr)) if host._pending else ()
                 self.t = time.perf_counter()
 
             def synchronize(self):
-                pass
+                wait_all(self.items)
 
             def query(self):
-                return True
+                return all(i.finished.is_set() for i in self.items)
 
             done = property(query)
 
@@ -626,20 +741,22 @@ class HostCupy:
                  "name": b"cooperative host build", "l2CacheSize": 1 << 20,
                  "totalGlobalMem": 1 << 33, "major": 0, "minor": 0}
         cuda = types.SimpleNamespace(
-            Device=_Device, Event=_Event, Stream=_Stream, Graph=_Graph,
+            Device=functools.partial(_Device, host=self), Event=_Event, Stream=_Stream, Graph=_Graph,
             get_current_stream=lambda: getattr(current, "stream", None) or null_stream,
             get_elapsed_time=lambda a, b: (b.t - a.t) * 1e3,
-            runtime=types.SimpleNamespace(getDevice=lambda: 0, getDeviceCount=lambda: 1,
+            runtime=types.SimpleNamespace(getDevice=self.current_device,
+                                          getDeviceCount=lambda: self.devices,
                                           getDeviceProperties=lambda i: dict(props),
                                           runtimeGetVersion=lambda: 0,
                                           memsetAsync=memset_async,
                                           driverGetVersion=lambda: 0,
-                                          deviceSynchronize=lambda: None))
+                                          deviceSynchronize=self.settle_all))
         rng = device_functions(np.random)
         mod = types.ModuleType("cupy")
         mod.__dict__.update(
             ndarray=ndarray, empty=empty, zeros=zeros, asarray=asarray,
-            asnumpy=lambda a, stream=None, **kwargs: np.array(a, **kwargs),
+            asnumpy=lambda a, stream=None, **kwargs: (
+                host.settle(None if stream is None else stream.ptr) or np.array(a, **kwargs)),
             RawKernel=RawKernel, RawModule=RawModule, cuda=cuda, __version__="coop-host",
             random=types.SimpleNamespace(default_rng=lambda seed=None: types.SimpleNamespace(
                 **{n: device_functions(np.random.default_rng(seed))(n)
@@ -692,45 +809,82 @@ class HostCupy:
         return self.module
 
 
+def wait_all(items, limit=None):
+    """Wait until every item's ``finished`` event is set, for at most
+    ``limit`` seconds in all (default COMMLIB_NCCL_STANDIN_LIMIT_S or 120);
+    RuntimeError naming the first unfinished item after that."""
+    if not items:
+        return
+    import os
+    if limit is None:
+        limit = float(os.environ.get("COMMLIB_NCCL_STANDIN_LIMIT_S", 120))
+    end = time.monotonic() + limit
+    for item in items:
+        if not item.finished.wait(max(0.0, end - time.monotonic())):
+            raise RuntimeError("stand-in cupy: %s did not finish within %g s"
+                               % (item.what, limit))
+
+
 class _Memory:
-    def __init__(self, ptr):
+    def __init__(self, ptr, host=None):
         self.ptr = ptr
+        self.host = host
 
     def copy_from_device_async(self, src, size, stream=None):
+        if self.host is not None:
+            self.host.settle(None if stream is None else stream.ptr)
         ctypes.memmove(self.ptr, src.ptr, size)
 
 
 class _Device:
-    def __init__(self, id=0):
-        self.id = int(id)
+    """``cupy.cuda.Device(id)``: ``with`` makes it the thread's current
+    device (restoring the one before), ``use()`` makes it current."""
+
+    def __init__(self, id=None, host=None):
+        self.host = host
+        self.id = (0 if host is None else host.current_device()) if id is None else int(id)
 
     def __enter__(self):
+        if self.host is not None:
+            self._previous = self.host.current_device()
+            self.host.use_device(self.id)
         return self
 
     def __exit__(self, *exc):
+        if self.host is not None:
+            self.host.use_device(self._previous)
         return False
 
     def use(self):
-        pass
+        if self.host is not None:
+            self.host.use_device(self.id)
 
     def synchronize(self):
-        pass
+        if self.host is not None:
+            self.host.settle_all()
 
 
-def write_cupy_package(directory, kernels):
+def write_cupy_package(directory, kernels, nccl=False, devices=1):
     """Write ``cupy`` and ``cupyx`` packages into ``directory`` that make
     ``import cupy`` in another process a :class:`HostCupy` of ``kernels``
-    (lenient when COMMLIB_HOST_KERNELS_LENIENT is set there)."""
+    (lenient when COMMLIB_HOST_KERNELS_LENIENT is set there) with
+    ``devices`` GPUs; ``nccl``: ``from cupy.cuda import nccl`` gives the
+    NCCL stand-in (tests/ops/nccl_standin.py), else it fails to import."""
     directory = Path(directory)
     (directory / "cupy").mkdir(exist_ok=True)
     (directory / "cupy" / "__init__.py").write_text(
         '"""cupy stand-in: the cooperative host build of kernels/ (tests/ops/cuda_host_build.py)."""\n'
         "import os\nimport sys\n\nsys.path.insert(0, %r)\nimport cuda_host_build as _build  # noqa\n\n"
         "_host = _build.HostCupy(_build.open_library(%r, %r),\n"
-        "                        lenient=bool(os.environ.get('COMMLIB_HOST_KERNELS_LENIENT')))\n"
+        "                        lenient=bool(os.environ.get('COMMLIB_HOST_KERNELS_LENIENT')),\n"
+        "                        devices=%d, nccl=%r)\n"
         "globals().update({k: v for k, v in vars(_host.module).items() if not k.startswith('__')"
         " or k in ('__getattr__', '__version__')})\n"
-        % (str(Path(__file__).resolve().parent), str(kernels.path), str(kernels.source_dir)))
+        "if _host.nccl is not None:\n"
+        "    sys.modules['cupy.cuda'] = cuda\n"
+        "    sys.modules['cupy.cuda.nccl'] = cuda.nccl\n"
+        % (str(Path(__file__).resolve().parent), str(kernels.path), str(kernels.source_dir),
+           int(devices), bool(nccl)))
     (directory / "cupyx").mkdir(exist_ok=True)
     (directory / "cupyx" / "__init__.py").write_text(
         "import numpy as np\n\n\ndef scatter_add(a, slices, value):\n"
