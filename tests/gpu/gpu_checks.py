@@ -101,6 +101,9 @@ def main(which):
     else:
         comm = commlib.Communicator.from_mpi(backend="mpi")
         assert comm.backend == "mpi"
+    if comm.device is not None:     # arrays on the rank's GPU, as a training loop makes them
+        import cupy
+        cupy.cuda.Device(comm.device).use()
     collectives_on_cupy(comm, rng)
     device_errors(comm)
     comm.close()
