@@ -36,7 +36,7 @@ truncation); use ``op="sum"`` and divide yourself.
 import time
 
 from . import settings, trace
-from .collective import collectives
+from .collective import collectives, p2p
 from .collective.session import Session
 from .errors import ArgumentError
 from .faults import board as _board
@@ -297,6 +297,88 @@ class Communicator:
             ArgumentError: ``timeout`` is not a positive number or None.
         """
         return self._issue("barrier", None, False, collectives.barrier, timeout)
+
+    # -- point to point --------------------------------------------------------------
+    def send(self, array, dst, async_op=False):
+        """Send ``array`` to rank ``dst``, which receives it with
+        :meth:`recv` (same dtype and shape).
+
+        The consistency check (on by default) exchanges a header with
+        ``dst`` first: the send completes only once ``dst`` posted its
+        receive, and a receive of another dtype or shape raises
+        ConsistencyError on both ranks, naming both, with nothing moved
+        (see :mod:`commlib.collective.p2p`). Sending to this rank itself
+        needs the receive in the same :meth:`batch_send_recv`.
+
+        Args:
+            array: one array (numpy, cupy or DLPack), read only.
+            dst: the receiving rank.
+            async_op: True returns a :class:`commlib.Work` (run in issue
+                order with the other asynchronous calls: a send and a
+                receive that must meet in one rank's queue go in one
+                :meth:`batch_send_recv`).
+
+        Returns:
+            None (a Work with ``async_op=True``).
+
+        Raises:
+            ArgumentError: ``dst`` is not a rank (on this rank only: there
+                is no peer to tell).
+            ConsistencyError: the receive does not match, or ``dst``
+                rejected its arguments.
+            CollectiveTimeoutError: ``dst`` did not receive before the
+                deadline (naming it).
+        """
+        return self._issue("send", array, async_op, p2p.send_recv, "send",
+                           [p2p.P2POp("send", array, dst)])
+
+    def recv(self, array, src, async_op=False):
+        """Receive into ``array``, in place, what rank ``src`` sends with
+        :meth:`send` (same dtype and shape; see there). ``array`` is
+        written only once the message arrived whole.
+
+        Args:
+            array: one writeable C-contiguous array.
+            src: the sending rank.
+            async_op: True returns a :class:`commlib.Work`.
+
+        Returns:
+            ``array`` (a Work with ``async_op=True``).
+
+        Raises:
+            As :meth:`send`, for ``src``.
+        """
+        return self._issue("recv", array, async_op, p2p.send_recv, "recv",
+                           [p2p.P2POp("recv", array, src)], array)
+
+    def batch_send_recv(self, ops, async_op=False):
+        """Issue the sends and receives of ``ops`` together and wait for all
+        of them: a ring exchange, a halo exchange, sends and receives to
+        and from one peer in any order (torch's ``batch_isend_irecv``).
+
+        Messages between two ranks match in order: the n-th send of rank a
+        to rank b with the n-th receive of rank b from rank a. With the
+        consistency check, each pair's headers are compared first; a pair
+        that disagrees moves nothing and raises ConsistencyError on both of
+        its ranks, after the other pairs of the batch completed.
+
+        Args:
+            ops: a list of :class:`commlib.P2POp` (``P2POp("send", array,
+                peer)``, ``P2POp("recv", array, peer)``), arrays of one kind;
+                receiving arrays must not share memory.
+            async_op: True returns a :class:`commlib.Work`.
+
+        Returns:
+            None (a Work with ``async_op=True``).
+
+        Raises:
+            ArgumentError: ``ops`` is no list of P2POp, or a peer is not a
+                rank (on this rank only).
+            ConsistencyError, CollectiveTimeoutError, PeerError: as in
+                :meth:`send`, naming the pairs and ranks.
+        """
+        arrays = [op.array for op in ops] if isinstance(ops, (list, tuple)) else ops
+        return self._issue("send_recv", arrays, async_op, p2p.send_recv, "send_recv", ops)
 
     def _issue(self, name, arrays, async_op, collective, *args):
         """Run ``collective(session, *args)``, collective ``name`` on
