@@ -51,7 +51,7 @@ KINDS = ("send", "recv")
 HEADER_WORDS, MAX_DIMS = 64, 32
 _TEXT_AT = (4 + MAX_DIMS) * 8
 OK, REJECTED = 1, 2
-_ARRAY_KINDS = ("numpy", "cupy")
+ARRAY_KINDS = ("numpy", "cupy")
 
 
 class P2POp:
@@ -172,7 +172,7 @@ def header(array, kind, error):
         text = str(error).encode("utf-8", "replace")[:HEADER_WORDS * 8 - _TEXT_AT - 1]
         words.view(np.uint8)[_TEXT_AT:_TEXT_AT + len(text)] = np.frombuffer(text, np.uint8)
         return words
-    words[:4] = OK, _ARRAY_KINDS.index(kind), dtypes.SUPPORTED.index(array.dtype.name), \
+    words[:4] = OK, ARRAY_KINDS.index(kind), dtypes.SUPPORTED.index(array.dtype.name), \
         array.ndim
     words[4:4 + array.ndim] = array.shape
     return words
@@ -183,7 +183,7 @@ def describe(words):
     if words[0] == REJECTED:
         raw = bytes(words.view(np.uint8)[_TEXT_AT:]).split(b"\0", 1)[0]
         return "rejected its arguments: %s" % raw.decode("utf-8", "replace")
-    kind = "" if words[1] == 0 else _ARRAY_KINDS[int(words[1])] + " "
+    kind = "" if words[1] == 0 else ARRAY_KINDS[int(words[1])] + " "
     shape = tuple(int(n) for n in words[4:4 + int(words[3])])
     return "%s%s%s" % (kind, dtypes.SUPPORTED[int(words[2])], shape)
 
