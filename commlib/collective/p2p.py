@@ -40,6 +40,7 @@ import numpy as np
 from ..core import dtypes
 from ..core.fingerprints import label
 from ..core.waiting import Wait
+from ..faults.board import GAVE_UP, GONE, REASON, STRIDE
 from ..errors import (ArgumentError, ArrayTypeError, CollectiveTimeoutError, CommlibError,
                       ConsistencyError)
 from ..ops.arrays import array_module
@@ -83,10 +84,18 @@ class PairWait(Wait):
         self.peers, self.call = tuple(peers), call
 
     def check(self, late=None):
-        super().check(self.peers if late is None else late)
+        watched = self.peers if late is None else late
+        words = getattr(self.board, "words", None)
+        if words is not None:
+            # a peer that closed or exited after the last collective may
+            # have done its part first (its messages still arrive): only
+            # the deadline ends a wait for it, naming it
+            watched = [r for r in watched if not words[r * STRIDE + GONE]
+                       or words[r * STRIDE + REASON] == GAVE_UP]
+        super().check(watched)
 
     def timeout(self, late=None):
-        late = list(self.peers if late is None else late)
+        late = list(late or self.peers)
         board = self.board
         state = getattr(board, "state_of", None)
         who = "; ".join("rank %d (%s)" % (r, state(r)) if state else "rank %d" % r

@@ -180,3 +180,138 @@ def main(which):
         checks[name](comm)
     comm.close()
     print("rank %d ok" % comm.rank)
+
+
+def expect(kind, fragments, fn):
+    """Call ``fn``; assert it raises exactly ``kind`` holding every fragment."""
+    try:
+        fn()
+    except errors.CommlibError as exc:
+        assert type(exc) is kind, "%s raised, not %s: %s" % (type(exc).__name__,
+                                                              kind.__name__, exc)
+        for fragment in fragments:
+            assert fragment in str(exc), "%r not in %r" % (fragment, str(exc))
+        return exc
+    raise AssertionError("%s was not raised" % kind.__name__)
+
+
+def check_mismatches(comm, bad):
+    """Rank ``bad`` passes what its peers do not expect; every rank raises,
+    naming the culprit, nothing is written, and the communicator stays
+    usable."""
+    r, n = comm.rank, comm.size
+    peer = (bad + 1) % n
+    keep = np.full(4, 7.0)
+    # a receive of another dtype: both ranks of the pair, both arrays named
+    if r == bad:
+        expect(errors.ConsistencyError, ["rank %d sends float32(4,) to rank %d, which receives "
+                                         "float64(4,)" % (bad, peer)],
+               lambda: comm.send(np.zeros(4, np.float32), peer))
+    elif r == peer:
+        expect(errors.ConsistencyError, ["rank %d sends float32(4,)" % bad, "float64(4,)"],
+               lambda: comm.recv(keep, bad))
+        assert (keep == 7.0).all()
+    # a rejected receive (read-only) named on the sender
+    ro = np.zeros(3)
+    ro.setflags(write=False)
+    if r == bad:
+        expect(errors.ArrayTypeError, ["rank %d" % bad, "read-only"],
+               lambda: comm.recv(ro, peer))
+    elif r == peer:
+        expect(errors.ConsistencyError, ["rank %d rejected its arguments" % bad, "read-only"],
+               lambda: comm.send(np.zeros(3), bad))
+    # a bad peer: on that rank only, before anything is sent
+    if r == bad:
+        expect(errors.ArgumentError, ["rank %d" % bad, "0 <= peer < %d" % n, "got %d" % n],
+               lambda: comm.send(np.zeros(3), n))
+    # all_to_all of another size: every rank raises, naming the culprit
+    size = 3 * n if r == bad else 2 * n
+    exc = expect(errors.ConsistencyError, ["all_to_all"],
+                 lambda: comm.all_to_all(np.zeros(size), np.zeros(size)))
+    # two ranks that differ: either may be the odd one; more: the minority
+    assert exc.culprits and (n == 2 or list(exc.culprits) == [bad]), exc.culprits
+    assert "ranks [%d]" % bad in str(exc), exc
+    # all_to_allv with given counts that disagree on the pair (bad -> peer)
+    counts = [1] * n
+    expects = [1] * n
+    if r == peer:
+        expects[bad] = 2
+    if n > 1:
+        if r in (bad, peer) and bad != peer:
+            expect(errors.ConsistencyError, ["rank %d sends 1 elements to rank %d, which "
+                                             "expects 2" % (bad, peer)],
+                   lambda: comm.all_to_allv(np.arange(n, dtype=np.float32), counts, expects))
+        else:
+            got, _ = comm.all_to_allv(np.arange(n, dtype=np.float32), counts, expects)
+            assert got.tolist() == [float(r)] * n
+    # split with a bad colour: every rank raises
+    expect(errors.ArgumentError if r == bad else errors.ConsistencyError,
+           ["color" if r == bad else "rank %d rejected its arguments" % bad],
+           lambda: comm.split(-1 if r == bad else 0))
+    # still usable
+    x = np.ones(2)
+    comm.all_reduce(x)
+    assert (x == n).all()
+
+
+def check_deadline(comm, bad):
+    """Blocking sends in a cycle (2 ranks: each sends to the other) end at
+    the deadline: every rank raises, naming the peer it waited for; rank
+    ``bad`` alone does not call: its peer names it."""
+    r, n = comm.rank, comm.size
+    short = commlib.Communicator.from_mpi(timeout=1.0)
+    if n == 2 and bad < 0:
+        exc = expect_any(lambda: short.send(np.zeros(5), 1 - r))
+        # the first to give up names its peer; the other learns it gave up
+        assert "send after collective #0 (send to rank %d) did not complete before its " \
+               "deadline: waiting for rank %d" % (1 - r, 1 - r) in str(exc) or \
+               "rank %d gave up" % (1 - r) in str(exc), exc
+        assert list(exc.culprits) in ([1 - r], [r]), exc.culprits
+    elif r != bad:
+        peer = bad
+        exc = expect_any(lambda: short.recv(np.zeros(5), peer))
+        assert isinstance(exc, errors.CollectiveTimeoutError), exc
+        assert "recv after collective #0 (recv from rank %d) did not complete before its " \
+               "deadline: waiting for rank %d" % (bad, bad) in str(exc), exc
+        assert list(exc.culprits) == [bad], exc.culprits
+    WORLD.Barrier()             # rank ``bad`` stays until its peers gave up
+    print("rank %d deadline ok" % r, flush=True)
+    short._session.abandon(2, "")
+
+
+def expect_any(fn):
+    try:
+        fn()
+    except (errors.CollectiveTimeoutError, errors.PeerError) as exc:
+        return exc
+    raise AssertionError("no CollectiveTimeoutError or PeerError")
+
+
+def check_death(comm, bad):
+    """Rank ``bad`` dies while its peer waits to receive from it and the
+    others wait in an all_to_all: each raises PeerError naming it."""
+    r = comm.rank
+    if r == bad:
+        os._exit(3)
+    peer = (bad + 1) % comm.size
+    if r == peer:
+        exc = expect(errors.PeerError, ["rank %d" % bad], lambda: comm.recv(np.zeros(3), bad))
+    else:
+        exc = expect(errors.PeerError, ["rank %d" % bad],
+                     lambda: comm.all_to_all(np.zeros(comm.size), np.zeros(comm.size)))
+    assert bad in exc.culprits, exc.culprits
+    print("rank %d death ok" % r, flush=True)
+    os._exit(0)
+
+
+def faults(which, bad):
+    comm = commlib.Communicator.from_mpi()
+    bad = int(bad)
+    if which == "mismatch":
+        check_mismatches(comm, bad)
+        comm.close()
+        print("rank %d ok" % comm.rank)
+    elif which == "deadline":
+        check_deadline(comm, bad)
+    elif which == "death":
+        check_death(comm, bad)
