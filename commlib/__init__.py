@@ -12,6 +12,7 @@ from .collective.bucketing import flat_arrays
 from .communicator import Communicator
 from .overlap import BackwardReducer
 from .collective.reduce_state import ReduceState
+from .collective.p2p import P2POp
 from .collective.stats import CommStats
 from .progress.work import Work
 from .errors import (ArgumentError, ArrayTypeError, BackendUnavailableError, ClosedError,

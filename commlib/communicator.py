@@ -33,10 +33,11 @@ Integer rule: ``op="avg"`` and ``division=True`` need floating dtypes and
 raise :class:`~commlib.errors.ArrayTypeError` on integer arrays (no silent
 truncation); use ``op="sum"`` and divide yourself.
 """
+import math
 import time
 
 from . import settings, trace
-from .collective import collectives
+from .collective import collectives, exchanges, p2p
 from .collective.session import Session
 from .errors import ArgumentError
 from .faults import board as _board
@@ -297,6 +298,269 @@ class Communicator:
             ArgumentError: ``timeout`` is not a positive number or None.
         """
         return self._issue("barrier", None, False, collectives.barrier, timeout)
+
+    def scatter(self, arrays, root=0):
+        """Rank ``root``'s ``arrays[r]`` to rank r.
+
+        Args:
+            arrays: on ``root``, a list of ``size`` arrays of one kind,
+                dtype and shape (read only); ignored on the other ranks
+                (pass None), which learn the blocks' dtype and shape from
+                the root.
+            root: the sending rank.
+
+        Returns:
+            A new array: this rank's block (of the root's kind, dtype and
+            shape; the root's framework's type on the root).
+
+        Raises:
+            ArgumentError: ``root`` is not a rank; on the root, ``arrays``
+                is not ``size`` arrays of one dtype and shape (the others
+                raise ConsistencyError naming the root).
+        """
+        return self._issue("scatter", None, False, exchanges.scatter, arrays, root)
+
+    def gather(self, array, root=0):
+        """Every rank's ``array``, stacked on ``root``.
+
+        Args:
+            array: one array, of the same shape and dtype on every rank.
+            root: the receiving rank.
+
+        Returns:
+            On ``root`` a new array of shape ``(size, *array.shape)`` (row r
+            is rank r's); None on the other ranks.
+
+        Raises:
+            ArgumentError: ``root`` is not a rank.
+            ConsistencyError: (consistency check on) the ranks' shapes or
+                dtypes differ.
+        """
+        return self._issue("gather", array, False, exchanges.gather, array, root)
+
+    def all_to_all(self, send, recv):
+        """Block r of ``send`` (flattened, ``size`` equal blocks) goes to
+        rank r; ``recv`` receives rank r's block for this rank as its block
+        r, in place (``recv`` may be ``send``).
+
+        Args:
+            send: one array whose ``size`` is a multiple of ``size``.
+            recv: one writeable C-contiguous array of ``send``'s dtype and
+                size (any shape).
+
+        Returns:
+            ``recv``.
+
+        Raises:
+            ArgumentError: ``send.size`` is not a multiple of ``size``, or
+                ``recv`` differs from ``send`` in dtype or size.
+            ConsistencyError: (consistency check on) the ranks' shapes or
+                dtypes differ.
+        """
+        return self._issue("all_to_all", [send, recv], False, exchanges.all_to_all, send,
+                           recv)
+
+    def all_to_allv(self, array, send_counts, recv_counts=None):
+        """Block r of the 1-D ``array`` (``send_counts[r]`` elements, blocks
+        end to end) goes to rank r; blocks of any length, empty ones too.
+
+        Args:
+            array: a 1-D array, of one dtype on every rank.
+            send_counts: ``size`` non-negative ints summing to ``array.size``.
+            recv_counts: None (the counts are exchanged first), or the
+                ``size`` counts this rank receives; with the consistency
+                check on they are exchanged anyway and compared: a pair
+                whose counts disagree moves nothing and raises
+                ConsistencyError on both of its ranks (after the other
+                pairs moved); with ``check=False`` they are trusted and
+                save that exchange.
+
+        Returns:
+            ``(values, counts)``: a new 1-D array, rank r's block for this
+            rank at ``counts[:r].sum()``, and the int64 numpy array of those
+            counts.
+
+        Raises:
+            ArgumentError: ``array`` is not 1-D, or counts that are not
+                ``size`` non-negative ints (``send_counts`` summing to
+                ``array.size``).
+        """
+        return self._issue("all_to_allv", array, False, exchanges.all_to_allv, array,
+                           send_counts, recv_counts)
+
+    def broadcast_object(self, obj, root=0):
+        """Rank ``root``'s picklable ``obj``, on every rank.
+
+        The object is pickled on the root, its length sent first, and
+        unpickled on the others: peers of one job are trusted with pickle
+        (unpickling runs code of the sender's choosing), as in
+        torch.distributed and mpi4py.
+
+        Args:
+            obj: any picklable object on ``root``; ignored elsewhere.
+            root: the sending rank.
+
+        Returns:
+            ``obj`` on the root, an unpickled copy elsewhere.
+
+        Raises:
+            ArgumentError: ``root`` is not a rank, or the root's object
+                cannot be pickled (the others raise ConsistencyError naming
+                the root), or a rank cannot unpickle it (that rank only).
+        """
+        return self._issue("broadcast_object", None, False, exchanges.broadcast_object, obj,
+                           root)
+
+    def all_gather_object(self, obj):
+        """Every rank's picklable ``obj``, in rank order (pickled, the
+        lengths exchanged first; peers are trusted with pickle, see
+        :meth:`broadcast_object`).
+
+        Returns:
+            A list of ``size`` unpickled copies, this rank's included.
+
+        Raises:
+            ArgumentError: this rank's object cannot be pickled (the others
+                raise ConsistencyError naming it), or a rank's cannot be
+                unpickled here.
+        """
+        return self._issue("all_gather_object", None, False, exchanges.all_gather_object,
+                           obj)
+
+    def split(self, color, key=None):
+        """A communicator of the ranks that pass the same ``color``,
+        collectively on every rank (MPI's ``Comm_split``).
+
+        The colours and keys are exchanged through this communicator first
+        (checked, bounded by its watch dog), then the new communicator is
+        made over the same transports: MPI's ``Comm.Split`` and
+        :meth:`from_mpi` on its result (its own status board, consistency
+        check and watch dog, with this communicator's options), new thread
+        groups for thread ranks. A 2x2 grid is ``comm.split(rank // 2)``
+        and ``comm.split(rank % 2)``; collectives on both may interleave.
+
+        Args:
+            color: an int >= 0, or None for a rank that joins no new
+                communicator.
+            key: orders the ranks of a colour (ties by this rank); None:
+                this rank.
+
+        Returns:
+            The new Communicator (close it as any other), or None where
+            ``color`` is None.
+
+        Raises:
+            ArgumentError: ``color`` or ``key`` is not an int (``color`` not
+                ``>= 0``), or the transport cannot split (an NCCL-only
+                communicator).
+        """
+        table, made = self._issue("split", None, False, exchanges.split, color, key)
+        if made is None:
+            return None
+        session = self._session
+        options = dict(bucket_bytes=session.bucket_bytes, check=session.check,
+                       timeout=math.inf if session.timeout is None else session.timeout)
+        if made == "single":
+            return Communicator.single(session.device, **options)
+        if isinstance(made, tuple):             # thread ranks: (group, rank)
+            from .transport.threads import ThreadTransport
+            group, rank = made
+            board = _board.StatusBoard(group.board_memory, rank, group.size) \
+                if group.size > 1 else None
+            if board is not None:
+                board.join()
+            threads = ThreadTransport(group, rank)
+            return Communicator(rank=rank, size=group.size, local_rank=rank,
+                                local_size=group.size, device=session.device,
+                                routes={"numpy": threads, "cupy": threads}, board=board,
+                                options=settings.options(rank, **options))
+        backend = "nccl" if session.routes["cupy"].name == "nccl" else "mpi"
+        try:
+            return Communicator.from_mpi(made, session.device, backend=backend, **options)
+        finally:
+            made.Free()
+
+    # -- point to point --------------------------------------------------------------
+    def send(self, array, dst, async_op=False):
+        """Send ``array`` to rank ``dst``, which receives it with
+        :meth:`recv` (same dtype and shape).
+
+        The consistency check (on by default) exchanges a header with
+        ``dst`` first: the send completes only once ``dst`` posted its
+        receive, and a receive of another dtype or shape raises
+        ConsistencyError on both ranks, naming both, with nothing moved
+        (see :mod:`commlib.collective.p2p`). Sending to this rank itself
+        needs the receive in the same :meth:`batch_send_recv`.
+
+        Args:
+            array: one array (numpy, cupy or DLPack), read only.
+            dst: the receiving rank.
+            async_op: True returns a :class:`commlib.Work` (run in issue
+                order with the other asynchronous calls: a send and a
+                receive that must meet in one rank's queue go in one
+                :meth:`batch_send_recv`).
+
+        Returns:
+            None (a Work with ``async_op=True``).
+
+        Raises:
+            ArgumentError: ``dst`` is not a rank (on this rank only: there
+                is no peer to tell).
+            ConsistencyError: the receive does not match, or ``dst``
+                rejected its arguments.
+            CollectiveTimeoutError: ``dst`` did not receive before the
+                deadline (naming it).
+        """
+        return self._issue("send", array, async_op, p2p.send_recv, "send",
+                           [p2p.P2POp("send", array, dst)])
+
+    def recv(self, array, src, async_op=False):
+        """Receive into ``array``, in place, what rank ``src`` sends with
+        :meth:`send` (same dtype and shape; see there). ``array`` is
+        written only once the message arrived whole.
+
+        Args:
+            array: one writeable C-contiguous array.
+            src: the sending rank.
+            async_op: True returns a :class:`commlib.Work`.
+
+        Returns:
+            ``array`` (a Work with ``async_op=True``).
+
+        Raises:
+            As :meth:`send`, for ``src``.
+        """
+        return self._issue("recv", array, async_op, p2p.send_recv, "recv",
+                           [p2p.P2POp("recv", array, src)], array)
+
+    def batch_send_recv(self, ops, async_op=False):
+        """Issue the sends and receives of ``ops`` together and wait for all
+        of them: a ring exchange, a halo exchange, sends and receives to
+        and from one peer in any order (torch's ``batch_isend_irecv``).
+
+        Messages between two ranks match in order: the n-th send of rank a
+        to rank b with the n-th receive of rank b from rank a. With the
+        consistency check, each pair's headers are compared first; a pair
+        that disagrees moves nothing and raises ConsistencyError on both of
+        its ranks, after the other pairs of the batch completed.
+
+        Args:
+            ops: a list of :class:`commlib.P2POp` (``P2POp("send", array,
+                peer)``, ``P2POp("recv", array, peer)``), arrays of one kind;
+                receiving arrays must not share memory.
+            async_op: True returns a :class:`commlib.Work`.
+
+        Returns:
+            None (a Work with ``async_op=True``).
+
+        Raises:
+            ArgumentError: ``ops`` is no list of P2POp, or a peer is not a
+                rank (on this rank only).
+            ConsistencyError, CollectiveTimeoutError, PeerError: as in
+                :meth:`send`, naming the pairs and ranks.
+        """
+        arrays = [op.array for op in ops] if isinstance(ops, (list, tuple)) else ops
+        return self._issue("send_recv", arrays, async_op, p2p.send_recv, "send_recv", ops)
 
     def _issue(self, name, arrays, async_op, collective, *args):
         """Run ``collective(session, *args)``, collective ``name`` on

@@ -15,6 +15,7 @@ from ..faults import board as _board
 from ..progress import inflight
 from ..progress.work import Progress, gpu_order
 from . import bucketing, lifetime
+from .p2p import PairWait
 from ..core import fingerprints
 from .. import settings, trace
 from ..errors import (ArgumentError, ClosedError, CollectiveTimeoutError, CommlibError,
@@ -204,6 +205,18 @@ class Session:
         if error is not None:
             raise error
         return wait, checked
+
+    def begin_pair(self, name, peers, call):
+        """Start the point-to-point call ``name`` with ``peers`` (``call``:
+        its text, e.g. ``send to rank 1``): not numbered and not on the
+        status board (see :mod:`commlib.collective.p2p`). Returns its
+        :class:`~commlib.collective.p2p.PairWait`, whose sequence number is
+        the next collective's."""
+        self.usable(name)
+        self.stats.add_collective()
+        timeout = self.timeout
+        return PairWait(None if timeout is None else time.monotonic() + timeout, self.seq + 1,
+                        fingerprints.CODES[name], self.board, self.rank, peers, call)
 
     @contextlib.contextmanager
     def data_phase(self, deferred=False):

@@ -17,21 +17,31 @@ from ..errors import ConsistencyError
 
 #: codes of the collectives, as published on the status board
 COLLECTIVES = ("all_reduce", "broadcast", "reduce", "all_gather", "all_gatherv",
-               "reduce_scatter", "barrier")
+               "reduce_scatter", "barrier", "send", "recv", "send_recv", "scatter", "gather",
+               "all_to_all", "all_to_allv", "broadcast_object", "all_gather_object", "split")
+#: the calls between pairs of ranks: not numbered (every rank counts the
+#: collectives alike), they happen after the collective before them
+POINT_TO_POINT = ("send", "recv", "send_recv")
 CODES = {name: code for code, name in enumerate(COLLECTIVES)}
 #: names of the parameters in each collective's parameter tuple (after its name)
 PARAMETERS = {"all_reduce": ("op", "average", "root", "compression", "agree", "state"),
               "reduce": ("op", "average", "root", "compression", "agree", "state"),
               "broadcast": ("root",), "all_gather": (), "all_gatherv": ("dtype",),
-              "reduce_scatter": ("op",), "barrier": ("timeout",)}
+              "reduce_scatter": ("op",), "barrier": ("timeout",), "scatter": ("root",),
+              "gather": ("root",), "all_to_all": (), "all_to_allv": ("dtype", "counts"),
+              "broadcast_object": ("root",), "all_gather_object": (), "split": ()}
 _CACHE_LIMIT = 1024
 _layouts = {}
 _params = {}
 
 
 def label(code, seq):
-    """``all_reduce #12`` for collective ``code`` with sequence number ``seq``."""
+    """``all_reduce #12`` for collective ``code`` with sequence number
+    ``seq``; ``send after collective #11`` for a call between two ranks
+    (:data:`POINT_TO_POINT`), whose ``seq`` is the next collective's."""
     name = COLLECTIVES[code] if 0 <= code < len(COLLECTIVES) else "collective"
+    if name in POINT_TO_POINT:
+        return "%s after collective #%d" % (name, seq - 1)
     return "%s #%d" % (name, seq)
 
 

@@ -13,11 +13,32 @@ Buffers a collective writes into are the caller's arrays (``all_reduce``,
 own memory that nobody reads after a failure; a transport whose
 collectives can outlive a failure (MPI's non-blocking calls) reduces the
 caller's arrays in its own staging memory and copies the result out only on
-success. Receive buffers of ``all_gather``, ``all_gatherv`` and
-``reduce_scatter`` are always commlib's own.
+success. Receive buffers of ``all_gather``, ``all_gatherv``,
+``reduce_scatter``, ``send_recv`` and ``all_to_allv`` are always commlib's
+own.
+
+Point-to-point messages (:meth:`Transport.send_recv`) carry a ``tag``: a
+receive takes the oldest message from its peer with its tag, so messages
+of one tag between two ranks arrive in the order they were sent, and the
+tags keep the communicator's own messages (:data:`TAG_SEND_HEADER`,
+:data:`TAG_RECV_HEADER`, :data:`TAG_COLLECTIVE`) apart from the data of
+the caller's sends (:data:`TAG_DATA`).
 """
+import numpy as np
+
 from ..errors import ClosedError
 from ..core.waiting import FOREVER
+
+#: tags of point-to-point messages: the caller's data, the headers that
+#: describe a send and a receive to the peer, and the messages of the
+#: collectives built from them (all_to_allv, scatter, gather)
+TAG_DATA, TAG_SEND_HEADER, TAG_RECV_HEADER, TAG_COLLECTIVE = 1, 2, 3, 4
+
+
+def offsets(counts):
+    """Start of each block of ``counts`` elements laid end to end."""
+    return np.concatenate(([0], np.cumsum(counts)[:-1])).astype(np.int64).tolist() \
+        if len(counts) else []
 
 
 def scale_in_place(buf, scale):
@@ -105,6 +126,50 @@ class Transport:
 
     def barrier(self, wait=FOREVER):
         raise NotImplementedError
+
+    def send_recv(self, ops, wait=FOREVER):
+        """Issue every message of ``ops`` together and wait until all
+        completed: a list of ``(kind, buf, peer, tag)``, ``kind`` being
+        ``"send"`` (``buf`` goes to rank ``peer``) or ``"recv"`` (``buf``,
+        commlib's own, receives the oldest message of ``tag`` from
+        ``peer``, which must have its size and dtype). A send may complete
+        before its receive is posted (buffered), as MPI's standard mode."""
+        raise NotImplementedError
+
+    def all_to_allv(self, sendbuf, sendcounts, recvbuf, recvcounts, wait=FOREVER):
+        """Block r of ``sendbuf`` (``sendcounts[r]`` elements, blocks end to
+        end) goes to rank r; ``recvbuf`` (commlib's own) receives rank r's
+        block for this rank, ``recvcounts[r]`` elements, in rank order.
+        Every rank's ``sendcounts[r]`` must be rank r's ``recvcounts`` of
+        it. The default: this rank's own block copied, the others as
+        messages of :meth:`send_recv` (none for an empty block)."""
+        sends, recvs = offsets(sendcounts), offsets(recvcounts)
+        ops = []
+        for r in range(self.size):
+            if r == self.rank:
+                continue
+            if sendcounts[r]:
+                ops.append(("send", sendbuf[sends[r]:sends[r] + sendcounts[r]], r,
+                            TAG_COLLECTIVE))
+            if recvcounts[r]:
+                ops.append(("recv", recvbuf[recvs[r]:recvs[r] + recvcounts[r]], r,
+                            TAG_COLLECTIVE))
+        if ops:
+            self.send_recv(ops, wait)
+        else:
+            self.check_usable()
+        mine = self.rank
+        recvbuf[recvs[mine]:recvs[mine] + recvcounts[mine]] = \
+            sendbuf[sends[mine]:sends[mine] + sendcounts[mine]]
+
+    def split(self, color, key, table, wait=FOREVER):
+        """What a communicator of the ranks of ``color`` is made from
+        (collective over every rank of this transport, each passing the
+        agreed ``table``: per rank its ``(color, key)``; ``color`` None: in
+        none): a transport's own answer, which
+        :meth:`commlib.Communicator.split` turns into a communicator, or
+        None where the transport cannot split (the default)."""
+        return None
 
     def thread_safe(self):
         """Whether collectives may run on another thread than the one that

@@ -60,7 +60,8 @@ _NATIVE = {"float32": "FLOAT", "float64": "DOUBLE", "int32": "INT32_T",
 _NATIVE_OPS = {"sum": "SUM", "max": "MAX", "min": "MIN", "prod": "PROD"}
 _NAMES = {"Iallreduce": "all_reduce", "Ibcast": "broadcast", "Ireduce": "reduce",
           "Iallgather": "all_gather", "Iallgatherv": "all_gatherv",
-          "Ireduce_scatter_block": "reduce_scatter", "Ibarrier": "barrier"}
+          "Ireduce_scatter_block": "reduce_scatter", "Ibarrier": "barrier",
+          "Isend": "send/recv"}
 _types = {}     # numpy dtype -> MPI datatype
 _ops = {}       # (numpy dtype, op name) -> MPI.Op
 #: (request, buffers) of collectives given up on: MPI may still complete
@@ -340,6 +341,42 @@ class MpiTransport(Transport):
 
     def barrier(self, wait=waiting.FOREVER):
         self._call("Ibarrier", wait)
+
+    def send_recv(self, ops, wait=waiting.FOREVER):
+        """See :meth:`Transport.send_recv`: ``Isend``/``Irecv`` of every
+        message, then ``Testall`` in the one bounded wait; cupy buffers
+        staged through host memory unless the MPI is CUDA-aware."""
+        self.check_usable()
+        MPI = mpi()
+        staged = [(kind, buf, self._host(buf), peer, tag) for kind, buf, peer, tag in ops]
+        requests = []
+        try:
+            for kind, _, h, peer, tag in staged:
+                start = self.comm.Isend if kind == "send" else self.comm.Irecv
+                requests.append(start(self._spec(h), peer, tag))
+        except MPI.Exception as exc:
+            self.abandon(requests, staged, "Isend", "not started")
+            raise self._error("Isend", exc) from None
+        try:
+            waiting.until(lambda _: MPI.Request.Testall(requests) or None, wait)
+        except BaseException as exc:
+            self.abandon(requests, staged, "Isend", type(exc).__name__)
+            if isinstance(exc, MPI.Exception):
+                raise self._error("Isend", exc) from None
+            raise
+        for kind, buf, h, _, _ in staged:
+            if kind == "recv":
+                self._write_back(buf, h)
+
+    def split(self, color, key, table, wait=waiting.FOREVER):
+        """The mpi4py communicator of the ranks of ``color``
+        (``Comm.Split``; None for a rank of no colour). Every rank has just
+        taken part in the exchange of ``table``, so MPI's blocking split
+        finds them all."""
+        MPI = mpi()
+        self.check_usable()
+        sub = self.comm.Split(MPI.UNDEFINED if color is None else color, key)
+        return None if sub == MPI.COMM_NULL else sub
 
     def close(self):
         """Free the MPI communicator: local (MPICH frees a communicator

@@ -223,6 +223,27 @@ class NcclTransport(Transport):
                                     _OPS[op], self._stream().ptr)
             self._finish(wait)
 
+    def send_recv(self, ops, wait=waiting.FOREVER):
+        """See :meth:`Transport.send_recv`: one NCCL group of ``send`` and
+        ``recv`` calls on the current stream (NCCL has no tags: messages
+        between two ranks match in the order they are issued)."""
+        self.check_usable()
+        nccl = nccl_module()
+        with contextlib.ExitStack() as stack:
+            bufs = [stack.enter_context(self._device(buf, kind == "recv"))
+                    for kind, buf, _, _ in ops]
+            stream = self._stream().ptr
+            nccl.groupStart()
+            try:
+                for (kind, _, peer, _), d in zip(ops, bufs):
+                    if kind == "send":
+                        self.comm.send(d.data.ptr, d.size, _code(d.dtype), peer, stream)
+                    else:
+                        self.comm.recv(d.data.ptr, d.size, _code(d.dtype), peer, stream)
+            finally:
+                nccl.groupEnd()
+            self._finish(wait)
+
     def barrier(self, wait=waiting.FOREVER):
         """An all-reduce of one byte, waited for on the host."""
         self.check_usable()

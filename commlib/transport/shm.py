@@ -541,6 +541,15 @@ class SharedMemoryTransport(Transport):
     def barrier(self, wait=waiting.FOREVER):
         self.fallback.barrier(wait)
 
+    def send_recv(self, ops, wait=waiting.FOREVER):
+        self.fallback.send_recv(ops, wait)
+
+    def all_to_allv(self, sendbuf, sendcounts, recvbuf, recvcounts, wait=waiting.FOREVER):
+        self.fallback.all_to_allv(sendbuf, sendcounts, recvbuf, recvcounts, wait)
+
+    def split(self, color, key, table, wait=waiting.FOREVER):
+        return self.fallback.split(color, key, table, wait)
+
     def check_usable(self):
         super().check_usable()
         self.fallback.check_usable()

@@ -8,15 +8,62 @@ contributions (:class:`ThreadGroup`); results are computed with numpy in
 rank order, as the other transports compute them. The group also holds the
 memory of the ranks' status board.
 """
+import collections
 import threading
 
 import numpy as np
 
 from ..core import waiting
+from ..errors import TransportError
 from ..faults import board
 from ..core.dtypes import UFUNCS
 from ..ops import hostcast
 from .base import Transport, scale_in_place
+
+
+class Mailbox:
+    """Point-to-point messages between the ranks of one process: a queue
+    per ``(source, destination, tag)``; a send posts a copy at once, a
+    receive takes the oldest (waiting through
+    :func:`commlib.core.waiting.until`)."""
+
+    def __init__(self):
+        self._cond = threading.Condition()
+        self._queues = collections.defaultdict(collections.deque)
+
+    def post(self, key, data):
+        with self._cond:
+            self._queues[key].append(data)
+            self._cond.notify_all()
+
+    def take(self, key, wait, late=None):
+        """The oldest message of ``key``, once there is one."""
+        cond, queues = self._cond, self._queues
+
+        def step(slice_s):
+            with cond:
+                if not queues[key] and slice_s:
+                    cond.wait(slice_s)
+                return queues[key].popleft() if queues[key] else None
+
+        return waiting.until(step, wait, late=late)
+
+    def exchange(self, rank, ops, wait):
+        """:meth:`Transport.send_recv` of rank ``rank``'s ``ops``: every
+        send posted, then every receive taken in order (a message of
+        another size or dtype than its buffer raises TransportError)."""
+        for kind, buf, peer, tag in ops:
+            if kind == "send":
+                self.post((rank, peer, tag), buf.copy())
+        for kind, buf, peer, tag in ops:
+            if kind == "recv":
+                data = self.take((peer, rank, tag), wait, late=lambda: [peer])
+                if data.dtype != buf.dtype or data.size != buf.size:
+                    raise TransportError(
+                        "rank %d: a message of %d %s from rank %d does not fit a receive "
+                        "buffer of %d %s" % (rank, data.size, data.dtype, peer, buf.size,
+                                             buf.dtype))
+                buf[...] = data
 
 
 class ThreadGroup:
@@ -30,6 +77,8 @@ class ThreadGroup:
         self._cond = threading.Condition()
         self._arrived = 0          # ranks waiting at the current meeting
         self._meetings = 0         # meetings completed
+        #: the point-to-point messages between the ranks
+        self.mail = Mailbox()
 
     def exchange(self, rank, value, wait):
         """Every rank's ``value``, as a list by rank (a rendezvous of all
@@ -123,3 +172,21 @@ class ThreadTransport(Transport):
 
     def barrier(self, wait=waiting.FOREVER):
         self._all(np.zeros(0), wait)
+
+    def send_recv(self, ops, wait=waiting.FOREVER):
+        self.check_usable()
+        self.group.mail.exchange(self.rank, ops, wait)
+
+    def split(self, color, key, table, wait=waiting.FOREVER):
+        """``(group, rank)``: a new :class:`ThreadGroup` of the ranks of
+        ``color`` (made by the first of them and handed to the others) and
+        this rank's place in it, ordered by ``(key, rank)``; None for no
+        colour."""
+        self.check_usable()
+        members = sorted((k, r) for r, (c, k) in enumerate(table) if c == color)
+        made = ThreadGroup(len(members)) if color is not None and \
+            members[0][1] == self.rank else None
+        groups = self.group.exchange(self.rank, made, wait)
+        if color is None:
+            return None
+        return groups[members[0][1]], [r for _, r in members].index(self.rank)

@@ -1,0 +1,126 @@
+"""Point-to-point, scatter/gather, all-to-all, objects and split: against
+numpy and mpi4py in MPI jobs of 1 to 4 ranks (one job per size checking
+every case), on thread ranks, and their faults with the faulty rank varied."""
+import threading
+
+import numpy as np
+import pytest
+
+import commlib
+from commlib import P2POp, errors
+from inprocess import communicators, run_ranks
+from mpirun import assert_each_rank, ranks_saying, run_mpi
+
+
+def run_checks(n, which):
+    code = "import sys, p2p_checks\np2p_checks.main(sys.argv[1])\n"
+    proc = run_mpi(n, code, timeout=120, args=[which])
+    assert_each_rank(proc.stdout, r"rank (?P<rank>\d+) ok", n)
+
+
+@pytest.mark.parametrize("n", [1, 2, 3, 4])
+def test_p2p_scatter_gather_all_to_all_objects_split(n):
+    run_checks(n, "p2p,exchanges" + (",grid" if n == 4 else ""))
+
+
+def run_faults(n, which, bad, **kwargs):
+    code = "import sys, p2p_checks\np2p_checks.faults(sys.argv[1], sys.argv[2])\n"
+    return run_mpi(n, code, timeout=60, args=[which, str(bad)], **kwargs)
+
+
+@pytest.mark.parametrize("n,bad", [(2, 0), (3, 2)])
+def test_mismatches_raise_on_every_rank_naming_the_culprit(n, bad):
+    proc = run_faults(n, "mismatch", bad)
+    assert_each_rank(proc.stdout, r"rank (?P<rank>\d+) ok", n)
+
+
+@pytest.mark.parametrize("n,bad", [(2, -1), (3, 0)])
+def test_blocking_sends_end_at_the_deadline_naming_the_peer(n, bad):
+    """bad=-1: two ranks send to each other (a cycle); else rank ``bad``
+    never calls and its peers' receives time out naming it."""
+    proc = run_faults(n, "deadline", bad)
+    assert_each_rank(proc.stdout, r"rank (?P<rank>\d+) deadline ok", n)
+
+
+@pytest.mark.parametrize("bad", [0, 2])
+def test_a_peer_that_dies_ends_receives_and_all_to_all(bad):
+    proc = run_faults(3, "death", bad, expect_fail=True, survivors=True)
+    assert sorted(ranks_saying(proc.stdout, r"rank (?P<rank>\d+) death ok")) == \
+        [r for r in range(3) if r != bad], proc.stdout + proc.stderr
+
+
+# -- thread ranks ----------------------------------------------------------------------
+def exchange_everything(comm):
+    r, n = comm.rank, comm.size
+    out = np.zeros((2, 3), np.float32)
+    comm.batch_send_recv([P2POp("send", np.full((2, 3), r, np.float32), (r + 1) % n),
+                          P2POp("recv", out, (r - 1) % n)])
+    assert (out == (r - 1) % n).all()
+    blocks = [np.full(5, 10 * q + 1, np.int64) for q in range(n)] if r == n - 1 else None
+    assert (comm.scatter(blocks, root=n - 1) == 10 * r + 1).all()
+    gathered = comm.gather(np.full(3, r, np.uint8), root=0)
+    assert (gathered == np.arange(n, dtype=np.uint8)[:, None]).all() if r == 0 \
+        else gathered is None
+    send = np.arange(2 * n, dtype=np.float64) + 100 * r
+    comm.all_to_all(send, send)
+    assert send.tolist() == [float(2 * r + k + 100 * q) for q in range(n) for k in range(2)]
+    counts = [(r + q) % 3 for q in range(n)]
+    got, got_counts = comm.all_to_allv(np.arange(sum(counts), dtype=np.int32), counts)
+    assert got_counts.tolist() == [(q + r) % 3 for q in range(n)]
+    assert comm.broadcast_object({"root": r}, root=0) == {"root": 0}
+    assert comm.all_gather_object(r * "x") == [q * "x" for q in range(n)]
+    sub = comm.split(r % 2, key=-r)
+    x = np.array([r], np.float32)
+    sub.all_reduce(x)
+    result = (sub.rank, sub.size, float(x[0]))
+    sub.close()
+    return result
+
+
+@pytest.mark.parametrize("n", [1, 2, 3, 4])
+def test_thread_ranks(n):
+    results = run_ranks(n, exchange_everything, timeout=30)
+    for r, (rank, size, total) in enumerate(results):
+        members = [q for q in range(n) if q % 2 == r % 2][::-1]
+        assert (rank, size, total) == (members.index(r), len(members), sum(members))
+
+
+def test_a_shape_mismatch_on_thread_ranks_names_both_and_writes_nothing():
+    def body(comm):
+        keep = np.full(4, 5.0)
+        try:
+            if comm.rank == 0:
+                comm.send(np.zeros((2, 2)), 1)
+            else:
+                comm.recv(keep, 0)
+        except errors.ConsistencyError as exc:
+            assert (keep == 5.0).all()
+            comm.barrier()              # still usable
+            return str(exc), exc.culprits
+    for text, culprits in run_ranks(2, body, timeout=30):
+        assert "rank 0 sends float64(2, 2) to rank 1, which receives float64(4,)" in text
+        assert list(culprits) == [0, 1]
+
+
+def test_a_send_nobody_receives_times_out_on_thread_ranks():
+    comms = communicators(2, timeout=0.5)
+    found = []
+    thread = threading.Thread(target=lambda: found.append(
+        pytest.raises(errors.CollectiveTimeoutError, comms[1].send, np.zeros(2), 0)))
+    thread.start()
+    thread.join(30)
+    assert not thread.is_alive()
+    assert "send to rank 0" in str(found[0].value) and list(found[0].value.culprits) == [0]
+
+
+def test_single_process_calls():
+    comm = commlib.Communicator.single(timeout=0.5)
+    a, b = np.arange(4.0), np.zeros(4)
+    comm.batch_send_recv([P2POp("send", a, 0), P2POp("recv", b, 0)])
+    assert (b == a).all()
+    assert (comm.scatter([a], 0) == a).all() and (comm.gather(a, 0)[0] == a).all()
+    assert comm.all_to_allv(a, [4])[1].tolist() == [4]
+    assert comm.broadcast_object([1], 0) == [1] and comm.all_gather_object(2) == [2]
+    assert comm.split(None) is None and comm.split(3).size == 1
+    with pytest.raises(errors.CollectiveTimeoutError, match="send to rank 0"):
+        comm.send(a, 0)
