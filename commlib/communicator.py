@@ -42,6 +42,7 @@ from .collective.session import Session
 from .errors import ArgumentError
 from .faults import board as _board
 from .startup import bootstrap
+from .transport.nccl import NcclSplit
 
 
 class Communicator:
@@ -435,9 +436,15 @@ class Communicator:
         (checked, bounded by its watch dog), then the new communicator is
         made over the same transports: MPI's ``Comm.Split`` and
         :meth:`from_mpi` on its result (its own status board, consistency
-        check and watch dog, with this communicator's options), new thread
-        groups for thread ranks. A 2x2 grid is ``comm.split(rank // 2)``
-        and ``comm.split(rank % 2)``; collectives on both may interleave.
+        check and watch dog, with this communicator's options; with NCCL,
+        a new NCCL communicator from an ID its rank 0 makes and broadcasts
+        over MPI), a new NCCL communicator for an NCCL-only communicator
+        (:meth:`from_nccl_id`; the colour's lowest rank makes the ID, which
+        travels over this communicator), new thread groups for thread
+        ranks. A 2x2 grid is ``comm.split(rank // 2)`` and
+        ``comm.split(rank % 2)``; collectives on both may interleave. The
+        new communicator's errors name each rank by its rank there and in
+        the first communicator: ``rank 1 (world rank 3)``.
 
         Args:
             color: an int >= 0, or None for a rank that joins no new
@@ -451,17 +458,30 @@ class Communicator:
 
         Raises:
             ArgumentError: ``color`` or ``key`` is not an int (``color`` not
-                ``>= 0``), or the transport cannot split (an NCCL-only
-                communicator).
+                ``>= 0``), or the transport cannot split (a transport of
+                the caller's own without ``split``).
         """
         table, made = self._issue("split", None, False, exchanges.split, color, key)
         if made is None:
             return None
         session = self._session
+        sub = self._made_of(made)
+        # the new communicator names its ranks by their rank here too
+        # ("rank 1 (world rank 3)"), this one's names passed on
+        members = sorted((k, r) for r, (c, k) in enumerate(table) if c == color)
+        sub._session.name_world([session.world_rank(r) for _, r in members])
+        return sub
+
+    def _made_of(self, made):
+        """The communicator of what the transport's ``split`` made."""
+        session = self._session
         options = dict(bucket_bytes=session.bucket_bytes, check=session.check,
                        timeout=math.inf if session.timeout is None else session.timeout)
         if made == "single":
             return Communicator.single(session.device, **options)
+        if isinstance(made, NcclSplit):         # an NCCL-only communicator
+            return Communicator.from_nccl_id(bootstrap.NcclId(made.nccl_id), made.rank,
+                                             made.size, session.device, **options)
         if isinstance(made, tuple):             # thread ranks: (group, rank)
             from .transport.threads import ThreadTransport
             group, rank = made

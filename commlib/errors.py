@@ -17,6 +17,22 @@ def ranks_text(ranks):
     return ("rank %s" if len(ranks) == 1 else "ranks %s") % ", ".join(map(str, ranks))
 
 
+def rank_name(r, world=None):
+    """How messages name rank ``r``: ``rank 3``; ``rank 1 (world rank 3)``
+    in a communicator made by ``split``, whose rank r is rank
+    ``world[r]`` of the communicator it was split from (``world``: that
+    list, None for a communicator that was not split)."""
+    return "rank %d" % r if world is None else "rank %d (world rank %d)" % (r, world[r])
+
+
+def ranks_name(ranks, world=None):
+    """How messages name a list of ranks: ``ranks [0, 2]``, or ``ranks
+    [0, 2] (world ranks [1, 3])`` (see :func:`rank_name`)."""
+    ranks = list(ranks)
+    return "ranks %s" % ranks if world is None else "ranks %s (world ranks %s)" % (
+        ranks, [world[r] for r in ranks])
+
+
 class CommlibError(Exception):
     """Base class of every commlib error.
 

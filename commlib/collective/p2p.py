@@ -98,8 +98,8 @@ class PairWait(Wait):
         late = list(late or self.peers)
         board = self.board
         state = getattr(board, "state_of", None)
-        who = "; ".join("rank %d (%s)" % (r, state(r)) if state else "rank %d" % r
-                        for r in late)
+        name = getattr(board, "name", lambda r: "rank %d" % r)
+        who = "; ".join("%s (%s)" % (name(r), state(r)) if state else name(r) for r in late)
         text = "%s (%s) did not complete before its deadline: waiting for %s" % (
             label(self.what, self.seq), self.call, who)
         if board is not None:
@@ -204,7 +204,7 @@ def send_recv(session, name, given, result=None):
     rank = session.rank
     ops = _structure(rank, session.size, name, given)
     peers = sorted({peer for _, _, peer in ops})
-    call = "; ".join("%s %s rank %d" % (kind, "to" if kind == "send" else "from", peer)
+    call = "; ".join("%s %s %s" % (kind, "to" if kind == "send" else "from", session.name(peer))
                      for kind, _, peer in ops[:4]) + ("; ..." if len(ops) > 4 else "")
     wait = session.begin_pair(name, peers, call)
     error = natives = kind = None
@@ -223,8 +223,8 @@ def send_recv(session, name, given, result=None):
     _move(session, ops, natives, kind, agreed, wait)
     if disagreements:
         culprits = sorted({r for pair in disagreements for r in pair[0]})
-        raise ConsistencyError("rank %d: %s was not run for %d of its %d message(s):\n  %s"
-                               % (rank, label(wait.what, wait.seq), len(disagreements),
+        raise ConsistencyError("%s: %s was not run for %d of its %d message(s):\n  %s"
+                               % (session.name(rank), label(wait.what, wait.seq), len(disagreements),
                                   len(ops), "\n  ".join(text for _, text in disagreements)),
                                culprits=culprits)
     return result
@@ -251,12 +251,13 @@ def _agree(session, ops, natives, kind, error, wait):
             continue            # this rank raises its own error
         sender, receiver = (rank, peer) if op_kind == "send" else (peer, rank)
         by = {rank: describe(out), peer: describe(got)}
-        text = "rank %d sends %s to rank %d, which receives %s" % (
-            sender, by[sender], receiver, by[receiver])
+        name = session.name
+        text = "%s sends %s to %s, which receives %s" % (
+            name(sender), by[sender], name(receiver), by[receiver])
         if got[0] == REJECTED:
-            text = "rank %d %s (its %s %s rank %d)" % (
-                peer, by[peer], "recv" if op_kind == "send" else "send",
-                "from" if op_kind == "send" else "to", rank)
+            text = "%s %s (its %s %s %s)" % (
+                name(peer), by[peer], "recv" if op_kind == "send" else "send",
+                "from" if op_kind == "send" else "to", name(rank))
         disagreements.append(((peer,) if got[0] == REJECTED else (sender, receiver), text))
     return agreed, disagreements
 

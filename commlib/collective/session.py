@@ -19,7 +19,7 @@ from .p2p import PairWait
 from ..core import fingerprints
 from .. import settings, trace
 from ..errors import (ArgumentError, ClosedError, CollectiveTimeoutError, CommlibError,
-                      ConsistencyError, NonFiniteError, PayloadError, PeerError)
+                      ConsistencyError, NonFiniteError, PayloadError, PeerError, rank_name)
 from .stats import CommStats, TracedTransport
 from ..core.waiting import Wait
 
@@ -72,6 +72,9 @@ class Session:
         self.check = options["check"]
         self.timeout = options["timeout"]
         self.board, self.segment = board, segment
+        #: per rank, its rank in the communicator this one was split from
+        #: (transitively: the first one), or None (see name_world)
+        self.world = None
         self.fusion = bucketing.FusionCache()
         #: compression state per list layout (see PreparedList.split)
         self.workspaces = {}
@@ -84,6 +87,22 @@ class Session:
             board.warn_after = settings.stall_warning()
         if size > 1:
             self.registration.open()
+
+    def name_world(self, world):
+        """Name rank r ``rank r (world rank world[r])`` in this
+        communicator's errors, the status board's included (a
+        communicator made by ``split``)."""
+        self.world = list(world)
+        if self.board is not None:
+            self.board.world = self.world
+
+    def world_rank(self, r):
+        """Rank ``r``'s rank in the first communicator (see :meth:`name_world`)."""
+        return r if self.world is None else self.world[r]
+
+    def name(self, r):
+        """How errors name rank ``r``: ``rank 3``, ``rank 1 (world rank 3)``."""
+        return rank_name(r, self.world)
 
     def transport(self, kind):
         """The transport for arrays of ``kind`` (see ``routes``); while

@@ -13,7 +13,7 @@ n-th collective with each other.
 import hashlib
 import operator
 
-from ..errors import ConsistencyError
+from ..errors import ConsistencyError, rank_name, ranks_name
 
 #: codes of the collectives, as published on the status board
 COLLECTIVES = ("all_reduce", "broadcast", "reduce", "all_gather", "all_gatherv",
@@ -85,25 +85,28 @@ def describe(params, arrays, kind=None):
                                          "" if kind is None else kind + " ", shapes, more)
 
 
-def disagreement(rank, seq, code, rows, error_digest):
+def disagreement(rank, seq, code, rows, error_digest, world=None):
     """The ConsistencyError of collective ``seq`` for ``rows`` (per rank: the
     fingerprint and the text it published; a fingerprint equal to
-    ``error_digest`` marks a rank that rejected its own arguments)."""
+    ``error_digest`` marks a rank that rejected its own arguments), naming
+    the ranks by their world ranks too where ``world`` says them (see
+    :func:`commlib.errors.rank_name`)."""
     rejected = [r for r, (digest, _) in enumerate(rows) if digest == error_digest]
     where = label(code, seq)
     if rejected:
-        lines = ["rank %d rejected its arguments: %s" % (r, rows[r][1].removeprefix("ERROR "))
+        lines = ["%s rejected its arguments: %s" % (rank_name(r, world),
+                                                    rows[r][1].removeprefix("ERROR "))
                  for r in rejected]
-        return ConsistencyError("rank %d: %s was not run:\n  %s"
-                                % (rank, where, "\n  ".join(lines)), culprits=rejected)
+        return ConsistencyError("%s: %s was not run:\n  %s"
+                                % (rank_name(rank, world), where, "\n  ".join(lines)), culprits=rejected)
     groups = {}
     for r, (digest, text) in enumerate(rows):
         groups.setdefault(digest, []).append(r)
     ordered = sorted(groups.values(), key=lambda ranks: (-len(ranks), ranks[0]))
-    lines = ["ranks %s: %s" % (ranks, rows[ranks[0]][1]) for ranks in ordered]
+    lines = ["%s: %s" % (ranks_name(ranks, world), rows[ranks[0]][1]) for ranks in ordered]
     culprits = [r for ranks in ordered[1:] for r in ranks]
-    return ConsistencyError("rank %d: ranks disagree on %s:\n  %s"
-                            % (rank, where, "\n  ".join(lines)), culprits=culprits)
+    return ConsistencyError("%s: ranks disagree on %s:\n  %s"
+                            % (rank_name(rank, world), where, "\n  ".join(lines)), culprits=culprits)
 
 
 def compare_settings(rank, records):

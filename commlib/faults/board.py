@@ -56,7 +56,7 @@ import numpy as np
 
 from ..core import fingerprints
 from ..core import waiting
-from ..errors import CollectiveTimeoutError, PeerError, ranks_text
+from ..errors import CollectiveTimeoutError, PeerError, rank_name, ranks_text
 from ..ops import native
 
 LINE_BYTES = 1024
@@ -113,6 +113,14 @@ class StatusBoard:
         self._mine = self._lines[rank]
         self._ext = native.module()
         self.warn_after = None                # seconds, see check_waiting()
+        #: per rank, its rank in the communicator this one was split from,
+        #: or None (see :meth:`name`)
+        self.world = None
+
+    def name(self, r):
+        """How messages name rank ``r``: ``rank 3``, or ``rank 1 (world
+        rank 3)`` on the board of a communicator made by ``split``."""
+        return rank_name(r, self.world)
 
     @property
     def gone_words(self):
@@ -215,7 +223,7 @@ class StatusBoard:
         at = SLOT + (seq & 1) * SLOT_WORDS
         rows = [(tuple(self._lines[r, at:at + 2]), self.read_text(r)) for r in range(self.size)]
         failure = fingerprints.disagreement(self.rank, seq, what, rows,
-                                           error_digest=ERROR_DIGEST)
+                                           error_digest=ERROR_DIGEST, world=self.world)
         if error is not None:
             raise error
         raise failure
@@ -238,8 +246,8 @@ class StatusBoard:
             since = self._mine[SLOT + (seq & 1) * SLOT_WORDS + 3]
             if since and now - since * 1e-9 > self.warn_after:
                 self.warn_after = None
-                print("commlib: rank %d has waited %.0f s in %s; %s" % (
-                    self.rank, now - since * 1e-9, fingerprints.label(what, seq),
+                print("commlib: %s has waited %.0f s in %s; %s" % (
+                    self.name(self.rank), now - since * 1e-9, fingerprints.label(what, seq),
                     "; ".join(self.where(r) for r in late)), file=sys.stderr, flush=True)
 
     def check_peers(self, seq, what, ranks=None):
@@ -255,8 +263,8 @@ class StatusBoard:
             pid = int(self._lines[r, PID])
             if pid and not _alive(pid):
                 raise self.give_up(seq, what, PeerError,
-                                   "rank %d (pid %d) died while this rank waits in %s"
-                                   % (r, pid, fingerprints.label(what, seq)), (r,))
+                                   "%s (pid %d) died while this rank waits in %s"
+                                   % (self.name(r), pid, fingerprints.label(what, seq)), (r,))
 
     def not_arrived(self, seq):
         """Ranks that have not entered collective ``seq``."""
@@ -280,7 +288,7 @@ class StatusBoard:
 
     def where(self, r):
         """What rank ``r`` last did, e.g. ``rank 2 last entered barrier #7 3.1 s ago``."""
-        return "rank %d %s" % (r, self.state_of(r))
+        return "%s %s" % (self.name(r), self.state_of(r))
 
     def state_of(self, r):
         """What rank ``r`` last did, without its name: ``last entered
@@ -317,7 +325,7 @@ class StatusBoard:
         if late is None:
             late = self.late_for(seq)
         if late:
-            who = "; ".join("rank %d (%s)" % (r, self.state_of(r)) for r in late)
+            who = "; ".join("%s (%s)" % (self.name(r), self.state_of(r)) for r in late)
             return ("%s did not complete before its deadline: waiting for %s"
                     % (fingerprints.label(what, seq), who))
         return ("%s did not complete before its deadline; every rank had entered it and was "
@@ -351,7 +359,7 @@ class StatusBoard:
         """Mark this rank gone at ``seq`` and return ``kind`` (an error class)
         with ``text``, naming ``culprits``."""
         self.leave(seq - 1, GAVE_UP, "%s: %s" % (fingerprints.label(what, seq), text), culprits)
-        return kind("rank %d: %s" % (self.rank, text), culprits=culprits)
+        return kind("%s: %s" % (self.name(self.rank), text), culprits=culprits)
 
     # -- leaving ---------------------------------------------------------------------
     def leave(self, completed, reason, text="", blame=()):
@@ -383,24 +391,25 @@ class StatusBoard:
                     counts = self.settled_counts(completed, leaving=True)
                     culprits = uneven_culprits(counts)
                     raise PeerError(
-                        "rank %d: this rank left after collective #%d but %s: uneven number "
+                        "%s: this rank left after collective #%d but %s: uneven number "
                         "of steps: %s (every rank must call the same collectives)"
-                        % (self.rank, completed, self.where(r),
+                        % (self.name(self.rank), completed, self.where(r),
                            steps_text(counts, culprits, self.rank)), culprits=culprits)
                 if gone:
-                    raise PeerError("rank %d: %s; this rank left after collective #%d"
-                                    % (self.rank, self.where(r), completed), culprits=(r,))
+                    raise PeerError("%s: %s; this rank left after collective #%d"
+                                    % (self.name(self.rank), self.where(r), completed), culprits=(r,))
                 pid = int(line[PID])
                 if pid and not _alive(pid):
-                    raise PeerError("rank %d: rank %d (pid %d) died before closing"
-                                    % (self.rank, r, pid), culprits=(r,))
+                    raise PeerError("%s: %s (pid %d) died before closing"
+                                    % (self.name(self.rank), self.name(r), pid),
+                                    culprits=(r,))
                 busy.append(r)
             if not busy:
                 return True
             if deadline is not None and time.monotonic() >= deadline:
                 raise CollectiveTimeoutError(
-                    "rank %d: closing after collective #%d timed out waiting for %s"
-                    % (self.rank, completed, "; ".join(self.where(r) for r in busy)),
+                    "%s: closing after collective #%d timed out waiting for %s"
+                    % (self.name(self.rank), completed, "; ".join(self.where(r) for r in busy)),
                     culprits=busy)
             return None
 

@@ -15,7 +15,7 @@ import numpy as np
 
 from ..core import fingerprints
 from .board import ERROR_DIGEST, TEXT_BYTES, steps_text, uneven_culprits
-from ..errors import PeerError
+from ..errors import PeerError, rank_name
 from ..core.waiting import Wait
 
 #: the collective code a closing rank publishes
@@ -28,6 +28,8 @@ class ExchangeBoard:
 
     gone_words = (None, 1)
     warn_after = None
+    #: as :attr:`StatusBoard.world <commlib.faults.board.StatusBoard.world>`
+    world = None
 
     def __init__(self, transport, rank, size):
         self.transport, self.rank, self.size = transport, rank, size
@@ -49,10 +51,10 @@ class ExchangeBoard:
             counts = {q: int(rows[q, 0]) - (1 if rows[q, 1] == CLOSE else 0)
                       for q in range(self.size)}
             culprits = uneven_culprits(counts)
-            raise PeerError("rank %d: rank %d closed the communicator after collective #%d while "
+            raise PeerError("%s: %s closed the communicator after collective #%d while "
                             "this rank is in %s; uneven number of steps: %s (every rank must "
                             "call the same collectives)"
-                            % (self.rank, r, rows[r, 0] - 1, fingerprints.label(what, seq),
+                            % (self.name(self.rank), self.name(r), rows[r, 0] - 1, fingerprints.label(what, seq),
                                steps_text(counts, culprits, self.rank)),
                             culprits=culprits)
         if error is None and (rows[:, 2:] == rows[self.rank, 2:]).all():
@@ -65,7 +67,7 @@ class ExchangeBoard:
         table = [(tuple(rows[r, 2:]), bytes(texts[r]).split(b"\0", 1)[0].decode(
             "utf-8", "replace")) for r in range(self.size)]
         failure = fingerprints.disagreement(self.rank, seq, what, table,
-                                           error_digest=ERROR_DIGEST)
+                                           error_digest=ERROR_DIGEST, world=self.world)
         if error is not None:
             raise error
         raise failure
@@ -88,8 +90,12 @@ class ExchangeBoard:
         return ("%s did not complete before its deadline (which ranks had not arrived is not "
                 "known across nodes)" % fingerprints.label(what, seq))
 
+    def name(self, r):
+        """As :meth:`StatusBoard.name <commlib.faults.board.StatusBoard.name>`."""
+        return rank_name(r, self.world)
+
     def give_up(self, seq, what, kind, text, culprits):
-        return kind("rank %d: %s" % (self.rank, text), culprits=culprits)
+        return kind("%s: %s" % (self.name(self.rank), text), culprits=culprits)
 
     def leave(self, completed, reason, text="", blame=()):
         """Nothing to publish without shared memory (closing exchanges); the
@@ -108,10 +114,10 @@ class ExchangeBoard:
             counts = {q: completed if rows[q, 1] == CLOSE else int(rows[q, 0])
                       for q in range(self.size)}
             culprits = uneven_culprits(counts)
-            raise PeerError("rank %d: this rank closed the communicator after collective #%d "
-                            "but rank %d entered %s: uneven number of steps: %s (every rank "
+            raise PeerError("%s: this rank closed the communicator after collective #%d "
+                            "but %s entered %s: uneven number of steps: %s (every rank "
                             "must call the same collectives)"
-                            % (self.rank, completed, r, fingerprints.label(int(rows[r, 1]),
+                            % (self.name(self.rank), completed, self.name(r), fingerprints.label(int(rows[r, 1]),
                                                                           int(rows[r, 0])),
                                steps_text(counts, culprits, self.rank)),
                             culprits=culprits)

@@ -20,7 +20,7 @@ from .. import settings
 from ..core.gpu import nccl_module, nccl_unavailable_reason
 from ..errors import ArgumentError, BackendUnavailableError, CommlibError, ConsistencyError
 
-NCCL_ID_BYTES = 128
+from ..transport.nccl import NCCL_ID_BYTES
 
 #: environment variables the launcher sets for each worker
 ENV_NCCL_ID = settings.NCCL_ID

@@ -13,9 +13,12 @@ transport's next call raises that error. ``barrier`` waits on the host.
 An aborted collective may leave partial sums in the arrays it was writing;
 nothing writes into them after the abort.
 """
+import collections
 import contextlib
 import threading
 import time
+
+import numpy as np
 
 from ..core import waiting
 from ..core.gpu import nccl_module
@@ -85,7 +88,8 @@ _DTYPE_NAMES = {"uint8": "NCCL_UINT8", "int32": "NCCL_INT32", "int64": "NCCL_INT
                 "float16": "NCCL_FLOAT16", "float32": "NCCL_FLOAT32", "float64": "NCCL_FLOAT64",
                 "bfloat16": "NCCL_BFLOAT16"}
 _OP_NAMES = {"sum": "NCCL_SUM", "prod": "NCCL_PROD", "max": "NCCL_MAX", "min": "NCCL_MIN"}
-_DTYPES, _OPS = {}, {}      # filled from cupy.cuda.nccl when the first transport is made
+_DTYPES, _OPS = {}, {}
+NCCL_ID_BYTES = 128      # filled from cupy.cuda.nccl when the first transport is made
 _codes = {}     # numpy dtype -> ncclDataType_t (dtype.name is slow to compute)
 
 
@@ -105,6 +109,12 @@ def _code(dtype):
     if found is None:
         found = _codes[dtype] = _DTYPES[dtype.name]
     return found
+
+
+class NcclSplit(collections.namedtuple("NcclSplit", "nccl_id rank size")):
+    """What :meth:`NcclTransport.split` makes for one colour: the 128 bytes
+    of the new NCCL communicator's unique ID (made by the colour's lowest
+    rank), and this rank's place in it and its size."""
 
 
 class NcclTransport(Transport):
@@ -141,15 +151,21 @@ class NcclTransport(Transport):
                     "picks it when there are more ranks than GPUs)"
                     % (rank, exc, self.device)) from exc
         self.watch = NcclWatch(self)
+        #: (event, buffers): buffers kept alive until the work before the event ran
+        self._held = collections.deque()
+        self._staged = []       # device copies of numpy buffers of the call being made
 
     @contextlib.contextmanager
     def _device(self, buf, writeback):
-        """Yield a device buffer for ``buf``; copy results back after."""
+        """Yield a device buffer for ``buf``; copy results back after. A
+        numpy ``buf`` is staged in a device copy, held (see :meth:`_finish`)
+        until the work reading it has run."""
         with self._cupy.cuda.Device(self.device):
             if is_cupy(buf):
                 yield buf
                 return
             dev = self._cupy.asarray(buf)
+            self._staged.append(dev)
             yield dev
             if writeback:
                 dev.get(out=buf)
@@ -161,11 +177,24 @@ class NcclTransport(Transport):
         self.watch.check()
         super().check_usable()
 
-    def _finish(self, wait):
-        """Hand the collective just enqueued to the watch (when it has a
-        deadline or peers to watch); returns at once."""
-        if wait.deadline is not None or wait.board is not None:
-            self.watch.add(self._stream().record(), wait)
+    def _finish(self, wait, hold=()):
+        """The collective just enqueued: hand it to the watch (when it has a
+        deadline or peers to watch), and keep the buffers it reads that
+        nobody else holds (``hold``, and the staged copies of numpy
+        buffers) referenced until it has run; returns at once."""
+        hold = list(hold) + self._staged
+        self._staged = []
+        held = self._held
+        while held and held[0][0].done:
+            held.popleft()
+        watched = wait.deadline is not None or wait.board is not None
+        if not (hold or watched):
+            return
+        event = self._stream().record()
+        if hold:
+            held.append((event, hold))
+        if watched:
+            self.watch.add(event, wait)
 
     # -- collectives ---------------------------------------------------------
     def all_reduce(self, buf, op, wait=waiting.FOREVER, fmt=None, owned=False, scale=None):
@@ -242,7 +271,29 @@ class NcclTransport(Transport):
                         self.comm.recv(d.data.ptr, d.size, _code(d.dtype), peer, stream)
             finally:
                 nccl.groupEnd()
-            self._finish(wait)
+            self._finish(wait, bufs)
+
+    def split(self, color, key, table, wait=waiting.FOREVER):
+        """A :class:`NcclSplit` for the ranks of ``color``, ordered by
+        ``(key, rank)`` (None for a rank of no colour): the lowest rank of
+        each colour asks NCCL for a unique ID and every rank's 128 bytes go
+        to every rank in one all-gather over this communicator, so each
+        rank finds its colour's. The new communicator is made from that ID
+        (:meth:`commlib.Communicator.from_nccl_id`)."""
+        self.check_usable()
+        members = [r for _, r in sorted((k, r) for r, (c, k) in enumerate(table)
+                                        if c == color)] if color is not None else []
+        mine = np.zeros(NCCL_ID_BYTES, np.uint8)
+        if members and min(members) == self.rank:
+            raw = nccl_module().get_unique_id()
+            mine[:] = np.frombuffer(bytes(b & 0xFF for b in raw), np.uint8)
+        ids = np.empty(NCCL_ID_BYTES * self.size, np.uint8)
+        self.all_gather(mine, ids, wait)
+        if color is None:
+            return None
+        lowest = min(members)
+        return NcclSplit(bytes(ids[lowest * NCCL_ID_BYTES:(lowest + 1) * NCCL_ID_BYTES]),
+                         members.index(self.rank), len(members))
 
     def barrier(self, wait=waiting.FOREVER):
         """An all-reduce of one byte, waited for on the host."""

@@ -26,65 +26,90 @@ def values(rank, dtype, n, salt=0):
     return rng.integers(0, 100, size=n).astype(dtype)
 
 
-def check_p2p(comm):
+def host(a):
+    """``a`` as a numpy array (a cupy array copied to the host, after the
+    work on it)."""
+    return a if a is None or type(a) is np.ndarray else a.get()
+
+
+def check_p2p(comm, xp=np):
+    """Every check on arrays of ``xp`` (numpy, or cupy: the same calls over
+    the communicator's cupy transport)."""
     r, n = comm.rank, comm.size
     nxt, prv = (r + 1) % n, (r - 1) % n
     for dtype in DTYPES:
         for length in LENGTHS:
             # a ring: every rank sends to the next and receives from the previous
-            out = np.full(length, 255, dtype)
-            comm.batch_send_recv([P2POp("send", values(r, dtype, length), nxt),
+            out = xp.full(length, 255, dtype)
+            comm.batch_send_recv([P2POp("send", xp.asarray(values(r, dtype, length)), nxt),
                                   P2POp("recv", out, prv)])
-            assert np.array_equal(out, values(prv, dtype, length)), (dtype, length)
+            assert np.array_equal(host(out), values(prv, dtype, length)), (dtype, length)
     # shaped arrays, blocking pairs (even ranks send first)
     shape = (3, 5, 7)
-    a = values(r, "float32", 105).reshape(shape)
-    got = np.zeros(shape, np.float32)
+    a = xp.asarray(values(r, "float32", 105).reshape(shape))
+    got = xp.zeros(shape, np.float32)
     if n > 1 and r % 2 == 0 and r + 1 < n:
         comm.send(a, r + 1)
         assert comm.recv(got, r + 1) is got
-        assert np.array_equal(got, values(r + 1, "float32", 105).reshape(shape))
+        assert np.array_equal(host(got), values(r + 1, "float32", 105).reshape(shape))
     elif n > 1 and r % 2 == 1:
         comm.recv(got, r - 1)
-        assert np.array_equal(got, values(r - 1, "float32", 105).reshape(shape))
+        assert np.array_equal(host(got), values(r - 1, "float32", 105).reshape(shape))
         comm.send(a, r - 1)
     # every pair at once, two messages each way, receives before sends
     ops, outs = [], {}
     for q in range(n):
         for k in range(2):
-            outs[q, k] = np.empty(11 + k, np.int64)
+            outs[q, k] = xp.empty(11 + k, np.int64)
             ops.append(P2POp("recv", outs[q, k], q))
     for q in range(n):
         for k in range(2):
-            ops.append(P2POp("send", values(r, "int64", 11 + k, salt=q), q))
+            ops.append(P2POp("send", xp.asarray(values(r, "int64", 11 + k, salt=q)), q))
     comm.batch_send_recv(ops)
     for (q, k), got in outs.items():
-        assert np.array_equal(got, values(q, "int64", 11 + k, salt=r)), (q, k)
-    # asynchronous: a Work each, ring as one batch
-    out = np.empty(9, np.float64)
-    work = comm.batch_send_recv([P2POp("recv", out, prv), P2POp("send", values(r, "float64", 9),
-                                                               nxt)], async_op=True)
-    assert work.wait() is None and np.array_equal(out, values(prv, "float64", 9))
+        assert np.array_equal(host(got), values(q, "int64", 11 + k, salt=r)), (q, k)
+    # asynchronous: a Work each, ring as one batch; a send and a recv too
+    out = xp.empty(9, np.float64)
+    work = comm.batch_send_recv([P2POp("recv", out, prv),
+                                 P2POp("send", xp.asarray(values(r, "float64", 9)), nxt)],
+                                async_op=True)
+    assert work.wait() is None and np.array_equal(host(out), values(prv, "float64", 9))
+    if n > 1:               # odd ranks receive first, even ranks send first
+        out = xp.empty(6, np.int32)
+        mine = xp.asarray(values(r, "int32", 6))
+        calls = [lambda: comm.recv(out, prv, async_op=True),
+                 lambda: comm.send(mine, nxt, async_op=True)]
+        works = [call() for call in (calls if r % 2 else calls[::-1])]
+        for w in works[::-1]:
+            w.wait()
+        assert np.array_equal(host(out), values(prv, "int32", 6))
     # mpi4py's Sendrecv on the same inputs: the same result
     theirs = np.empty(7, np.int32)
     WORLD.Sendrecv(values(r, "int32", 7), dest=nxt, recvbuf=theirs, source=prv)
-    mine = np.empty(7, np.int32)
-    comm.batch_send_recv([P2POp("send", values(r, "int32", 7), nxt), P2POp("recv", mine, prv)])
-    assert np.array_equal(mine, theirs)
+    mine = xp.empty(7, np.int32)
+    comm.batch_send_recv([P2POp("send", xp.asarray(values(r, "int32", 7)), nxt),
+                          P2POp("recv", mine, prv)])
+    assert np.array_equal(host(mine), theirs)
 
 
-def check_exchanges(comm):
+def check_exchanges(comm, xp=np):
+    """Scatter, gather, both all-to-alls, objects and split on arrays of
+    ``xp`` (numpy or cupy), against numpy and mpi4py."""
     r, n = comm.rank, comm.size
     for length in (0, 1, 7, 300_001):
         for root in range(n):
             blocks = [values(q, "float32", length, salt=root) for q in range(n)] \
                 if r == root else None
-            got = comm.scatter(blocks, root=root)
+            got = comm.scatter(None if blocks is None else [xp.asarray(b) for b in blocks],
+                               root=root)
+            assert type(got) is xp.ndarray, type(got)
+            got = host(got)
             assert np.array_equal(got, values(r, "float32", length, salt=root))
             ref = np.empty(length, np.float32)
             WORLD.Scatter(np.concatenate(blocks) if r == root else None, ref, root=root)
             assert np.array_equal(got, ref)
-            gathered = comm.gather(values(r, "int32", length, salt=root), root=root)
+            gathered = host(comm.gather(xp.asarray(values(r, "int32", length, salt=root)),
+                                        root=root))
             if r == root:
                 want = np.stack([values(q, "int32", length, salt=root) for q in range(n)])
                 assert gathered.shape == (n, length) and np.array_equal(gathered, want)
@@ -96,23 +121,26 @@ def check_exchanges(comm):
             if r == root:
                 assert np.array_equal(gathered, ref)
         # all_to_all against numpy and mpi4py's Alltoall; in place too
-        send = values(r, "float64", n * length, salt=5).reshape(n, length)
-        recv = np.empty_like(send)
+        mine = values(r, "float64", n * length, salt=5).reshape(n, length)
+        send = xp.asarray(mine)
+        recv = xp.empty_like(send)
         assert comm.all_to_all(send, recv) is recv
         want = np.stack([values(q, "float64", n * length, salt=5).reshape(n, length)[r]
                          for q in range(n)])
-        assert np.array_equal(recv, want)
-        ref = np.empty_like(send)
-        WORLD.Alltoall(send, ref)
-        assert np.array_equal(recv, ref)
+        assert np.array_equal(host(recv), want)
+        ref = np.empty_like(mine)
+        WORLD.Alltoall(mine, ref)
+        assert np.array_equal(host(recv), ref)
         comm.all_to_all(send, send)
-        assert np.array_equal(send, want)
+        assert np.array_equal(host(send), want)
     # all_to_allv: odd, empty and large blocks; counts exchanged, then given
     def counts_of(q):
         return [((q * 7 + p * 3) % 5) * (1 if (q + p) % 3 else 60_001) for p in range(n)]
     counts = counts_of(r)
     data = values(r, "int64", sum(counts), salt=9)
-    got, got_counts = comm.all_to_allv(data, counts)
+    got, got_counts = comm.all_to_allv(xp.asarray(data), counts)
+    assert type(got) is xp.ndarray, type(got)
+    got = host(got)
     expected = [counts_of(q)[r] for q in range(n)]
     assert got_counts.tolist() == expected and got_counts.dtype == np.int64
     pieces = []
@@ -124,8 +152,8 @@ def check_exchanges(comm):
     ref = np.empty(sum(expected), np.int64)
     WORLD.Alltoallv([data, counts], [ref, expected])
     assert np.array_equal(got, ref)
-    again, _ = comm.all_to_allv(data, counts, expected)
-    assert np.array_equal(again, got)
+    again, _ = comm.all_to_allv(xp.asarray(data), counts, expected)
+    assert np.array_equal(host(again), got)
     # objects, against mpi4py's pickled bcast / allgather
     for root in range(n):
         obj = {"from": r, "list": list(range(r + 3)), "text": "x" * (r * 1000)}
@@ -139,43 +167,103 @@ def check_exchanges(comm):
     sub = comm.split(r % 2, key=-r)
     members = [q for q in range(n) if q % 2 == r % 2][::-1]
     assert (sub.rank, sub.size) == (members.index(r), len(members))
-    x = np.array([r], np.float64)
+    x = xp.asarray(np.array([r], np.float64))
     sub.all_reduce(x)
-    assert x[0] == sum(members)
+    assert host(x)[0] == sum(members)
     sub.close()
     none = comm.split(None if r == 0 else 1)
     assert (none is None) == (r == 0)
     if none is not None:
         assert none.size == n - 1 and none.rank == r - 1
-        none.barrier()
+        y = xp.ones(3, np.int32)
+        none.all_reduce(y)
+        assert (host(y) == n - 1).all()
         none.close()
 
 
-def check_grid(comm):
+def check_grid(comm, xp=np):
     """A 2x2 grid: rows (data parallel) and columns (model parallel) with
-    collectives on both interleaved, and a point-to-point call in a row."""
+    collectives on both interleaved (one row's all-reduce in flight while
+    the column's runs), a point-to-point call in a row and objects in a
+    column; arrays of ``xp`` (numpy or cupy)."""
     r = comm.rank
     row, col = comm.split(r // 2), comm.split(r % 2)
     assert (row.rank, row.size, col.rank, col.size) == (r % 2, 2, r // 2, 2)
     for step in range(3):
-        a = np.array([r + step], np.float32)
-        b = np.full(200_000, r * step, np.float32)
-        row.all_reduce(a)
+        a = xp.asarray(np.array([r + step], np.float32))
+        b = xp.full(200_000, r * step, np.float32)
+        work = row.all_reduce(a, async_op=True)
         col.all_reduce(b)
-        assert a[0] == 2 * (r // 2) * 2 + 1 + 2 * step, a
-        assert (b == step * (2 * (r % 2) + 2)).all()
-        got = np.empty(3, np.float32)
-        row.batch_send_recv([P2POp("send", np.full(3, r, np.float32), 1 - row.rank),
+        work.wait()
+        assert host(a)[0] == 2 * (r // 2) * 2 + 1 + 2 * step, a
+        assert (host(b) == step * (2 * (r % 2) + 2)).all()
+        got = xp.empty(3, np.float32)
+        row.batch_send_recv([P2POp("send", xp.full(3, r, np.float32), 1 - row.rank),
                              P2POp("recv", got, 1 - row.rank)])
-        assert (got == (r ^ 1)).all()
+        assert (host(got) == (r ^ 1)).all()
         assert col.all_gather_object(r) == [r % 2, r % 2 + 2]
     row.close()
     col.close()
 
 
+def check_names(comm):
+    """At 4 ranks: errors in a split communicator name each rank by its
+    rank there and its world rank, in the status board's messages (a
+    mismatch, a deadline) and the pair check's (a mismatch, a deadline).
+    Halves by parity, ordered by a reversed key: [2, 0] and [3, 1], so
+    world rank 0 is rank 1 of its half and world rank 3 rank 0 of its
+    half; those two misbehave."""
+    r = comm.rank
+    short = commlib.Communicator.from_mpi(timeout=1.5)
+    sub = short.split(r % 2, key=-r)
+    members = [2, 0] if r % 2 == 0 else [3, 1]
+    bad = members.index(0 if r % 2 == 0 else 3)
+    other = 1 - bad
+
+    def name(g):
+        return "rank %d (world rank %d)" % (g, members[g])
+
+    me = sub.rank
+    assert me == members.index(r)
+    # the board: a mismatch names both groups of ranks by both numbers
+    exc = expect(errors.ConsistencyError, [
+        "%s: ranks disagree on all_reduce #1" % name(me),
+        "ranks [%d] (world ranks [%d]): all_reduce" % (bad, members[bad]),
+        "ranks [%d] (world ranks [%d]): all_reduce" % (other, members[other])],
+        lambda: sub.all_reduce(np.zeros(3 if me == bad else 4)))
+    # the pair check: a receive of another dtype, both named by both numbers
+    keep = np.full(4, 7.0)
+    exc = expect(errors.ConsistencyError, [
+        "%s sends float32(4,) to %s, which receives float64(4,)" % (name(bad), name(other))],
+        lambda: sub.send(np.zeros(4, np.float32), other) if me == bad else
+        sub.recv(keep, bad))
+    assert list(exc.culprits) == [0, 1] and (keep == 7.0).all()
+    # the pair's deadline: the misbehaving rank never sends
+    if me == other:
+        exc = expect(errors.CollectiveTimeoutError, [
+            "%s: recv after collective #1 (recv from %s) did not complete before its "
+            "deadline: waiting for %s (" % (name(other), name(bad), name(bad))],
+            lambda: sub.recv(keep, bad))
+        assert list(exc.culprits) == [bad]
+    WORLD.Barrier()         # the misbehaving ranks stay until their peers gave up
+    sub._session.abandon(2, "")
+    # the board's deadline: the misbehaving rank does not call
+    sub = short.split(r % 2, key=-r)
+    if me == other:
+        exc = expect(errors.CollectiveTimeoutError, [
+            "%s: all_reduce #1 did not complete before its deadline: waiting for %s (has not "
+            "entered any collective)" % (name(other), name(bad))],
+            lambda: sub.all_reduce(np.zeros(4)))
+        assert list(exc.culprits) == [bad]
+    WORLD.Barrier()
+    sub._session.abandon(2, "")
+    short.close()
+
+
 def main(which):
     comm = commlib.Communicator.from_mpi()
-    checks = {"p2p": check_p2p, "exchanges": check_exchanges, "grid": check_grid}
+    checks = {"p2p": check_p2p, "exchanges": check_exchanges, "grid": check_grid,
+              "names": check_names}
     for name in which.split(","):
         checks[name](comm)
     comm.close()

@@ -20,7 +20,9 @@ def run_checks(n, which):
 
 @pytest.mark.parametrize("n", [1, 2, 3, 4])
 def test_p2p_scatter_gather_all_to_all_objects_split(n):
-    run_checks(n, "p2p,exchanges" + (",grid" if n == 4 else ""))
+    """At 4 ranks also a 2x2 grid, and the errors of split communicators
+    naming ranks by their world ranks too."""
+    run_checks(n, "p2p,exchanges" + (",grid,names" if n == 4 else ""))
 
 
 def run_faults(n, which, bad, **kwargs):

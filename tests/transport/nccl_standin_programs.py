@@ -12,6 +12,7 @@ import commlib
 from commlib import errors
 from collective_checks import assert_equal, expected_reduce, gathered, make
 from compression_checks import check_half
+import p2p_checks
 
 WORLD = MPI.COMM_WORLD
 
@@ -189,6 +190,26 @@ def standin(comm_world):
             raise AssertionError("rank %d: a duplicate device was accepted" % me)
 
 
+def nccl_only_grid():
+    """A 2x2 grid split from an NCCL-only communicator (from_nccl_id): each
+    sub-communicator a new NCCL communicator whose ID the lowest rank of
+    its colour made, sent over the first one."""
+    import cupy
+    me = WORLD.rank
+    nid = commlib.NcclId(WORLD.bcast(commlib.NcclId().data if me == 0 else None))
+    comm = commlib.Communicator.from_nccl_id(nid, me, WORLD.size, device=me)
+    assert comm.transport_for("numpy") == "nccl"
+    p2p_checks.check_grid(comm, cupy)
+    sub = comm.split(me % 2, key=-me)
+    assert (sub.rank, sub.size, sub.backend) == (1 - me // 2, 2, "nccl")
+    assert nccl_of(sub) is not nccl_of(comm)
+    x = np.array([me], np.float64)             # numpy arrays travel over NCCL too
+    sub.all_reduce(x)
+    assert x[0] == me % 2 * 2 + 2, x
+    sub.close()
+    comm.close()
+
+
 def main(case):
     import cupy
     rng = np.random.default_rng(77 + WORLD.rank)
@@ -197,7 +218,15 @@ def main(case):
         assert comm.backend == "nccl" and comm.device == comm.rank, (comm.backend, comm.device)
         cupy.cuda.Device(comm.device).use()
         collectives(comm, rng)
+        # point-to-point, rooted, all-to-all, object and split calls with
+        # cupy arrays: their data over NCCL
+        p2p_checks.check_p2p(comm, cupy)
+        p2p_checks.check_exchanges(comm, cupy)
+        if WORLD.size == 4:
+            p2p_checks.check_grid(comm, cupy)
         comm.close()
+        if WORLD.size == 4:
+            nccl_only_grid()
         if WORLD.size >= 3:
             standin(WORLD)
     elif case == "faults":
