@@ -2,7 +2,8 @@
 # One-shot GPU check, at most about 9.5 minutes: environment, the MPI that
 # mpi4py loads and a 2-rank world started with its mpiexec, NVRTC compile of
 # every kernel module, the gpu-marked tests, the kernel benchmark with its
-# targets, compute-sanitizer runs, concurrent streams, the largest N, and
+# targets, compute-sanitizer runs, concurrent streams, the largest N, the
+# point-to-point, rooted and all-to-all calls on cupy arrays over NCCL, and
 # the MNIST example trained at 2 ranks on the GPU.
 #
 #   scripts/gpu_check.sh [--dry-run] [OUTDIR]      (OUTDIR defaults to $OUT)
@@ -133,8 +134,8 @@ stage() {
     printf '%s\t%s\t%s\n' "$name" "$status" "$(awk "BEGIN { printf \"%.1f\", $t1 - $t0 }")" >> "$DEST/stages.tsv"
 }
 
-# limits: 15 + 30 + 60 + 60 + 150 + 90 + 60 + 45 + 75 + 25 + 40 + 90 = 740 s; with
-# 3 s to kill each stage that overruns and 10 s of nvidia-smi, 786 s at worst
+# limits: 15 + 30 + 60 + 60 + 150 + 90 + 60 + 45 + 75 + 25 + 40 + 30 + 90 = 770 s;
+# with 3 s to kill each stage that overruns and 10 s of nvidia-smi, 819 s at worst
 # (most stages take a fraction of their limit: the build takes seconds where
 # it is not needed, gpu-step about 30 s; run the script with a command limit
 # of 600 s)
@@ -163,6 +164,10 @@ stage gpu-step-16 45 1 "$PY" benchmarks/gpu_step.py --repeats 10 --time-limit 35
 stage sanitizer 75 1 -
 stage streams 25 1 "$PY" tests/gpu/gpu_checks.py streams
 stage large-n 40 1 "$PY" tests/gpu/gpu_checks.py large
+# send/recv, scatter, gather, all-to-all, objects and split with cupy arrays
+# at NCCL world size 1 (at 2 ranks over MPI they run in pytest-gpu's
+# test_mpi_transport_with_cupy_arrays_world_size_2)
+stage p2p 30 1 "$PY" tests/gpu/gpu_checks.py p2p
 stage example 90 1 -
 
 "$PY" - "$DEST" "$FAILED" <<'EOF' | tee "$DEST/summary.txt"

@@ -88,3 +88,28 @@ def test_shared_memory_probe_smoke():
     reference, ratio = float(found.group(1)), float(found.group(2))
     plain = float(rows["plain"]["write after the other read"])
     assert abs(plain / reference - ratio) <= 0.05 * ratio + 0.1, (plain, reference, ratio)
+
+
+def test_p2p_benchmark_smoke(tmp_path):
+    """benchmarks/p2p.py at 2 ranks, tiny sizes, one repeat: every call
+    beside mpi4py's, results checked, the memory-copy bound beside them."""
+    out = tmp_path / "p2p.json"
+    script = ROOT / "benchmarks" / "p2p.py"
+    code = "import runpy; runpy.run_path(%r, run_name='__main__')" % str(script)
+    proc = run_mpi(2, code, timeout=120, args=["--sizes", "4K,64K", "--repeats", "1",
+                                                "--warmup", "1", "--json", str(out)])
+    rows = parse_table(proc.stdout)
+    assert [(r["call"], int(r["bytes"])) for r in rows] == [
+        (call, size) for call in ("send_recv", "all_to_all", "scatter", "gather")
+        for size in (4096, 65536)]
+    for row in rows:
+        assert row["check"] == "ok" and row["ranks"] == "2", row
+        ours, theirs = float(row["commlib ms"]), float(row["mpi4py ms"])
+        assert ours > 0 and theirs > 0 and float(row["copy ms"]) > 0, row
+        # the ratio and the bandwidth are the columns' (printed rounded)
+        assert abs(ours / theirs - float(row["commlib / mpi4py"])) <= 0.01 * ours / theirs + 0.01
+        gbs = int(row["bytes"]) / (ours * 1e-3) / 1e9
+        assert abs(gbs - float(row["commlib GB/s"])) <= 0.01 * gbs + 1e-3, row
+    results = json.loads(out.read_text())
+    assert [r["call"] for r in results["results"]] == [r["call"] for r in rows]
+    assert all(len(r["samples_ms"]["commlib"]) == 1 for r in results["results"])

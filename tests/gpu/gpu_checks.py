@@ -105,9 +105,30 @@ def main(which):
         import cupy
         cupy.cuda.Device(comm.device).use()
     collectives_on_cupy(comm, rng)
+    new_calls_on_cupy(comm)
     device_errors(comm)
     comm.close()
     print("gpu %s rank %d ok" % (which, comm.rank))
+
+
+def new_calls_on_cupy(comm):
+    """send/recv, batch_send_recv, scatter, gather, all_to_all(v), objects
+    and split with cupy arrays (tests/collective/p2p_checks.py), against
+    numpy and mpi4py on every rank's inputs."""
+    import cupy
+    import p2p_checks
+    p2p_checks.check_p2p(comm, cupy)
+    p2p_checks.check_exchanges(comm, cupy)
+
+
+def p2p_nccl():
+    """The new calls at NCCL world size 1 (scripts/gpu_check.sh's p2p stage)."""
+    import cupy
+    comm = commlib.Communicator.from_mpi(backend="nccl")
+    cupy.cuda.Device(comm.device).use()
+    new_calls_on_cupy(comm)
+    comm.close()
+    print("p2p nccl world size 1 ok")
 
 
 # ---------------------------------------------------------------- one-shot GPU check stages
@@ -366,5 +387,5 @@ if __name__ == "__main__":
     import sys
     {"compile": compile_all, "small": small_workload,
      "small-quick": lambda: small_workload(quick=True), "streams": concurrent_streams,
-     "replayed": replayed_buckets,
+     "replayed": replayed_buckets, "p2p": p2p_nccl,
      "large": large_n}[sys.argv[1]]()

@@ -15,7 +15,7 @@ import pytest
 
 SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "gpu_check.sh"
 GPU_STAGES = ["build", "nvrtc", "pytest-gpu", "benchmark", "gpu-step", "gpu-step-16",
-              "sanitizer", "streams", "large-n", "example"]
+              "sanitizer", "streams", "large-n", "p2p", "example"]
 pytestmark = pytest.mark.skipif(shutil.which("bash") is None, reason="needs bash")
 
 
@@ -126,6 +126,7 @@ def test_every_stage_starts_and_passes_with_a_stand_in_gpu(tmp_path):
                      "python benchmarks/kernels.py", "python benchmarks/gpu_step.py",
                      "python tests/gpu/gpu_checks.py streams",
                      "python tests/gpu/gpu_checks.py large", "python -m commlib.info --run 2",
+                     "python tests/gpu/gpu_checks.py p2p",
                      "compute-sanitizer --tool memcheck", "compute-sanitizer --tool racecheck",
                      "compute-sanitizer --tool synccheck",
                      "python tests/gpu/gpu_checks.py small-quick"):
