@@ -252,11 +252,20 @@ class StatusBoard:
             gone = self._lines[r, GONE]
             if 0 < gone <= seq:
                 raise self._left(r, seq, what)
-            pid = int(self._lines[r, PID])
-            if pid and not _alive(pid):
+            if self.died(r):
                 raise self.give_up(seq, what, PeerError,
-                                   "rank %d (pid %d) died while this rank waits in %s"
-                                   % (r, pid, fingerprints.label(what, seq)), (r,))
+                                   "%s died while this rank waits in %s"
+                                   % (self.who(r), fingerprints.label(what, seq)), (r,))
+
+    def died(self, r):
+        """Whether rank ``r``'s process ended (it ran on this node: its
+        process id is on its line)."""
+        pid = int(self._lines[r, PID])
+        return bool(pid) and not _alive(pid)
+
+    def who(self, r):
+        """``rank 2 (pid 4242)``: rank ``r`` in messages about its death."""
+        return "rank %d (pid %d)" % (r, int(self._lines[r, PID]))
 
     def not_arrived(self, seq):
         """Ranks that have not entered collective ``seq``."""
@@ -390,10 +399,9 @@ class StatusBoard:
                 if gone:
                     raise PeerError("rank %d: %s; this rank left after collective #%d"
                                     % (self.rank, self.where(r), completed), culprits=(r,))
-                pid = int(line[PID])
-                if pid and not _alive(pid):
-                    raise PeerError("rank %d: rank %d (pid %d) died before closing"
-                                    % (self.rank, r, pid), culprits=(r,))
+                if self.died(r):
+                    raise PeerError("rank %d: %s died before closing"
+                                    % (self.rank, self.who(r)), culprits=(r,))
                 busy.append(r)
             if not busy:
                 return True
@@ -421,9 +429,8 @@ class StatusBoard:
                     continue
                 line = self._lines[r]
                 gone, entered = int(line[GONE]), int(line[ENTERED])   # one read each
-                pid = int(line[PID])
                 if (gone or entered > mine or (entered == mine and not leaving)
-                        or (pid and not _alive(pid))):
+                        or self.died(r)):
                     counts[r] = entered
                 else:
                     pending = True

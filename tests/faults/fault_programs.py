@@ -246,11 +246,14 @@ def sys_exit(comm, late):
     attempt(rank, "all_reduce", lambda: comm.all_reduce(arrays), arrays)
 
 
-def vanish(comm, late):
+def vanish(comm, late, leave="os._exit"):
     """Rank ``late`` ends with ``os._exit(0)`` after a good step, without a
     word to anyone; the others find its process gone. Each survivor then
-    leaves at once (``os._exit`` after its records): MPI cannot finalize
-    with a rank missing."""
+    leaves at once (``leave="os._exit"``: after its records; MPI cannot
+    finalize with a rank missing), or, with ``leave="sys.exit"``, once
+    every survivor reported, by ``sys.exit(1)`` as a script that caught the
+    error would (commlib must then keep MPI's finalisation from waiting
+    for the dead rank)."""
     rank = comm.rank
     comm.all_reduce(grads(rank))
     if rank == late:        # once every rank completed the good step
@@ -261,6 +264,10 @@ def vanish(comm, late):
     arrays = grads(rank)
     attempt(rank, "all_reduce", lambda: comm.all_reduce(arrays), arrays)
     report(rank=rank, what="done")
+    if leave == "sys.exit":
+        notify("caught", rank)
+        await_notices("caught", [r for r in range(comm.size) if r != late])
+        sys.exit(1)
     os._exit(0)
 
 
