@@ -148,7 +148,7 @@ class Hold(Compression):
             bucket.all_reduce(a.reshape(-1))
 
 
-def stalls(comm, mode):
+def stalls(comm, mode, sizes=None):
     """Each rank in turn stalls in an all-reduce of small arrays (MPI's
     path) and of large ones (shared memory), on a fresh communicator whose
     watch dog is :data:`STALL_DEADLINE`. ``mode``: ``board``: the check on,
@@ -161,12 +161,15 @@ def stalls(comm, mode):
     one call more (``next``), and compares its arrays again after an MPI
     barrier, during which MPI may complete what was abandoned
     (``written_after``). Records: ``stall``, ``next`` and ``after``, each
-    with ``late`` and ``size``; the late rank's ``stall`` also says whether
-    each element holds its input or the sum (``input_or_sum``)."""
+    with ``late``, ``size`` and ``mode``; the late rank's ``stall`` also says
+    whether each element holds its input or the sum (``input_or_sum``).
+    ``sizes``: the sizes tried with each late rank instead (None: as said
+    above)."""
     comm.close()
     rank, n = rank_of_world()
     plan = [(late, size) for late in range(n)
-            for size in ((LARGE if late == 1 else SMALL,) if mode == "board" else (SMALL, LARGE))]
+            for size in sizes or ((LARGE if late == 1 else SMALL,) if mode == "board"
+                                  else (SMALL, LARGE))]
     for late, size in plan:
         episode = "%s-%d-%d" % (mode, late, size)
         others = [r for r in range(n) if r != late]
@@ -179,7 +182,7 @@ def stalls(comm, mode):
             if mode != "inside":
                 hold()
         compression = Hold(late, hold) if mode == "inside" else None
-        where = dict(late=late, size=size)
+        where = dict(late=late, size=size, mode=mode)
         error, snapshot = attempt(rank, "stall", lambda: unit.all_reduce(
             arrays, compression=compression), arrays, **where)
         total = n * (n + 1) / 2
@@ -206,6 +209,14 @@ def stalls_off(comm):
 
 def stalls_inside(comm):
     stalls(comm, "inside")
+
+
+def stalls_nodes(comm):
+    """Every kind of stall in one job, for ranks on nodes of their own
+    (MPI's path only: the sizes make no difference there)."""
+    stalls(comm, "board")
+    stalls(comm, "inside", sizes=(SMALL,))
+    stalls(comm, "off", sizes=(SMALL,))
 
 
 # -- a rank that dies or leaves (one job per misbehaving rank) --------------------------------
@@ -504,7 +515,7 @@ def dropped(comm):
 
 
 SCENARIOS = {fn.__name__: fn for fn in (
-    stalls_board, stalls_off, stalls_inside, die_by_exception, exception_in_with, sys_exit,
+    stalls_board, stalls_off, stalls_inside, stalls_nodes, die_by_exception, exception_in_with, sys_exit,
     vanish, close_early, drop_early, uneven_steps, mismatches, bad_input, nonfinite, tampered,
     partial_objects, init_error, interrupt, mpi_error, dropped)}
 #: scenarios whose first argument is the misbehaving rank

@@ -358,16 +358,22 @@ def test_a_rank_that_exits_is_named_across_nodes(late, leave):
 
 
 def test_a_stalled_rank_is_named_across_nodes():
-    """As tests/faults/test_stalls.py with the check on, each rank of three
-    in turn late: the peers name it at the deadline, and it learns that
-    they gave up."""
+    """As tests/faults/test_stalls.py, each rank of three in turn late, in
+    one job: with the check on, the peers name the rank that has not
+    entered at the deadline; stalled inside the data phase, the rank that
+    entered and went silent (no heartbeat); with the check off, the rank
+    that has not arrived, from inside MPI's wait. The late rank learns
+    that they gave up (blame passed on, never on a rank that gave up)."""
     from fault_programs import LARGE, SMALL
-    from test_stalls import assert_late_learns, assert_peers_gave_up, not_arrived
-    records, _ = fault_run("stalls_board")
-    for late in range(3):
-        size = LARGE if late == 1 else SMALL
-        assert_peers_gave_up(records, late, size, not_arrived(late), [late])
-        assert_late_learns(records, late, size, [late])
+    from test_stalls import assert_late_learns, assert_peers_gave_up, entered, not_arrived
+    records, _ = fault_run("stalls_nodes")
+    for mode, said in (("board", not_arrived), ("inside", entered), ("off", not_arrived)):
+        of_mode = {rank: [r for r in got if r.get("mode") == mode]
+                   for rank, got in records.items()}
+        for late in range(3):
+            size = LARGE if late == 1 and mode == "board" else SMALL
+            assert_peers_gave_up(of_mode, late, size, said(late), [late])
+            assert_late_learns(of_mode, late, size, [late])
 
 
 # -- the harness cleans up -------------------------------------------------------------------
