@@ -45,6 +45,7 @@ import struct
 import sys
 import threading
 import time
+import weakref
 
 import numpy as np
 
@@ -68,6 +69,18 @@ FRAME_BYTES = _HEAD.size + LINE_BYTES
 _SIOCGIFADDR = 0x8915
 #: the words of a line holding times (``time.monotonic_ns()`` of their writer)
 _CLOCK_WORDS = (SEEN, SLOT + 3, SLOT + SLOT_WORDS + 3)
+
+
+#: the watches of this process, for a child made by fork (see _drop_in_child)
+_WATCHES = weakref.WeakSet()
+
+
+def _after_fork_in_child():
+    for watch in list(_WATCHES):
+        watch._drop_in_child()
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 def addresses():
@@ -130,6 +143,20 @@ class PeerWatch:
         self.listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         self.listener.bind(("0.0.0.0", 0))
         self.listener.listen(max(8, size))
+        _WATCHES.add(self)
+
+    def _drop_in_child(self):
+        """In a child made by fork: close this process's copies of the
+        sockets (without a goodbye or a shutdown, which would end the
+        parent's connections), so that the parent's death still ends its
+        connections (the child has no thread to read them)."""
+        self._stop, self._thread = True, None
+        for sock in list(self._socks.values()) + [self.listener, self._wake_r, self._wake_w]:
+            try:
+                sock.close()
+            except OSError:
+                pass
+        self._socks = {}
 
     # -- setting up ------------------------------------------------------------------------
     @classmethod
@@ -248,6 +275,9 @@ class PeerWatch:
                         self._receive(key.fileobj, peer, buf)
                 except OSError:
                     pass
+                except Exception as exc:       # a bug: say so, keep watching
+                    print("commlib: rank %d: the peer watch: %s: %s"
+                          % (self.rank, type(exc).__name__, exc), file=sys.stderr, flush=True)
             while not self._new.empty():
                 peer, sock = self._new.get()
                 sel.register(sock, selectors.EVENT_READ, ("frames", peer, bytearray()))

@@ -397,11 +397,11 @@ def abort_at_exit(status=1, why=""):
     error and exits normally would hang. The job then ends with ``status``
     (its launcher ends the ranks still running, as at any abort). Says so
     on stderr once. Does nothing where mpi4py.MPI is not imported."""
-    MPI = sys.modules.get("mpi4py.MPI")
-    if MPI is None or _ABORTING:
+    if "mpi4py.MPI" not in sys.modules or _ABORTING:
         return
+    from mpi4py.run import set_abort_status
     _ABORTING.append(status)
-    MPI._set_abort_status(status)
+    set_abort_status(status)
     print("commlib: %s; MPI cannot be finalised without it, so this process will end with "
           "MPI_Abort (status %d) at exit" % (why or "a rank of the job died", status),
           file=sys.stderr, flush=True)

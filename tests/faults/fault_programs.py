@@ -264,20 +264,29 @@ def vanish(comm, late, leave="os._exit"):
     finalize with a rank missing), or, with ``leave="sys.exit"``, once
     every survivor reported, by ``sys.exit(1)`` as a script that caught the
     error would (commlib must then keep MPI's finalisation from waiting
-    for the dead rank)."""
+    for the dead rank). Before it ends, rank ``late`` forks a child (as a
+    data loader's workers are made) that outlives it until the survivors
+    reported: the child's copies of the process's files and sockets must
+    not keep its death from being seen."""
     rank = comm.rank
+    survivors = [r for r in range(comm.size) if r != late]
     comm.all_reduce(grads(rank))
     if rank == late:        # once every rank completed the good step
-        await_notices("ready", [r for r in range(comm.size) if r != late])
+        await_notices("ready", survivors)
         sys.stdout.flush()
+        if os.fork() == 0:
+            null = os.open(os.devnull, os.O_RDWR)
+            for fd in (0, 1, 2):
+                os.dup2(null, fd)
+            await_notices("caught", survivors)
         os._exit(0)
     notify("ready", rank)
     arrays = grads(rank)
     attempt(rank, "all_reduce", lambda: comm.all_reduce(arrays), arrays)
     report(rank=rank, what="done")
+    notify("caught", rank)
     if leave == "sys.exit":
-        notify("caught", rank)
-        await_notices("caught", [r for r in range(comm.size) if r != late])
+        await_notices("caught", survivors)
         sys.exit(1)
     os._exit(0)
 
