@@ -49,6 +49,7 @@ import weakref
 
 import numpy as np
 
+from ..errors import ranks_text
 from .board import ENTERED, GONE, LINE_BYTES, PID, SEEN, SLOT, SLOT_WORDS, STRIDE
 
 #: seconds the set-up may take (connecting to every peer)
@@ -160,11 +161,13 @@ class PeerWatch:
 
     # -- setting up ------------------------------------------------------------------------
     @classmethod
-    def start(cls, rank, size, memory, all_gather, on_death=None, setup_s=SETUP_S):
+    def start(cls, rank, size, memory, all_gather, on_death=None, setup_s=None):
         """Connect rank ``rank`` to every other rank (collective);
         ``all_gather(mine, out)`` gathers a uint8 numpy array of every
         rank (a transport's, bounded). Returns the watch, or None on every
-        rank when any rank could not connect (it printed why)."""
+        rank when any rank could not connect (it printed why). ``setup_s``:
+        seconds the connecting may take (default :data:`SETUP_S`)."""
+        setup_s = SETUP_S if setup_s is None else setup_s
         watch = cls(rank, size, memory, on_death)
         try:
             card = json.dumps({"addresses": addresses(), "port": watch.listener.getsockname()[1],
@@ -215,9 +218,7 @@ class PeerWatch:
             if not missing:
                 return
             if time.monotonic() >= deadline:
-                raise SetupFailed("no connection from rank%s %s within %g s"
-                                  % ("s" if len(missing) > 1 else "",
-                                     ", ".join(map(str, missing)), SETUP_S))
+                raise SetupFailed("no connection from %s in time" % ranks_text(missing))
             time.sleep(0.005)
 
     def _dial(self, peer, deadline):
