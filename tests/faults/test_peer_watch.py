@@ -163,18 +163,26 @@ def test_closing_without_the_others_times_out_naming_them():
 
 
 def test_a_connection_without_the_jobs_token_is_refused():
-    made = boards(2)
+    """Rank 0's watch, its thread running, before rank 1 connected: a hello
+    with another token is closed unanswered, rank 1's own is answered."""
+    watch = peer_watch.PeerWatch(0, 2, np.zeros(2 * board.LINE_BYTES, np.uint8))
+    watch._thread = threading.Thread(target=watch._run, daemon=True)
+    watch._thread.start()
+    port = watch.listener.getsockname()[1]
     try:
-        port = made[0].watch.cards[0]["port"]
-        stranger = socket.create_connection(("127.0.0.1", port), timeout=BOUND_S)
-        stranger.sendall(peer_watch._HELLO.pack(b"x" * 16, 1))
-        stranger.settimeout(BOUND_S)
-        assert stranger.recv(8) == b""          # closed without an answer
-        stranger.close()
-        made[1].arrive(5)
-        eventually(lambda: made[0].not_arrived(5) == [0], "rank 1's line still arrives")
+        for token, answer in ((bytes(16), b""), (watch.token, b"commlib.")):
+            sock = socket.create_connection(("127.0.0.1", port), timeout=BOUND_S)
+            sock.sendall(peer_watch._HELLO.pack(token, 1))
+            got = b""
+            while len(got) < 8:
+                more = sock.recv(8 - len(got))
+                if not more:
+                    break
+                got += more
+            assert got == answer, (token, got)
+            sock.close()
     finally:
-        close_all(made)
+        watch.close(goodbye=False)
 
 
 def test_a_rank_that_cannot_connect_makes_every_rank_go_without(monkeypatch, capfd):
