@@ -25,8 +25,8 @@ import time
 import numpy as np
 
 from ..core import fingerprints
-from .board import (CLOSED, ENTERED, EXITED, GONE, ERROR_DIGEST, LINE_BYTES, SLOT, SLOT_WORDS, TEXT_BYTES,
-                    StatusBoard, steps_text, uneven_culprits)
+from .board import (CLOSED, ENTERED, ERROR_DIGEST, EXITED, GONE, LINE_BYTES, SEEN, SEEN_SEQ,
+                    SLOT, SLOT_WORDS, TEXT_BYTES, StatusBoard, steps_text, uneven_culprits)
 from .peer_watch import PeerWatch
 from ..errors import PeerError
 from ..core.waiting import Wait
@@ -73,15 +73,15 @@ class ExchangeBoard(StatusBoard):
         d0, d1 = ERROR_DIGEST if error is not None else digest
         at = SLOT + (seq & 1) * SLOT_WORDS
         self._mine[at:at + SLOT_WORDS] = (d0, d1, what, time.monotonic_ns())
-        self._mine[ENTERED] = seq
-        self._publish()
+        self._mine[ENTERED] = seq            # published by the heartbeats of a wait
         if self.watch is None:                 # only the deadline to watch
             wait = Wait(wait.deadline, seq, what, None, self.rank)
         else:
             self.check_peers(seq, what)        # a peer that left or died: no exchange
         rows = self._gather([seq, what, d0, d1], np.int64, wait)
-        if self.watch is not None:             # they may have given up after it
-            self.check_peers(seq, what)
+        if self.watch is not None:
+            self._entered(seq, rows)
+            self.check_peers(seq, what)        # they may have given up after it
         closed = [r for r in range(self.size) if rows[r, 1] == CLOSE]
         if closed:
             r = closed[0]
@@ -109,19 +109,39 @@ class ExchangeBoard(StatusBoard):
             raise error
         raise failure
 
+    def _entered(self, seq, rows):
+        """Every rank's fingerprint came: each entered collective ``seq``
+        (the copy says so before their lines do, when it completed at
+        once), at about this time."""
+        now = time.monotonic_ns()
+        at = SLOT + (seq & 1) * SLOT_WORDS
+        for r in range(self.size):
+            line = self._lines[r]
+            if r != self.rank and line[ENTERED] < seq:
+                line[at:at + SLOT_WORDS] = (rows[r, 2], rows[r, 3], rows[r, 1], now)
+                line[ENTERED] = seq
+
     def arrive(self, seq):
-        """Publish that this rank entered collective ``seq`` (the
-        consistency check is off)."""
+        """Note that this rank entered collective ``seq`` (the consistency
+        check is off); its peers learn it from its heartbeats, once it waits."""
         self._mine[ENTERED] = seq
-        self._publish()
+
+    def check_waiting(self, wait, late=None):
+        """As :meth:`StatusBoard.check_waiting
+        <commlib.faults.board.StatusBoard.check_waiting>`, after sending
+        this rank's line (at most every :data:`~commlib.faults.peer_watch.BEAT_S`
+        seconds): the peers learn what it entered and that it still waits.
+        A collective that completes within a few milliseconds sends nothing."""
+        if self.watch is not None:
+            self._mine[SEEN_SEQ], self._mine[SEEN] = wait.seq, time.monotonic_ns()
+            self.watch.beat()
+        super().check_waiting(wait, late)
 
     def check_peers(self, seq, what, ranks=None):
-        """As :meth:`StatusBoard.check_peers <commlib.faults.board.StatusBoard.check_peers>`
-        (a waiting rank's heartbeat goes out first); nothing to watch without
-        a watch."""
+        """As :meth:`StatusBoard.check_peers <commlib.faults.board.StatusBoard.check_peers>`;
+        nothing to watch without a watch."""
         if self.watch is None:
             return
-        self.watch.beat()
         for r in range(self.size) if ranks is None else ranks:
             # a death first: the peers that saw it too may have given up already
             if r != self.rank and self.died(r) and not self._lines[r, GONE]:

@@ -16,7 +16,11 @@ it entered, whether and why it left, whom it blamed, when it last looked
 while waiting) into its copy as the shared-memory board does, and
 :meth:`PeerWatch.publish` sends the line to every peer, which writes it
 into its copy (a thread of each rank reads the connections as data
-arrives). So every method of :class:`~commlib.faults.board.StatusBoard`
+arrives). A line goes out when the rank leaves, and while it waits in a
+collective, every :data:`BEAT_S` seconds at most (its heartbeat, see
+:meth:`ExchangeBoard.check_waiting
+<commlib.faults.board_exchange.ExchangeBoard.check_waiting>`): a
+collective that completes within milliseconds sends nothing. So every method of :class:`~commlib.faults.board.StatusBoard`
 that reads the other ranks' lines works across nodes; times in a received
 line are moved onto the receiver's clock (the frame says when it was
 sent), and process ids are cleared (they mean nothing on another node; a
@@ -342,7 +346,9 @@ class PeerWatch:
                 line[word] += shift
         line[PID] = 0
         mirror = self.lines[peer]
-        entered, gone = line[ENTERED], line[GONE]
+        # what it entered only grows (the copy may know more: see
+        # ExchangeBoard._entered); once gone, gone
+        entered, gone = max(line[ENTERED], mirror[ENTERED]), line[GONE] or mirror[GONE]
         line[ENTERED], line[GONE] = mirror[ENTERED], mirror[GONE]
         mirror[:] = line                   # the rest first, then what it entered, then
         mirror[ENTERED] = entered          # whether it left, as the shared board's order

@@ -65,22 +65,23 @@ def test_a_line_reaches_every_copy_on_the_receivers_clock():
     try:
         rank1 = made[1]
         rank1.arrive(7)
-        for r in (0, 2):
-            eventually(lambda: made[r].not_arrived(7) == [0, 2],
-                       "rank 1 entered #7, seen by %d" % r)
+        assert made[0].not_arrived(7) == [0, 1, 2]      # nothing sent yet
+        waiting = Wait(None, 7, ALL_REDUCE, rank1, 1)
+        for r in (0, 2):           # its wait's checks send heartbeats
+            eventually(lambda: rank1.check_waiting(waiting) or
+                       made[r].not_arrived(7) == [0, 2], "rank 1 entered #7, seen by %d" % r)
             assert made[r].late_for(7) == [0, 2]
         # entered with a fingerprint: what and when, on rank 0's clock
         at = board.SLOT + (8 & 1) * board.SLOT_WORDS
         rank1._mine[at:at + 4] = (1, 2, ALL_REDUCE, time.monotonic_ns())
         rank1.arrive(8)
-        eventually(lambda: made[0].not_arrived(8) == [0, 2], "rank 1 entered #8")
-        state = made[0].state_of(1)
-        assert state.startswith("last entered all_reduce #8 0.") and \
-            state.endswith("s ago, not seen waiting in it since"), state
         # a heartbeat while waiting: seen; silence: stalled after STALE_S
         waiting = Wait(None, 8, ALL_REDUCE, rank1, 1)
         eventually(lambda: rank1.check_waiting(waiting) or
-                   "last seen waiting in it" in made[0].state_of(1), "the heartbeat")
+                   made[0].state_of(1).startswith("last entered all_reduce #8"), "the heartbeat")
+        state = made[0].state_of(1)
+        assert state.startswith("last entered all_reduce #8 0.") and \
+            ", last seen waiting in it 0." in state, state
         eventually(lambda: made[0].stalled(8) == [1], "rank 1 stalled")
         # leaving: the reason, the text and the blame travel
         rank1.leave(7, board.GAVE_UP, "all_reduce #8: gave up", blame=(2,))
