@@ -113,13 +113,15 @@ class ExchangeBoard(StatusBoard):
         """Every rank's fingerprint came: each entered collective ``seq``
         (the copy says so before their lines do, when it completed at
         once), at about this time."""
-        now = time.monotonic_ns()
-        at = SLOT + (seq & 1) * SLOT_WORDS
-        for r in range(self.size):
-            line = self._lines[r]
-            if r != self.rank and line[ENTERED] < seq:
-                line[at:at + SLOT_WORDS] = (rows[r, 2], rows[r, 3], rows[r, 1], now)
-                line[ENTERED] = seq
+        behind = self._lines[:, ENTERED] < seq
+        behind[self.rank] = False
+        if behind.any():
+            at = SLOT + (seq & 1) * SLOT_WORDS
+            slots = np.empty((self.size, SLOT_WORDS), np.int64)
+            slots[:, 0:2], slots[:, 2], slots[:, 3] = rows[:, 2:4], rows[:, 1], \
+                time.monotonic_ns()
+            self._lines[behind, at:at + SLOT_WORDS] = slots[behind]
+            self._lines[behind, ENTERED] = seq
 
     def arrive(self, seq):
         """Note that this rank entered collective ``seq`` (the consistency
@@ -142,6 +144,9 @@ class ExchangeBoard(StatusBoard):
         nothing to watch without a watch."""
         if self.watch is None:
             return
+        gone = self._lines[:, GONE]
+        if not self.watch.anyone_dead() and not ((gone > 0) & (gone <= seq)).any():
+            return                             # the usual case, in one look
         for r in range(self.size) if ranks is None else ranks:
             # a death first: the peers that saw it too may have given up already
             if r != self.rank and self.died(r) and not self._lines[r, GONE]:

@@ -417,6 +417,10 @@ class PeerWatch:
         """Whether ``peer``'s connection ended without its goodbye."""
         return peer in self._dead
 
+    def anyone_dead(self):
+        """Whether any peer's connection ended without its goodbye."""
+        return bool(self._dead)
+
     def who(self, peer):
         """``rank 2 (pid 4242 on node1)``."""
         card = self.cards[peer]
