@@ -260,11 +260,20 @@ class StatusBoard:
             gone = self._lines[r, GONE]
             if 0 < gone <= seq:
                 raise self._left(r, seq, what)
-            pid = int(self._lines[r, PID])
-            if pid and not _alive(pid):
+            if self.died(r):
                 raise self.give_up(seq, what, PeerError,
-                                   "%s (pid %d) died while this rank waits in %s"
-                                   % (self.name(r), pid, fingerprints.label(what, seq)), (r,))
+                                   "%s died while this rank waits in %s"
+                                   % (self.who(r), fingerprints.label(what, seq)), (r,))
+
+    def died(self, r):
+        """Whether rank ``r``'s process ended (it ran on this node: its
+        process id is on its line)."""
+        pid = int(self._lines[r, PID])
+        return bool(pid) and not _alive(pid)
+
+    def who(self, r):
+        """``rank 2 (pid 4242)``: rank ``r`` in messages about its death."""
+        return "%s (pid %d)" % (self.name(r), int(self._lines[r, PID]))
 
     def not_arrived(self, seq):
         """Ranks that have not entered collective ``seq``."""
@@ -397,12 +406,11 @@ class StatusBoard:
                            steps_text(counts, culprits, self.rank)), culprits=culprits)
                 if gone:
                     raise PeerError("%s: %s; this rank left after collective #%d"
-                                    % (self.name(self.rank), self.where(r), completed), culprits=(r,))
-                pid = int(line[PID])
-                if pid and not _alive(pid):
-                    raise PeerError("%s: %s (pid %d) died before closing"
-                                    % (self.name(self.rank), self.name(r), pid),
+                                    % (self.name(self.rank), self.where(r), completed),
                                     culprits=(r,))
+                if self.died(r):
+                    raise PeerError("%s: %s died before closing"
+                                    % (self.name(self.rank), self.who(r)), culprits=(r,))
                 busy.append(r)
             if not busy:
                 return True
@@ -430,9 +438,8 @@ class StatusBoard:
                     continue
                 line = self._lines[r]
                 gone, entered = int(line[GONE]), int(line[ENTERED])   # one read each
-                pid = int(line[PID])
                 if (gone or entered > mine or (entered == mine and not leaving)
-                        or (pid and not _alive(pid))):
+                        or self.died(r)):
                     counts[r] = entered
                 else:
                     pending = True

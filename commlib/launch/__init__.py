@@ -62,8 +62,14 @@ JSON object per file, written to a temporary name and renamed, with ``rank``,
   (whether ``done.R`` exists) and ``requested`` (the signal the supervisor or
   launcher had sent it, when it was asked to end; such records blame no one).
 
-A rank killed together with its supervisor (hydra's cleanup after another
-rank died or aborted) leaves no record and is not blamed. Workers inherit the
+A rank on another node than the launcher's, where the status directory
+does not exist (no shared file system), writes its records into a folder
+its supervisor makes there; the supervisor passes each one on, as it
+appears, as one line of its stdout (``\x1ecommlib-record {json}``), and
+the launcher, which reads mpiexec's stdout, writes it into the status
+directory instead of printing it. A rank killed together with its
+supervisor (hydra's cleanup after another rank died or aborted) leaves no
+record and is not blamed. Workers inherit the
 launcher's environment; with N > 1 and no ``OMP_NUM_THREADS`` set, it is set
 to (CPU cores // N). When the launcher's stderr is a terminal it sets
 ``COMMLIB_LAUNCH_TERMINAL=1``: a worker's stderr is a pipe to the launcher,

@@ -20,8 +20,8 @@ from ..errors import ArgumentError, LaunchError
 from ..startup import mpi_library
 from ..startup.bootstrap import ENV_LOCAL_RANK, ENV_LOCAL_SIZE, ENV_NCCL_ID, ENV_RANK, ENV_SIZE
 from .processes import (ENV_PREFIX, PIPE_DRAIN_S, POLL_S, PROG, RANK_FLAG, WORKER_FLAG,
-                        end_processes, join, popen, start_relays)
-from ..startup.records import ENV_STATUS_DIR, Record, read_records
+                        end_processes, join, parse_record_line, popen, relay, start_relays)
+from ..startup.records import ENV_STATUS_DIR, Record, read_records, write_record
 
 
 ENV_MPIEXEC = settings.MPIEXEC  # the mpiexec to use
@@ -247,13 +247,35 @@ class MpiJob:
         cmd = [chosen.path, *mpi_library.extra_args(chosen), *prepend, "-n", str(n),
                sys.executable, "-m", PROG, WORKER_FLAG, script, *args]
         try:
-            return cls(popen(cmd, env), status_dir, n, chosen)
+            job = cls(popen(cmd, env, stdout=subprocess.PIPE), status_dir, n, chosen)
         except OSError as exc:
             shutil.rmtree(status_dir, ignore_errors=True)
             raise LaunchError("cannot start %s: %s" % (chosen.path, exc)) from None
         except BaseException:
             shutil.rmtree(status_dir, ignore_errors=True)
             raise
+        job.start_relay()
+        return job
+
+    def start_relay(self):
+        """Pass mpiexec's stdout on, line by line, keeping the records that
+        ranks on other nodes send over it (see
+        :func:`~commlib.launch.processes.record_line`): they go into the
+        status directory, as the ranks of this node write theirs."""
+        def consume(line):
+            found = parse_record_line(line)
+            if found is None:
+                return False
+            try:
+                write_record(self.status_dir, Record.from_dict(found))
+            except (TypeError, ValueError, KeyError):
+                pass            # not a record after all: dropped, never printed
+            return True
+
+        fd = os.dup(self.proc.stdout.fileno())
+        self.proc.stdout.close()
+        self.relay = threading.Thread(target=relay, args=(fd, 1, b"", consume), daemon=True)
+        self.relay.start()
 
     def records(self):
         return read_records(self.status_dir)
@@ -277,7 +299,10 @@ class MpiJob:
         return [rank for rank in range(self.size) if rank not in done]
 
     def drain(self):
-        pass  # mpiexec has passed the ranks' output on before it exited
+        """Wait (bounded) until mpiexec's output, and the records in it, was
+        passed on."""
+        if self.proc.poll() is not None:
+            join([self.relay], PIPE_DRAIN_S)
 
     def close(self):
         shutil.rmtree(self.status_dir, ignore_errors=True)

@@ -4,6 +4,7 @@ die with it, their output passed on in whole lines with a ``[rank] ``
 prefix, and the launcher's own messages (one line on stderr, prefixed with
 its name)."""
 import ctypes
+import json
 import os
 import re
 import select
@@ -61,19 +62,47 @@ def popen(cmd, env, new_group=False, **kwargs):
     return subprocess.Popen(cmd, env=env, preexec_fn=preexec, **kwargs)
 
 
-def _write_all(fd, data):
-    while data:
-        data = data[os.write(fd, data):]
+_WRITE = threading.Lock()  # one line at a time on this process's outputs
+
+
+def write_all(fd, data):
+    with _WRITE:
+        while data:
+            data = data[os.write(fd, data):]
+
+
+#: the head of a line that carries a rank's record (see :func:`record_line`)
+RECORD_MARK = b"\x1ecommlib-record "
+_RECORD_LINE = re.compile(rb"^(?:\[\d+\] )?" + re.escape(RECORD_MARK) + rb"(\{.*\})\r?\n?$")
+
+
+def record_line(record):
+    """``record`` (a :class:`~commlib.startup.records.Record`) as one
+    output line, for a launcher that shares no directory with the rank."""
+    return RECORD_MARK + json.dumps(record._asdict()).encode() + b"\n"
+
+
+def parse_record_line(line):
+    """The record dict a :func:`record_line` line carries (with or
+    without mpiexec's ``[rank] `` prefix), or None for any other line."""
+    found = _RECORD_LINE.match(line)
+    if found is None:
+        return None
+    try:
+        return json.loads(found.group(1))
+    except ValueError:
+        return None
 
 
 _LINE_END = re.compile(rb"\r\n|\n|\r(?=[^\n])")  # "\r" too: progress bars redraw a line
 
 
-def relay(src, dst, prefix=b""):
+def relay(src, dst, prefix=b"", consume=None):
     """Copy output from file descriptor ``src`` to ``dst`` in whole lines, one
     write per line, each starting with ``prefix``; a line left unfinished for
     PARTIAL_LINE_S (or longer than PARTIAL_LINE_MAX) is passed on as it is.
-    Closes ``src`` at its end."""
+    ``consume(line)``: called with each whole line; a line for which it
+    returns True is not passed on. Closes ``src`` at its end."""
     pending, at_line_start, broken = b"", True, False
     readable = select.poll()
     readable.register(src, select.POLLIN)
@@ -82,7 +111,7 @@ def relay(src, dst, prefix=b""):
         nonlocal broken
         if not broken:
             try:
-                _write_all(dst, data)
+                write_all(dst, data)
             except OSError:  # the reader is gone: keep reading so the writer never blocks
                 broken = True
     try:
@@ -99,7 +128,9 @@ def relay(src, dst, prefix=b""):
                 break
             data, start = pending + chunk, 0
             for end in _LINE_END.finditer(data):
-                emit((prefix if at_line_start else b"") + data[start:end.end()])
+                line = data[start:end.end()]
+                if not (at_line_start and consume is not None and consume(line)):
+                    emit((prefix if at_line_start else b"") + line)
                 start, at_line_start = end.end(), True
             pending = data[start:]
             if len(pending) >= PARTIAL_LINE_MAX:

@@ -3,16 +3,19 @@ initialises MPI (``--_worker``), and the rank process that runs the script
 (``--_rank``) and records how it ended."""
 import os
 import runpy
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
+import threading
 import time
 import traceback
 
-from .processes import (ENV_PREFIX, PIPE_DRAIN_S, PROG, RANK_FLAG, join, popen, say,
-                        start_relays)
+from .processes import (ENV_PREFIX, PIPE_DRAIN_S, POLL_S, PROG, RANK_FLAG, write_all, join,
+                        popen, record_line, say, start_relays)
 from ..settings import launcher_rank
-from ..startup.records import ENV_STATUS_DIR, Record, write_record
+from ..startup.records import ENV_STATUS_DIR, Record, read_records, write_record
 
 
 OUTPUT_DRAIN_S = 0.25  # a failed rank's pause between its last output and MPI_Abort
@@ -38,6 +41,13 @@ def run_supervisor(script, args):
     rank = launcher_rank()
     status_dir = os.environ.get(ENV_STATUS_DIR)
     prefix = b"[%s] " % rank.encode() if rank and os.environ.get(ENV_PREFIX) == "1" else b""
+    env, forwarder = os.environ, None
+    if status_dir and rank is not None and not os.path.isdir(status_dir):
+        # another node than the launcher's: records go into a folder here and
+        # travel to the launcher over this process's output
+        status_dir = tempfile.mkdtemp(prefix="commlib-launch-rank%s-" % rank)
+        env = dict(os.environ, **{ENV_STATUS_DIR: status_dir})
+        forwarder = _Forwarder(status_dir)
     received, started = [], []  # [signal, forwarded], the child once started
 
     def forward(signum, frame=None):
@@ -47,7 +57,7 @@ def run_supervisor(script, args):
         signal.signal(sig, forward)
     # own process group: a signal mpiexec sends to this group reaches the child once,
     # through forward()
-    child = popen([sys.executable, "-m", PROG, RANK_FLAG, script, *args], os.environ,
+    child = popen([sys.executable, "-m", PROG, RANK_FLAG, script, *args], env,
                    new_group=True, close_fds=False, stdout=subprocess.PIPE,
                    stderr=subprocess.PIPE)
     started.append(child)
@@ -64,7 +74,39 @@ def run_supervisor(script, args):
                 signal=-status if status < 0 else None, finished=finished,
                 requested=received[-1][0] if received else None))
     join(relays, PIPE_DRAIN_S)
+    if forwarder is not None:
+        forwarder.stop()
+        shutil.rmtree(status_dir, ignore_errors=True)
     os._exit(128 - status if status < 0 else status)
+
+
+class _Forwarder:
+    """Passes each record written into ``folder`` on to this process's
+    stdout, once, as a :func:`~commlib.launch.processes.record_line`
+    (polled every POLL_S seconds, on a thread, until :meth:`stop`)."""
+
+    def __init__(self, folder):
+        self.folder, self.sent = folder, set()
+        self.stopped = threading.Event()
+        self.thread = threading.Thread(target=self._run, daemon=True)
+        self.thread.start()
+
+    def _send(self):
+        for record in read_records(self.folder):
+            key = (record.kind, record.rank)
+            if key not in self.sent:
+                self.sent.add(key)
+                write_all(1, record_line(record))
+
+    def _run(self):
+        while not self.stopped.wait(POLL_S):
+            self._send()
+
+    def stop(self):
+        """Stop polling, after passing on what is there now."""
+        self.stopped.set()
+        self.thread.join(PIPE_DRAIN_S)
+        self._send()
 
 
 def _exit_status(value):

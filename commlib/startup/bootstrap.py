@@ -301,6 +301,7 @@ def _mpi_transports(comm, rank, size, one_node, mine, use_nccl, device):
     from ..faults.board_exchange import ExchangeBoard
     from ..transport.mpi import MpiTransport
     from ..transport.shm import SharedMemoryTransport
+    from .mpi_library import abort_at_exit
     segment = board = shared = nccl = None
     board_bytes = size * LINE_BYTES
     shm = mine["shm"] and one_node and size > 1
@@ -315,7 +316,8 @@ def _mpi_transports(comm, rank, size, one_node, mine, use_nccl, device):
         shared = SharedMemoryTransport(transport, segment.array[board_bytes:],
                                        stores=mine["stores"])
     if board is None and size > 1:
-        board = ExchangeBoard(transport, rank, size)
+        board = ExchangeBoard(transport, rank, size, on_death=lambda r: abort_at_exit(
+            1, "rank %d: rank %d of the communicator died" % (rank, r)))
     if use_nccl:
         from ..transport.nccl import NcclTransport
         nid = NcclId() if rank == 0 else None

@@ -386,3 +386,25 @@ def run_world(n, mpiexec=None, timeout=60):
                           % (" ".join(cmd), n - 1, n, got, out[-2000:]))
     return got
 
+
+
+def abort_at_exit(status=1, why=""):
+    """End this process's MPI with ``MPI_Abort(MPI_COMM_WORLD, status)`` at
+    exit instead of ``MPI_Finalize`` (mpi4py's exit hook): called when a
+    rank of the job died (``why`` says which), after which MPI_Finalize
+    would wait for it forever (MPICH's finalisation waits for every rank of
+    the world, on a socket, with no deadline), so a process that caught the
+    error and exits normally would hang. The job then ends with ``status``
+    (its launcher ends the ranks still running, as at any abort). Says so
+    on stderr once. Does nothing where mpi4py.MPI is not imported."""
+    if "mpi4py.MPI" not in sys.modules or _ABORTING:
+        return
+    from mpi4py.run import set_abort_status
+    _ABORTING.append(status)
+    set_abort_status(status)
+    print("commlib: %s; MPI cannot be finalised without it, so this process will end with "
+          "MPI_Abort (status %d) at exit" % (why or "a rank of the job died", status),
+          file=sys.stderr, flush=True)
+
+
+_ABORTING = []

@@ -148,7 +148,7 @@ class Hold(Compression):
             bucket.all_reduce(a.reshape(-1))
 
 
-def stalls(comm, mode):
+def stalls(comm, mode, sizes=None):
     """Each rank in turn stalls in an all-reduce of small arrays (MPI's
     path) and of large ones (shared memory), on a fresh communicator whose
     watch dog is :data:`STALL_DEADLINE`. ``mode``: ``board``: the check on,
@@ -161,12 +161,15 @@ def stalls(comm, mode):
     one call more (``next``), and compares its arrays again after an MPI
     barrier, during which MPI may complete what was abandoned
     (``written_after``). Records: ``stall``, ``next`` and ``after``, each
-    with ``late`` and ``size``; the late rank's ``stall`` also says whether
-    each element holds its input or the sum (``input_or_sum``)."""
+    with ``late``, ``size`` and ``mode``; the late rank's ``stall`` also says
+    whether each element holds its input or the sum (``input_or_sum``).
+    ``sizes``: the sizes tried with each late rank instead (None: as said
+    above)."""
     comm.close()
     rank, n = rank_of_world()
     plan = [(late, size) for late in range(n)
-            for size in ((LARGE if late == 1 else SMALL,) if mode == "board" else (SMALL, LARGE))]
+            for size in sizes or ((LARGE if late == 1 else SMALL,) if mode == "board"
+                                  else (SMALL, LARGE))]
     for late, size in plan:
         episode = "%s-%d-%d" % (mode, late, size)
         others = [r for r in range(n) if r != late]
@@ -179,7 +182,7 @@ def stalls(comm, mode):
             if mode != "inside":
                 hold()
         compression = Hold(late, hold) if mode == "inside" else None
-        where = dict(late=late, size=size)
+        where = dict(late=late, size=size, mode=mode)
         error, snapshot = attempt(rank, "stall", lambda: unit.all_reduce(
             arrays, compression=compression), arrays, **where)
         total = n * (n + 1) / 2
@@ -206,6 +209,14 @@ def stalls_off(comm):
 
 def stalls_inside(comm):
     stalls(comm, "inside")
+
+
+def stalls_nodes(comm):
+    """Every kind of stall in one job, for ranks on nodes of their own
+    (MPI's path only: the sizes make no difference there)."""
+    stalls(comm, "board")
+    stalls(comm, "inside", sizes=(SMALL,))
+    stalls(comm, "off", sizes=(SMALL,))
 
 
 # -- a rank that dies or leaves (one job per misbehaving rank) --------------------------------
@@ -246,21 +257,37 @@ def sys_exit(comm, late):
     attempt(rank, "all_reduce", lambda: comm.all_reduce(arrays), arrays)
 
 
-def vanish(comm, late):
+def vanish(comm, late, leave="os._exit"):
     """Rank ``late`` ends with ``os._exit(0)`` after a good step, without a
     word to anyone; the others find its process gone. Each survivor then
-    leaves at once (``os._exit`` after its records): MPI cannot finalize
-    with a rank missing."""
+    leaves at once (``leave="os._exit"``: after its records; MPI cannot
+    finalize with a rank missing), or, with ``leave="sys.exit"``, once
+    every survivor reported, by ``sys.exit(1)`` as a script that caught the
+    error would (commlib must then keep MPI's finalisation from waiting
+    for the dead rank). Before it ends, rank ``late`` forks a child (as a
+    data loader's workers are made) that outlives it until the survivors
+    reported: the child's copies of the process's files and sockets must
+    not keep its death from being seen."""
     rank = comm.rank
+    survivors = [r for r in range(comm.size) if r != late]
     comm.all_reduce(grads(rank))
     if rank == late:        # once every rank completed the good step
-        await_notices("ready", [r for r in range(comm.size) if r != late])
+        await_notices("ready", survivors)
         sys.stdout.flush()
+        if os.fork() == 0:
+            null = os.open(os.devnull, os.O_RDWR)
+            for fd in (0, 1, 2):
+                os.dup2(null, fd)
+            await_notices("caught", survivors)
         os._exit(0)
     notify("ready", rank)
     arrays = grads(rank)
     attempt(rank, "all_reduce", lambda: comm.all_reduce(arrays), arrays)
     report(rank=rank, what="done")
+    notify("caught", rank)
+    if leave == "sys.exit":
+        await_notices("caught", survivors)
+        sys.exit(1)
     os._exit(0)
 
 
@@ -497,7 +524,7 @@ def dropped(comm):
 
 
 SCENARIOS = {fn.__name__: fn for fn in (
-    stalls_board, stalls_off, stalls_inside, die_by_exception, exception_in_with, sys_exit,
+    stalls_board, stalls_off, stalls_inside, stalls_nodes, die_by_exception, exception_in_with, sys_exit,
     vanish, close_early, drop_early, uneven_steps, mismatches, bad_input, nonfinite, tampered,
     partial_objects, init_error, interrupt, mpi_error, dropped)}
 #: scenarios whose first argument is the misbehaving rank

@@ -11,6 +11,7 @@ the communicator stays usable try every rank in one job.
 """
 import json
 import os
+import shutil
 import sys
 
 import numpy as np
@@ -308,6 +309,31 @@ def test_launcher_names_a_rank_that_vanished(tmp_path, how, late):
     assert proc.returncode != 0 and last.startswith("commlib.launch: rank %d " % late), \
         proc.stderr
     assert all("rank %d " % r not in last for r in others(N, late)), proc.stderr
+
+
+def test_launcher_names_the_failed_rank_without_a_shared_status_directory(tmp_path):
+    """As on nodes that share no directory with the launcher's: the ranks
+    are told a status directory that does not exist where they run (an
+    mpiexec that sets it to another path); their records come back over
+    mpiexec's output instead, and the launcher names the rank that failed
+    and prints its traceback, not rank 0's silence."""
+    late = 2
+    mpiexec = tmp_path / "mpiexec"
+    real = shutil.which("mpiexec.hydra", path=os.path.dirname(sys.executable))
+    mpiexec.write_text('#!/bin/sh\n[ "$1" = --version ] && exec %s --version\n'
+                       'exec %s -genv COMMLIB_LAUNCH_STATUS_DIR %s "$@"\n'
+                       % (real, real, tmp_path / "elsewhere"))
+    mpiexec.chmod(0o700)
+    script = _script(tmp_path, "if comm.rank == %d:\n    raise ValueError('rank %d breaks')\n"
+                               "comm.all_reduce(x)\n" % (late, late))
+    proc = run_bounded([sys.executable, "-m", "commlib.launch", "-n", str(N), "--backend",
+                        "mpi", "--mpiexec", str(mpiexec), script], 60, env=_env())
+    last = [l for l in proc.stderr.splitlines() if l.startswith("commlib.launch:")][-1]
+    assert proc.returncode == 1 and last.startswith("commlib.launch: rank %d " % late), \
+        proc.stderr
+    assert "ValueError: rank %d breaks" % late in proc.stderr, proc.stderr
+    assert "commlib-record" not in proc.stdout + proc.stderr, proc.stdout + proc.stderr
+    assert not (tmp_path / "elsewhere").exists()
 
 
 @pytest.mark.parametrize("runner", ["launcher", "mpi4py"])

@@ -309,15 +309,15 @@ def test_every_collective_across_nodes(layout):
 
 # -- faults across nodes ------------------------------------------------------------------------
 
-def fault_run(scenario, *args):
+def fault_run(scenario, *args, expect_fail=False):
     """A scenario of tests/faults/fault_programs.py at 3x1, as tests/faults/
     fault_jobs.run runs it on one node; returns the records by rank and the
-    run."""
+    run (whose exit status ``expect_fail`` says, as run_nodes')."""
     from fault_jobs import CODE as FAULT_CODE, DEADLINE
     notices = tempfile.mkdtemp(prefix="commlib-notices-")
     try:
         run = run_nodes((3, 1), FAULT_CODE, timeout=DEADLINE * 4 + 40,
-                        args=(scenario, *args), survivors=True,
+                        args=(scenario, *args), survivors=True, expect_fail=expect_fail,
                         env={"COMMLIB_WATCHDOG_TIMEOUT": str(DEADLINE), "FAULT_NOTICES": notices})
     finally:
         shutil.rmtree(notices, ignore_errors=True)
@@ -329,38 +329,51 @@ def fault_run(scenario, *args):
     return records, run
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError,
-                   reason="defect: across nodes the peers of a rank that exited "
-                   "(os._exit) wait for the watch dog's deadline and raise "
-                   "CollectiveTimeoutError naming no culprit")
-@pytest.mark.parametrize("late", [0, 2])
-def test_a_rank_that_exits_is_named_across_nodes(late):
+@pytest.mark.parametrize("late, leave", [(0, "sys.exit"), (2, "os._exit")])
+def test_a_rank_that_exits_is_named_across_nodes(late, leave):
     """As tests/faults/test_faults.py's test_rank_that_vanishes_is_named_by_its_peers
-    on one node: the others raise PeerError naming the rank at once."""
-    from fault_jobs import assert_raised, find, others
-    records, _ = fault_run("vanish", late)
+    on one node: rank ``late`` ends with os._exit, its connections end
+    without a goodbye, and the others raise PeerError naming it at once
+    (or passing on the blame of a peer that saw it first). A survivor that
+    then exits with ``sys.exit(1)`` does not hang in MPI's finalisation:
+    the job ends at once, by MPI_Abort, with a failing status."""
+    from fault_jobs import find, others
+    records, run = fault_run("vanish", late, leave, expect_fail=leave == "sys.exit")
     for r in others(3, late):
         find(records, r, "done")
-        assert_raised(find(records, r, "all_reduce"), "PeerError", [late], 1.5,
-                      ["rank %d: rank %d" % (r, late)])
+        got = find(records, r, "all_reduce")
+        assert got["error"] == "PeerError" and got["culprits"] == [late], got
+        assert got["seconds"] <= 1.5 and got["untouched"], got
+        message = got["message"]
+        assert message.startswith("rank %d: " % r), got
+        assert "rank %d (pid " % late in message and \
+            " on node%d) died while this rank waits in all_reduce #2" % late in message, got
+        if leave == "sys.exit":
+            assert "commlib: rank %d: rank %d of the communicator died; MPI cannot be " \
+                   "finalised without it, so this process will end with MPI_Abort (status 1) " \
+                   "at exit" % (r, late) in run.errors[r], run.errors[r]
     assert late not in records, records
+    if leave == "sys.exit":
+        assert run.seconds < 30, run.seconds     # the harness's bound is 48 s
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError,
-                   reason="defect: across nodes a rank that has not entered an "
-                   "all_reduce is not named: its peers raise CollectiveTimeoutError with no "
-                   "culprits, and the late rank too, instead of PeerError passing the blame on")
 def test_a_stalled_rank_is_named_across_nodes():
-    """As tests/faults/test_stalls.py with the check on, each rank of three
-    in turn late: the peers name it at the deadline, and it learns that
-    they gave up."""
+    """As tests/faults/test_stalls.py, each rank of three in turn late, in
+    one job: with the check on, the peers name the rank that has not
+    entered at the deadline; stalled inside the data phase, the rank that
+    entered and went silent (no heartbeat); with the check off, the rank
+    that has not arrived, from inside MPI's wait. The late rank learns
+    that they gave up (blame passed on, never on a rank that gave up)."""
     from fault_programs import LARGE, SMALL
-    from test_stalls import assert_late_learns, assert_peers_gave_up, not_arrived
-    records, _ = fault_run("stalls_board")
-    for late in range(3):
-        size = LARGE if late == 1 else SMALL
-        assert_peers_gave_up(records, late, size, not_arrived(late), [late])
-        assert_late_learns(records, late, size, [late])
+    from test_stalls import assert_late_learns, assert_peers_gave_up, entered, not_arrived
+    records, _ = fault_run("stalls_nodes")
+    for mode, said in (("board", not_arrived), ("inside", entered), ("off", not_arrived)):
+        of_mode = {rank: [r for r in got if r.get("mode") == mode]
+                   for rank, got in records.items()}
+        for late in range(3):
+            size = LARGE if late == 1 and mode == "board" else SMALL
+            assert_peers_gave_up(of_mode, late, size, said(late), [late])
+            assert_late_learns(of_mode, late, size, [late])
 
 
 # -- the harness cleans up -------------------------------------------------------------------
