@@ -39,6 +39,8 @@ OBJCOPY = shutil.which("objcopy")
 INSTRUMENT = ["-O0", "-fsanitize=thread", "--param", "tsan-distinguish-volatile=1"]
 CXXFLAGS = ["-std=c++17", "-O1", "-fPIC", "-ffp-contract=off", "-fno-strict-aliasing",
             "-fno-exceptions", "-Werror", "-I", str(HOST_DIR)]
+# the runtime (uninstrumented: its checks run on every access of a kernel unit)
+RUNTIME_FLAGS = CXXFLAGS + ["-O2"]
 
 _session_dir = None
 _libraries = {}
@@ -114,13 +116,14 @@ def _work_dir():
 
 def _compile(unit, obj, flags, kernel_unit):
     """Compile ``unit``; a kernel unit's .bss (its __shared__ statics, nothing
-    else) becomes section coop_shared, which the runtime swaps per block."""
+    else) becomes section coop_shared_<kernel_unit>, the shared memory that
+    the runtime swaps per block of that source's kernels."""
     if obj.exists():
         return None
     tmp = obj.with_suffix(".tmp.o")
     steps = [[GXX, *flags, "-c", str(unit), "-o", str(tmp)]]
     if kernel_unit:
-        steps.append([OBJCOPY, "--rename-section", ".bss=coop_shared", str(tmp)])
+        steps.append([OBJCOPY, "--rename-section", ".bss=coop_shared_" + kernel_unit, str(tmp)])
     for cmd in steps:
         res = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
         if res.returncode != 0:
@@ -153,19 +156,30 @@ def build(patches=None):
     header = (HOST_DIR / "coop_cuda.h").read_text()
     jobs = []
     runtime = HOST_DIR / "coop_runtime.cpp"
-    runtime_key = hashlib.sha1((header + runtime.read_text()).encode()).hexdigest()
-    jobs.append((runtime, work / ("runtime-%s.o" % runtime_key[:16]), CXXFLAGS, False))
+    runtime_key = hashlib.sha1((header + runtime.read_text() + repr(RUNTIME_FLAGS)).encode()
+                               ).hexdigest()
+    jobs.append((runtime, work / ("runtime-%s.o" % runtime_key[:16]), RUNTIME_FLAGS, None))
     for name in sorted(n for n in texts if n.endswith(".cu")):
+        stem = Path(name).stem
+        if not stem.isidentifier():
+            raise ArgumentError("kernels/%s: the host build names a section after the file's "
+                                "stem, which must be an identifier" % name)
         regs = "".join("COOP_REGISTER(%s)\n" % k for k in kernel_names(name, texts[name]))
         # CL_BLOCK_COLLECTIVES: whole blocks run here, so common.cuh's block-wide
-        # helpers take their device path
+        # helpers take their device path; the linker's bounds of the unit's
+        # section are its kernels' shared memory
         unit_text = ('#include "coop_cuda.h"\n#define CL_BLOCK_COLLECTIVES 1\nnamespace {\n'
-                     '#include "%s"\n}  // namespace\n%s' % (src / name, regs))
-        h = hashlib.sha1((header + "".join(texts[n] for n in _includes(name, texts))
+                     '#include "%s"\n}  // namespace\n'
+                     'extern "C" char __start_coop_shared_%s[] __attribute__((weak));\n'
+                     'extern "C" char __stop_coop_shared_%s[] __attribute__((weak));\n'
+                     '#define COOP_UNIT_SHARED __start_coop_shared_%s, __stop_coop_shared_%s, "%s"\n'
+                     '%s' % (src / name, stem, stem, stem, stem, stem, regs))
+        flags = CXXFLAGS + INSTRUMENT
+        h = hashlib.sha1((header + "".join(texts[n] for n in _includes(name, texts)) + repr(flags)
                           + unit_text.replace(str(src), "")).encode()).hexdigest()[:16]
-        unit = work / ("%s-%s.cpp" % (Path(name).stem, h))
+        unit = work / ("%s-%s.cpp" % (stem, h))
         unit.write_text(unit_text)
-        jobs.append((unit, work / ("%s-%s.o" % (Path(name).stem, h)), CXXFLAGS + INSTRUMENT, True))
+        jobs.append((unit, work / ("%s-%s.o" % (stem, h)), flags, stem))
     with concurrent.futures.ThreadPoolExecutor(max_workers=len(jobs)) as pool:
         errors = [e for e in pool.map(lambda j: _compile(*j), jobs) if e]
     if errors:
@@ -222,6 +236,8 @@ class HostKernels:
         lib.coop_signature.restype = ctypes.c_char_p
         lib.coop_signature.argtypes = [ctypes.c_char_p]
         lib.coop_kernels.restype = ctypes.c_char_p
+        lib.coop_unit.restype = ctypes.c_char_p
+        lib.coop_unit.argtypes = [ctypes.c_char_p]
         lib.coop_spins.restype = ctypes.c_longlong
         self.spins = 0  # __nanosleep calls (spins on another block's flag) of all launches
         self.names = frozenset(lib.coop_kernels().decode().split())
@@ -287,36 +303,39 @@ class HostKernels:
             errors = self.lib.coop_errors().decode(errors="replace") if rc != 0 else ""
         if rc != 0:
             raise KernelFault("%s [%s schedule, grid %d x %d]: %s"
-                              % (name, schedule.name, grid, block, self._explain(errors) or rc))
+                              % (name, schedule.name, grid, block,
+                                 self._explain(errors, name) or rc))
 
-    def _explain(self, text):
+    def _explain(self, text, kernel):
         """Messages with source paths relative to kernels/ and shared-memory
-        offsets named by variable."""
+        offsets named by variable (of ``kernel``'s shared memory)."""
         text = text.replace(str(self.source_dir) + "/", "")
+        unit = self.lib.coop_unit(kernel.encode()).decode()
 
         def name(m):
             off = int(m.group(1))
-            for lo, size, sym in self.shared_symbols():
+            for lo, size, sym in self.shared_symbols(unit):
                 if lo <= off < lo + size:
                     return "%s (%s + %d)" % (m.group(0), sym, off - lo)
             return m.group(0)
         return re.sub(r"byte (\d+) of shared memory", name, text)
 
-    def shared_symbols(self):
-        """(offset, size, name) of the __shared__ variables (section coop_shared)."""
+    def shared_symbols(self, unit):
+        """(offset, size, name) of the __shared__ variables of kernel source
+        ``unit`` ("topk": section coop_shared_topk)."""
         if self._shared_symbols is None:
             out = subprocess.run(["nm", "-C", "-S", "--defined-only", str(self.path)],
                                  capture_output=True, text=True, timeout=60).stdout
-            rows = [line.split(None, 3) for line in out.splitlines()]
-            start = next((int(r[0], 16) for r in rows if r[-1] == "__start_coop_shared"), None)
-            stop = next((int(r[0], 16) for r in rows if r[-1] == "__stop_coop_shared"), None)
-            syms = []
-            if start is not None and stop is not None:
-                for r in rows:
-                    if len(r) == 4 and start <= int(r[0], 16) < stop:
-                        syms.append((int(r[0], 16) - start, int(r[1], 16), _short(r[3])))
-            self._shared_symbols = sorted(syms)
-        return self._shared_symbols
+            self._shared_symbols = [line.split(None, 3) for line in out.splitlines()]
+        rows = self._shared_symbols
+        start = next((int(r[0], 16) for r in rows if r[-1] == "__start_coop_shared_" + unit), None)
+        stop = next((int(r[0], 16) for r in rows if r[-1] == "__stop_coop_shared_" + unit), None)
+        syms = []
+        if start is not None and stop is not None:
+            for r in rows:
+                if len(r) == 4 and start <= int(r[0], 16) < stop:
+                    syms.append((int(r[0], 16) - start, int(r[1], 16), _short(r[3])))
+        return sorted(syms)
 
 
 # ---------------------------------------------------------------- cupy stand-in

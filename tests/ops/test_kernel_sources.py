@@ -43,24 +43,34 @@ def _nvcc(args, timeout=300):
     return subprocess.run([NVCC] + args, capture_output=True, text=True, timeout=timeout)
 
 
+_PTX = {}   # (source, arch) -> PTX text, for this test process
+
+
+def ptx(source, arch, tmp_path):
+    """PTX of kernels/``source`` for compute_``arch`` with FLAGS: nvcc runs
+    once per source and arch in a test process."""
+    if (source.name, arch) not in _PTX:
+        out = tmp_path / (source.stem + ".ptx")
+        res = _nvcc(["--ptx", "-arch=compute_" + arch, *FLAGS, str(source), "-o", str(out)])
+        assert res.returncode == 0, res.stdout + res.stderr
+        _PTX[source.name, arch] = out.read_text()
+    return _PTX[source.name, arch]
+
+
 @needs_nvcc
+@pytest.mark.xdist_group("ptx")        # one worker: the wrappers' check reads these PTX
 @pytest.mark.parametrize("arch", ARCHS)
 @pytest.mark.parametrize("source", SOURCES, ids=[p.name for p in SOURCES])
 def test_ptx_compiles(source, arch, tmp_path):
-    out = tmp_path / (source.stem + ".ptx")
-    res = _nvcc(["--ptx", "-arch=compute_" + arch, *FLAGS, str(source), "-o", str(out)])
-    assert res.returncode == 0, res.stdout + res.stderr
-    assert out.stat().st_size > 0
+    assert ".entry" in ptx(source, arch, tmp_path)
 
 
 @needs_nvcc
+@pytest.mark.xdist_group("ptx")
 @pytest.mark.parametrize("source,names", [("cast.cu", cast_mod.KERNEL_NAMES),
                                           ("pack.cu", _pack_cuda.KERNEL_NAMES)])
 def test_wrappers_name_existing_kernels(source, names, tmp_path):
-    out = tmp_path / "k.ptx"
-    res = _nvcc(["--ptx", "-arch=compute_90", *FLAGS, str(KERNELS / source), "-o", str(out)])
-    assert res.returncode == 0, res.stdout + res.stderr
-    entries = set(re.findall(r"\.entry\s+(\w+)\s*\(", out.read_text()))
+    entries = set(re.findall(r"\.entry\s+(\w+)\s*\(", ptx(KERNELS / source, "90", tmp_path)))
     assert set(names) <= entries, sorted(set(names) - entries)
 
 

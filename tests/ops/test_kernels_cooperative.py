@@ -445,6 +445,29 @@ def test_raw_pack_copies_bits(gpu):
 
 # ---------------------------------------------------------------- the checks themselves
 
+def test_each_kernel_has_its_sources_shared_memory(kernels):
+    # a block's shared memory is the __shared__ statics of its kernel's
+    # source (section coop_shared_<source>), not every source's: a cast
+    # block starts, fills with junk and swaps a few bytes, not top-K's stashes
+    sources = sorted(chb.KERNELS.glob("*.cu"))
+    assert len(sources) == 6
+    for path in sources:
+        names = chb.kernel_names(path.name, path.read_text())
+        assert names
+        for name in names:
+            assert kernels.lib.coop_unit(name.encode()).decode() == path.stem, name
+        # the unit's section holds its own statics (its kernels' registrars)
+        own = {sym for _, _, sym in kernels.shared_symbols(path.stem)}
+        assert {"coop_registrar_" + n for n in names} <= own, (path.name, sorted(own)[:5])
+    sizes = {path.stem: sum(size for _, size, _ in kernels.shared_symbols(path.stem))
+             for path in sources}
+    assert sizes["cast"] < 64 and sizes["pack"] < 64, sizes
+    topk = {sym for _, _, sym in kernels.shared_symbols("topk")}
+    assert any(s.endswith("::bins") for s in topk) and any(s.endswith("::stash") for s in topk)
+    assert not any("topk" in sym for _, _, sym in kernels.shared_symbols("threshold")), sizes
+
+
+
 def test_out_of_bounds_and_misaligned_accesses_are_reported(kernels):
     x = np.zeros(16, np.float32)
     out = np.zeros(15, np.float32)   # one element short

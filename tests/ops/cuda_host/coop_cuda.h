@@ -9,9 +9,10 @@
 //                         calling lane must be in it; a named lane that has
 //                         exited, is outside the block or waits at another
 //                         collective is reported)
-//   __shared__            static storage in section "coop_shared"; the
-//                         runtime swaps a per-block image of that section in
-//                         and out, each block's image starts filled with junk
+//   __shared__            static storage in section "coop_shared_<unit>" (one
+//                         per kernel source); the runtime swaps a per-block
+//                         image of the launched kernel's section in and out,
+//                         each block's image starts filled with junk
 //   atomic*, __nanosleep  checked, atomic (no fiber switch inside); a
 //                         __nanosleep yields, so spin loops on a flag let
 //                         the flag's writer run
@@ -66,8 +67,12 @@ inline T from_bits(uint64_t b) {
 // Kernel registry: each kernel is called from its fibers through
 // Invoker<decltype(&k)>::call<&k>(argument slots). A slot holds a pointer,
 // an integer (sign- or zero-extended) or a float's bits in its low half.
+// A kernel's shared memory is the [shared_lo, shared_hi) part of the
+// __shared__ statics: its source's (the unit's .bss, renamed to section
+// coop_shared_<unit> after compiling), which a block of it owns alone.
 typedef void (*Invoke)(const uint64_t* slots);
-void register_kernel(const char* name, Invoke call, const char* signature);
+void register_kernel(const char* name, Invoke call, const char* signature, char* shared_lo,
+                     char* shared_hi, const char* unit);
 
 template <class T>
 inline T arg_of(uint64_t v) {
@@ -106,14 +111,18 @@ struct Invoker<void (*)(A...)> {
 };
 
 struct Registrar {
-  Registrar(const char* name, Invoke call, const char* sig) { register_kernel(name, call, sig); }
+  Registrar(const char* name, Invoke call, const char* sig, char* lo, char* hi, const char* unit) {
+    register_kernel(name, call, sig, lo, hi, unit);
+  }
 };
 }  // namespace coop
 
+// COOP_UNIT_SHARED: the unit's section bounds and name, "lo, hi, name"
+// (defined by the unit, see tests/ops/cuda_host_build.py)
 #define COOP_REGISTER(NAME)                                                          \
   static ::coop::Registrar coop_registrar_##NAME(                                    \
       #NAME, &::coop::Invoker<decltype(&NAME)>::call<&NAME>,                         \
-      ::coop::Invoker<decltype(&NAME)>::signature());
+      ::coop::Invoker<decltype(&NAME)>::signature(), COOP_UNIT_SHARED);
 
 // ---------------------------------------------------------------- keywords
 #define __global__
@@ -122,7 +131,7 @@ struct Registrar {
 #define __forceinline__ inline __attribute__((always_inline))
 #define __launch_bounds__(...)
 #define __restrict__ __restrict
-#define __shared__ static  // .bss of a kernel unit, renamed coop_shared by the build
+#define __shared__ static  // .bss of a kernel unit, renamed coop_shared_<unit> by the build
 
 #define threadIdx (::coop::thread_idx())
 #define blockIdx (::coop::block_idx())

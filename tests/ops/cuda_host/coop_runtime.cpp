@@ -13,6 +13,8 @@
 //   coop_signature(name)  one character per parameter (p pointer, f float,
 //                         i/I 32-bit and q/Q 64-bit signed/unsigned), or NULL
 //   coop_kernels()        space-separated names of the registered kernels
+//   coop_unit(name)       the kernel's source (its shared memory is section
+//                         coop_shared_<unit>), or NULL
 #include <sys/mman.h>
 
 #include <algorithm>
@@ -60,11 +62,6 @@ extern "C" void coop_switch_ctx(void** save, void* to);
 #else
 #include <ucontext.h>
 #endif
-
-extern "C" {
-extern char __start_coop_shared[] __attribute__((weak));
-extern char __stop_coop_shared[] __attribute__((weak));
-}
 
 namespace coop {
 
@@ -147,6 +144,9 @@ const char* const kOpNames[] = {"__syncwarp", "__shfl_sync", "__shfl_up_sync",
 struct Kernel {
   Invoke call;
   const char* signature;
+  char* shared_lo;   // its source's __shared__ statics: the block's shared memory
+  char* shared_hi;
+  const char* unit;
 };
 
 std::map<std::string, Kernel>& registry() {
@@ -165,6 +165,8 @@ Config g_cfg;
 bool g_active = false, g_abort = false;
 Fiber* g_cur = nullptr;
 Block* g_loaded = nullptr;  // block whose shared image is in the section
+char* g_shared = nullptr;   // the launched kernel's part of the section
+size_t g_shared_bytes = 0;
 long long g_spins = 0, g_ops = 0;
 uint64_t g_rng = 1;
 int g_nerrors = 0;
@@ -294,10 +296,7 @@ void init_fiber(Fiber& f) {
 #endif
 }
 
-size_t shared_bytes() {
-  if (__start_coop_shared == nullptr || __stop_coop_shared == nullptr) return 0;
-  return (size_t)(__stop_coop_shared - __start_coop_shared);
-}
+size_t shared_bytes() { return g_shared_bytes; }
 
 Block* start_block(unsigned id, int slot) {
   Block* b = new Block;
@@ -316,9 +315,13 @@ Block* start_block(unsigned id, int slot) {
     init_fiber(f);
   }
   b->live = (int)n;
-  b->image.resize(shared_bytes());
-  b->shadow.assign((shared_bytes() + 3) / 4, Shadow());
-  for (unsigned char& c : b->image) c = (unsigned char)next_random();  // uninitialised junk
+  const size_t bytes = shared_bytes();
+  b->image.resize(bytes);
+  b->shadow.assign((bytes + 3) / 4, Shadow());
+  for (size_t i = 0; i < bytes; i += 8) {  // uninitialised junk
+    const uint64_t r = next_random();
+    std::memcpy(b->image.data() + i, &r, std::min<size_t>(8, bytes - i));
+  }
   return b;
 }
 
@@ -326,8 +329,8 @@ void load_image(Block* b) {
   if (g_loaded == b) return;
   const size_t n = shared_bytes();
   if (n != 0) {
-    if (g_loaded != nullptr) std::memcpy(g_loaded->image.data(), __start_coop_shared, n);
-    std::memcpy(__start_coop_shared, b->image.data(), n);
+    if (g_loaded != nullptr) std::memcpy(g_loaded->image.data(), g_shared, n);
+    std::memcpy(g_shared, b->image.data(), n);
   }
   g_loaded = b;
 }
@@ -513,8 +516,10 @@ void check_shared(uint64_t offset, unsigned long long bytes, bool is_write, bool
 }
 }  // namespace
 
-void register_kernel(const char* name, Invoke call, const char* signature) {
-  registry()[name] = Kernel{call, signature};
+void register_kernel(const char* name, Invoke call, const char* signature, char* shared_lo,
+                     char* shared_hi, const char* unit) {
+  if (shared_lo == nullptr || shared_hi == nullptr) shared_lo = shared_hi = nullptr;
+  registry()[name] = Kernel{call, signature, shared_lo, shared_hi, unit};
 }
 
 dim3 thread_idx() { return g_cur ? g_cur->tid : dim3{0, 0, 0}; }
@@ -537,7 +542,7 @@ void check(const void* p, unsigned long long bytes, bool is_write, bool vector, 
   if (a >= stack_lo && a + bytes <= stack_lo + g_stack_count * kStack) return;  // locals
   const uint64_t slots_lo = (uint64_t)(uintptr_t)g_slots;
   if (a >= slots_lo && a + bytes <= slots_lo + 8 * g_nslots) return;  // kernel arguments
-  const uint64_t sh_lo = (uint64_t)(uintptr_t)__start_coop_shared;
+  const uint64_t sh_lo = (uint64_t)(uintptr_t)g_shared;
   if (shared_bytes() != 0 && a >= sh_lo && a < sh_lo + shared_bytes()) {
     if (a + bytes > sh_lo + shared_bytes())
       error("%llu-byte shared access runs past the end of shared memory", bytes);
@@ -774,6 +779,8 @@ int coop_launch(const char* name, unsigned grid, unsigned block, const uint64_t*
   if ((int)std::strlen(it->second.signature) != nslots) return -2;
   g_kernel = it->first.c_str();
   g_call = it->second.call;
+  g_shared = it->second.shared_lo;
+  g_shared_bytes = (size_t)(it->second.shared_hi - it->second.shared_lo);
   g_slots = slots;
   g_nslots = nslots;
   g_grid = dim3{grid, 1, 1};
@@ -814,6 +821,11 @@ long long coop_spins() { return coop::g_spins; }
 const char* coop_signature(const char* name) {
   auto it = coop::registry().find(name);
   return it == coop::registry().end() ? nullptr : it->second.signature;
+}
+
+const char* coop_unit(const char* name) {
+  auto it = coop::registry().find(name);
+  return it == coop::registry().end() ? nullptr : it->second.unit;
 }
 
 const char* coop_kernels() {
