@@ -207,7 +207,7 @@ if HIERARCHICAL:
     # wait, not the fingerprint exchange's). The late rank comes once every
     # other rank left (their notices).
     for bad in (0, n - 1):
-        timed = commlib.Communicator.from_mpi(timeout=0.5, check=False)
+        timed = commlib.Communicator.from_mpi(timeout=0.2, check=False)
         assert type(timed._session.transports[0]) is HierarchicalTransport
         x = np.full(100_003, rank + 1.0)
         notice = os.path.join(os.environ["COMMLIB_TEST_NODES_FOLDER"], "gave-up-%d-%%d" % bad)
