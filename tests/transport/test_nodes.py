@@ -388,6 +388,15 @@ def test_every_collective_across_nodes(layout):
     assert all(run.sent[i] > 1_000_000 for i in range(nodes)), run.sent
 
 
+def test_the_hierarchical_transport_is_for_nodes_alike_of_several_ranks():
+    """Chosen from every rank's local_size: several nodes of the same number
+    of ranks, more than one (uneven nodes and one node stay as they were)."""
+    from commlib.transport.hierarchical import usable
+    assert usable([2] * 4) and usable([3] * 6) and usable([2] * 6)
+    for sizes in ([1], [1, 1], [2, 2], [4] * 4, [2, 2, 1], [1, 2, 2], [3, 3, 3, 2, 2]):
+        assert not usable(sizes), sizes
+
+
 # -- faults across nodes ------------------------------------------------------------------------
 
 def fault_run(scenario, *args):
