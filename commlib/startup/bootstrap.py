@@ -242,17 +242,19 @@ def parts_from_mpi(mpi_comm, device, backend, options):
     rank, size = comm.Get_rank(), comm.Get_size()
     local = comm.Split_type(MPI.COMM_TYPE_SHARED)
     local_rank, local_size = local.Get_rank(), local.Get_size()
-    local.Free()
     mine, error, device = _choices(rank, local_rank, local_size, device, backend, options)
     try:
         agree(comm, rank, {k: v for k, v in mine.items() if k != "nccl_usable"}, error)
         use_nccl = backend == "nccl" or (
             backend is None and comm.allreduce(mine["nccl_usable"], op=MPI.LAND))
-        one_node = comm.allreduce(local_size == size, op=MPI.LAND)
-        parts = _mpi_transports(comm, rank, size, one_node, mine, use_nccl, device)
+        local_sizes = comm.allgather(local_size)
+        parts = _mpi_transports(comm, local, rank, size, local_sizes, mine, use_nccl, device)
+        local = None          # the hierarchical transport's now, or freed
         comm.Barrier()        # every rank joined the board
     except BaseException:
         comm.Free()
+        if local is not None and local != MPI.COMM_NULL:   # not freed by now
+            local.Free()
         raise
     return dict(parts, rank=rank, size=size, local_rank=local_rank, local_size=local_size,
                 device=device, options={k: mine[k] for k in settings.OPTIONS})
@@ -294,27 +296,48 @@ def _choices(rank, local_rank, local_size, device, backend, options):
     return mine, error, device
 
 
-def _mpi_transports(comm, rank, size, one_node, mine, use_nccl, device):
+def _mpi_transports(comm, local, rank, size, local_sizes, mine, use_nccl, device):
     """The MPI transport, shared memory and the status board on one node,
-    the fingerprint exchange across nodes, NCCL when used."""
+    the fingerprint exchange across nodes (with the hierarchical transport
+    where several nodes hold several ranks each), NCCL when used. ``local``:
+    the communicator of this node's ranks, taken by the hierarchical
+    transport or freed; ``local_sizes``: every rank's number of ranks on
+    its node."""
     from ..faults.board import LINE_BYTES, StatusBoard
     from ..faults.board_exchange import ExchangeBoard
-    from ..transport.mpi import MpiTransport
+    from ..transport.hierarchical import WINDOWS, HierarchicalTransport, usable
+    from ..transport.mpi import MpiTransport, mpi
     from ..transport.shm import SharedMemoryTransport
     from .mpi_library import abort_at_exit
-    segment = board = shared = nccl = None
+    segment = board = shared = nccl = window = None
     board_bytes = size * LINE_BYTES
+    one_node = all(s == size for s in local_sizes)
     shm = mine["shm"] and one_node and size > 1
     if one_node and size > 1:
         segment = node_segment(
             comm, board_bytes + (SharedMemoryTransport.bytes_needed(size) if shm else 0))
-    if segment is not None:
+    elif mine["shm"] and usable(local_sizes):
+        for window in WINDOWS:              # the largest that every node has room for
+            segment = node_segment(local, HierarchicalTransport.bytes_needed(local.Get_size(),
+                                                                             window))
+            if comm.allreduce(segment is not None, op=mpi().LAND):
+                break
+            if segment is not None:
+                segment.close()
+            segment = None                  # after the last: flat MPI everywhere
+    if segment is not None and one_node:
         board = StatusBoard(segment.array[:board_bytes], rank, size)
         board.join()
     transport = MpiTransport(comm)
     if segment is not None and shm:
         shared = SharedMemoryTransport(transport, segment.array[board_bytes:],
                                        stores=mine["stores"])
+    elif segment is not None and not one_node:
+        across = comm.Split(local.Get_rank(), rank)
+        shared, local = HierarchicalTransport(transport, local, across, segment.array,
+                                              stores=mine["stores"], window_bytes=window), None
+    if local is not None:
+        local.Free()
     if board is None and size > 1:
         board = ExchangeBoard(transport, rank, size, on_death=lambda r: abort_at_exit(
             1, "rank %d: rank %d of the communicator died" % (rank, r)))

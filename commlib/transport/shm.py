@@ -159,10 +159,13 @@ class SharedMemoryReducer:
 
     The constructor is collective over ``comm`` (with ``stores="auto"`` it
     probes the stores). ``comm`` is used only there and, with
-    ``sync="barrier"``, for the synchronisations. Closing is local.
+    ``sync="barrier"``, for the synchronisations. ``names``: the rank
+    by which errors name each rank of ``comm`` (default: its rank in
+    ``comm``). Closing is local.
     """
 
-    def __init__(self, comm, memory, capacity_bytes=4 << 20, sync="auto", stores="auto"):
+    def __init__(self, comm, memory, capacity_bytes=4 << 20, sync="auto", stores="auto",
+                 names=None):
         if int(capacity_bytes) <= 0:
             raise ArgumentError("commlib: capacity_bytes must be positive, got %r"
                                 % (capacity_bytes,))
@@ -180,6 +183,7 @@ class SharedMemoryReducer:
             raise ArgumentError("commlib: stores must be one of %s, got %r"
                                 % (", ".join(_STORES), stores))
         self.rank, self.size = comm.Get_rank(), comm.Get_size()
+        self.names = list(range(self.size)) if names is None else list(names)
         self.capacity_bytes = _round_up(int(capacity_bytes), _ALIGN)
         self.sync = sync
         self._comm = comm
@@ -276,7 +280,7 @@ class SharedMemoryReducer:
         # collective, so the peers' flags follow within microseconds; a
         # progress thread sleeping between these looks paid up to 0.5 ms per
         # piece (two syncs per 2 MiB)
-        waiting.until(step, wait, late=lambda: [r for r in range(self.size)
+        waiting.until(step, wait, late=lambda: [self.names[r] for r in range(self.size)
                                                 if flags[r * stride] < seq], pace="spin")
 
     def _views_for(self, dtype):
@@ -328,13 +332,23 @@ class SharedMemoryReducer:
             supported_fast(dtype) if fmt is None else fmt == "bfloat16" and dtype == np.uint16)
 
     def all_reduce_parts(self, parts, count, dtype, op, scale=None, wait=waiting.FOREVER,
-                         fmt=None):
+                         fmt=None, between=None):
         """All-reduce, in place, the concatenation of ``parts`` (a tuple or
         list of C-contiguous writeable numpy arrays of ``dtype``, ``count``
         elements in all, any shapes) and multiply it by ``scale`` (float, or
         None for no scaling); ``fmt`` as in :meth:`all_reduce`. Returns
         True, or False, touching nothing, when the reducer does not take
         them (more than one window, an unsupported dtype: see :meth:`takes`).
+
+        ``between``: None, or a callable given this rank's share of the
+        node's reduction (a writeable array in the shared result region,
+        empty for a rank with no share), which it may change in place (the
+        hierarchical transport all-reduces it across nodes there); it runs
+        between the two synchronisations, before ``scale`` would apply,
+        so ``scale`` must then be None. With ``between`` nothing at all is
+        written into ``parts`` before the second synchronisation (each rank
+        reduces its share from its slot), so a failure leaves ``parts``
+        untouched.
 
         Raises:
             ArgumentError: ``op`` is unknown, or the reducer is closed;
@@ -361,7 +375,8 @@ class SharedMemoryReducer:
         compiled = hostcopy.available()
         streaming = self.streaming
         # this rank's own share: straight from and to the parts, or via its slot
-        own = (lo, hi) if hostreduce.supports(dtype, op, fmt) else None
+        fast = hostreduce.supports(dtype, op, fmt)
+        own = (lo, hi) if fast and between is None else None
         if not (compiled and hostcopy.gather(parts, slot, own, streaming)):
             own = None
             hostcopy.gather_any(parts, slot)
@@ -370,8 +385,13 @@ class SharedMemoryReducer:
         if own is not None:
             hostreduce.reduce_share(parts, slots, rank, result, lo, hi, op, scale, streaming,
                                     fmt)
+        elif fast and between is not None:   # from the slot, written back to it too
+            hostreduce.reduce_share((slot,), slots, rank, result, lo, hi, op, None, streaming,
+                                    fmt)
         else:
             _reduce_share(slots, result[lo:hi], lo, hi, op, scale, fmt)
+        if between is not None:
+            between(result[lo:hi])
         self._wait_all(self._seq, wait)
         if not (compiled and hostcopy.scatter(result, parts, own)):
             hostcopy.scatter_any(result, parts)
@@ -450,24 +470,38 @@ class SharedMemoryTransport(Transport):
     ranks, which must all be on this node).
 
     ``memory``: zero-filled shared uint8 numpy array of :meth:`bytes_needed`
-    bytes; ``stores``: ``"auto"``, ``"plain"`` or ``"streaming"``. The
-    constructor is collective (the store probe).
+    bytes; ``stores``: ``"auto"``, ``"plain"`` or ``"streaming"``; ``node``:
+    None, or the mpi4py communicator of the ranks whose memory is shared
+    when they are not all of ``fallback``'s (see
+    :class:`~commlib.transport.hierarchical.HierarchicalTransport`);
+    ``window_bytes``: bytes reduced per round. The constructor is
+    collective (the store probe).
     """
 
     name = "shm"
 
-    def __init__(self, fallback, memory, stores="auto"):
+    def __init__(self, fallback, memory, stores="auto", node=None, window_bytes=WINDOW_BYTES):
         super().__init__(fallback.rank, fallback.size)
         self.fallback = fallback
-        self.reducer = SharedMemoryReducer(fallback.comm, memory, WINDOW_BYTES, stores=stores)
+        comm = fallback.comm if node is None else node
+        names = None if node is None else node.allgather(fallback.rank)
+        self.reducer = SharedMemoryReducer(comm, memory, window_bytes, stores=stores,
+                                           names=names)
+
+    def _steps(self, op, scale, wait, fmt=None):
+        """``(scale, between)`` for the reducer's
+        :meth:`~SharedMemoryReducer.all_reduce_parts` of an all-reduce
+        with ``op``, ``scale``, ``wait`` and ``fmt``: here the scale as it
+        is and no step between the synchronisations."""
+        return scale, None
 
     def thread_safe(self):
         return self.fallback.thread_safe()
 
     @staticmethod
-    def bytes_needed(size):
-        """Bytes of shared memory for ``size`` ranks."""
-        return SharedMemoryReducer.bytes_needed(size, WINDOW_BYTES)
+    def bytes_needed(size, window_bytes=WINDOW_BYTES):
+        """Bytes of shared memory for ``size`` ranks and windows of ``window_bytes``."""
+        return SharedMemoryReducer.bytes_needed(size, window_bytes)
 
     def _takes(self, buf, fmt=None):
         return type(buf) is np.ndarray and buf.nbytes >= MIN_BYTES and (
@@ -483,9 +517,11 @@ class SharedMemoryTransport(Transport):
             return
         self.check_usable()
         reducer = self.reducer
+        scale, between = self._steps(op, scale, wait, fmt)
         try:
             for piece in reducer.windows(buf):
-                reducer.all_reduce_parts((piece,), piece.size, buf.dtype, op, scale, wait, fmt)
+                reducer.all_reduce_parts((piece,), piece.size, buf.dtype, op, scale, wait, fmt,
+                                         between)
         except BaseException as exc:
             self.fail("all_reduce failed (%s)" % type(exc).__name__)
             raise
@@ -515,7 +551,9 @@ class SharedMemoryTransport(Transport):
     def all_reduce_parts(self, parts, buf, op, scale, wait=waiting.FOREVER):
         self.check_usable()
         try:
-            taken = self.reducer.all_reduce_parts(parts, buf.size, buf.dtype, op, scale, wait)
+            scale, between = self._steps(op, scale, wait)
+            taken = self.reducer.all_reduce_parts(parts, buf.size, buf.dtype, op, scale, wait,
+                                                  between=between)
         except BaseException as exc:
             self.fail("all_reduce failed (%s)" % type(exc).__name__)
             raise

@@ -27,6 +27,7 @@ from nodes import _mode, _pid_alive, namespaces, remove_stale, run_nodes
 CHECKS = ["placement", "all_reduce", "all_reduce avg", "fp16", "bf16", "broadcast", "reduce",
           "all_gather", "all_gatherv", "reduce_scatter", "barrier", "async",
           "mismatch", "check=False", "uneven steps"]
+HIERARCHICAL_CHECKS = ["hierarchical", "hierarchical timeout"]
 
 CODE = r"""
 import hashlib, os, sys, time
@@ -35,6 +36,7 @@ import ml_dtypes
 import commlib
 from commlib import errors
 from commlib.faults.board_exchange import ExchangeBoard
+from commlib.transport.hierarchical import HierarchicalTransport
 from commlib.transport.mpi import MpiTransport
 
 NODES, PER_NODE = int(sys.argv[1]), int(sys.argv[2])
@@ -87,7 +89,9 @@ assert comm.backend == "mpi", comm.backend
 assert (comm.local_rank, comm.local_size) == (rank % PER_NODE, PER_NODE), \
     (comm.local_rank, comm.local_size)
 assert isinstance(comm._session.board, ExchangeBoard), type(comm._session.board)
-assert [type(t) for t in comm._session.transports] == [MpiTransport], comm._session.transports
+HIERARCHICAL = PER_NODE > 1                  # several nodes of several ranks each
+assert [type(t) for t in comm._session.transports] == \
+    [HierarchicalTransport] * HIERARCHICAL + [MpiTransport], comm._session.transports
 print("local %d of %d rank %d" % (comm.local_rank, comm.local_size, rank), flush=True)
 ok("placement")
 
@@ -150,6 +154,87 @@ for fmt in ("fp16", "bf16"):
             assert (np.abs(a - want) <= bound).all(), (fmt, op, k, np.abs(a - want).max())
             digest.update(a.tobytes())
     ok(fmt)
+
+# -- hierarchical: within the node over shared memory, across nodes only each
+# rank's share; sizes from empty to several windows (the largest case is one
+# window and 3 elements, a block of quarters repeated: exact in any order,
+# and quicker to make than as many random numbers)
+if HIERARCHICAL:
+    hier = comm._session.transports[0]
+    window = hier.reducer.capacity_bytes
+    shares, flat = [], []
+    across_reduce, flat_reduce = hier.across.all_reduce, hier.fallback.all_reduce
+    hier.across.all_reduce = lambda b, *a, **k: (shares.append(b.size), across_reduce(b, *a, **k))
+    hier.fallback.all_reduce = lambda b, *a, **k: (flat.append(b.size), flat_reduce(b, *a, **k))
+    big = window // 4 + 3
+    cases = [("float64", "sum", m) for m in (0, 7, 8193, 100_003)] + [
+        ("float32", "sum", big), ("float32", "avg", 300_001), ("float16", "sum", 70_001),
+        ("int64", "max", 300_001), ("int32", "prod", 40_001), ("uint8", "sum", 300_001)]
+    for k, (dtype, op, m) in enumerate(cases):
+        ins = everyone(1000 + k, lambda g: (
+            np.resize(exact(g, dtype, 4099), m) if m == big else g.integers(1, 3, m)
+            if op == "prod" else g.integers(0, 60, m) if dtype == "uint8"
+            else g.standard_normal(m) * 1000).astype(dtype))
+        mine = ins[rank].copy()
+        shares.clear(), flat.clear()
+        comm.all_reduce(mine, op=op)
+        what = "hierarchical %s %s n=%d" % (dtype, op, m)
+        if dtype[0] == "f" and m != big:   # random floats: the order of the sums is not numpy's
+            wide = np.stack(ins).astype(np.float64)
+            by = n if op == "avg" else 1
+            # n roundings at most (n - 1 sums, the scale), each within eps of the magnitudes
+            bound = np.abs(wide).sum(0) / by * n * np.finfo(dtype).eps
+            error = np.abs(mine.astype(np.float64) - wide.sum(0) / by)
+            assert mine.dtype == np.dtype(dtype) and (error <= bound).all(), (what, error.max())
+            digest.update(mine.tobytes())          # every rank's bits the same
+        else:
+            same(mine, reduced(ins, op), what)
+        # the large ones crossed the nodes share by share, window by window
+        if m * np.dtype(dtype).itemsize >= 64 << 10:
+            step = window // np.dtype(dtype).itemsize
+            r, L = comm.local_rank, PER_NODE
+            want_shares = [w * (r + 1) // L - w * r // L
+                           for w in (min(step, m - a) for a in range(0, m, step))]
+            assert shares == want_shares and not flat, (what, shares, want_shares, flat)
+        else:
+            assert not shares and flat == ([m] if m else flat), (what, shares, flat)
+    hier.across.all_reduce, hier.fallback.all_reduce = across_reduce, flat_reduce
+    ok("hierarchical")
+
+    # a rank late past the deadline (rank 0, then the last): every rank raises
+    # CollectiveTimeoutError, or PeerError when a peer gave up first (its blame
+    # passed on), and no rank's array is written; the late rank's
+    # node peer names it by its world rank (check=False: the transport's own
+    # wait, not the fingerprint exchange's). The late rank comes once every
+    # other rank left (their notices).
+    for bad in (0, n - 1):
+        timed = commlib.Communicator.from_mpi(timeout=0.2, check=False)
+        assert type(timed._session.transports[0]) is HierarchicalTransport
+        x = np.full(100_003, rank + 1.0)
+        notice = os.path.join(os.environ["COMMLIB_TEST_NODES_FOLDER"], "gave-up-%d-%%d" % bad)
+        if rank == bad:
+            limit = time.monotonic() + 60
+            while not all(os.path.exists(notice % r) for r in range(n) if r != bad):
+                assert time.monotonic() < limit, "rank %d: the others never gave up" % rank
+                time.sleep(0.01)
+        try:
+            timed.all_reduce(x)
+        except (errors.CollectiveTimeoutError, errors.PeerError) as exc:
+            if type(exc) is errors.CollectiveTimeoutError:
+                assert str(exc).startswith("rank %d: all_reduce #1 did not complete before "
+                                           "its deadline" % rank), exc
+                if rank != bad and rank // PER_NODE == bad // PER_NODE:   # bad's node
+                    assert exc.culprits == (bad,), (bad, exc.culprits)
+            else:       # a peer gave up first and said whom it waited for (the peer watch)
+                assert type(exc) is errors.PeerError and "gave up in collective #1" in str(exc), exc
+                assert exc.culprits == (bad,), (bad, exc.culprits, str(exc))
+        else:
+            raise AssertionError("rank %d: no timeout with rank %d late" % (rank, bad))
+        assert (x == rank + 1.0).all(), "rank %d: written after a timeout" % rank
+        open(notice % rank, "x").close()
+        timed.close()
+        comm.barrier()
+    ok("hierarchical timeout")
 
 # -- broadcast from every root
 for root in range(n):
@@ -294,7 +379,7 @@ def test_every_collective_across_nodes(layout):
     nodes, per_node = layout
     n = nodes * per_node
     run = run_nodes(layout, CODE, timeout=120, args=layout)
-    for check in CHECKS:
+    for check in CHECKS + HIERARCHICAL_CHECKS * (per_node > 1):
         assert_each_rank(run.text, r"ok %s rank (?P<rank>\d+)" % re.escape(check), n)
     assert run.node_of == [r // per_node for r in range(n)]
     local = {int(r): (int(i), int(s)) for i, s, r in
@@ -305,6 +390,15 @@ def test_every_collective_across_nodes(layout):
     # the large arrays crossed the link: a 300 001-element float32 all-reduce
     # alone makes every node send at least (nodes - 1) / nodes of its 1.2 MB
     assert all(run.sent[i] > 1_000_000 for i in range(nodes)), run.sent
+
+
+def test_the_hierarchical_transport_is_for_nodes_alike_of_several_ranks():
+    """Chosen from every rank's local_size: several nodes of the same number
+    of ranks, more than one (uneven nodes and one node stay as they were)."""
+    from commlib.transport.hierarchical import usable
+    assert usable([2] * 4) and usable([3] * 6) and usable([2] * 6)
+    for sizes in ([1], [1, 1], [2, 2], [4] * 4, [2, 2, 1], [1, 2, 2], [3, 3, 3, 2, 2]):
+        assert not usable(sizes), sizes
 
 
 # -- faults across nodes ------------------------------------------------------------------------
