@@ -437,7 +437,7 @@ class SharedMemoryReducer:
                 lo, hi = length * rank // n, length * (rank + 1) // n
                 if hostreduce.supports(storage, op, bits):
                     hostreduce.reduce_share((slot,), slots, rank, result, lo, hi, op,
-                                            None, False, bits)
+                                            None, self.streaming, bits)
                 else:
                     _reduce_share(slots, result[lo:hi], lo, hi, op, None, bits)
                 words[rank * (_LINE // 8) + 1] = hostcast.count_nonfinite(result[lo:hi], fmt)
