@@ -101,7 +101,8 @@ static inline float f16_to_f32(uint16_t h)
 #undef BLOCK_F16C
 #endif
 
-typedef Py_ssize_t (*block_fn)(const void *, int, void *, int, Py_ssize_t, float, int, int);
+typedef Py_ssize_t (*block_fn)(const void *, int, void *, int, Py_ssize_t, float, int, int,
+                               int);
 
 static int simd_level = -1;     /* -1: not chosen yet */
 
@@ -128,21 +129,38 @@ int commlib_cast_level(int level)
 static const size_t item_size[] = {4, 2, 2};   /* by format: f32, f16, bf16 */
 
 Py_ssize_t commlib_cast(const void *src, int sfmt, void *dst, int dfmt, Py_ssize_t n,
-                        float scale, int scaled, int op)
+                        float scale, int scaled, int op, int streaming)
 {
     block_fn block = portable_block_run;
 #ifdef CAST_X86
     if (commlib_cast_level(-1) == COMMLIB_CAST_AVX2)
         block = avx2_block_run;
+    else
+        streaming = 0;
+#else
+    streaming = 0;
 #endif
     const char *s = (const char *)src;
     char *d = (char *)dst;
-    Py_ssize_t count = 0;
-    for (Py_ssize_t at = 0; at < n; at += CAST_BLOCK) {
+    Py_ssize_t count = 0, at = 0;
+    if (streaming) {
+        /* the elements before dst's first 16-byte boundary with plain stores
+         * (non-temporal vector stores need it aligned), the rest streamed */
+        Py_ssize_t head = (Py_ssize_t)((16u - ((uintptr_t)d & 15u)) & 15u) / (Py_ssize_t)item_size[dfmt];
+        if ((uintptr_t)d % item_size[dfmt] != 0 || head > n)
+            head = n;
+        count += block(s, sfmt, d, dfmt, head, scale, scaled, op, 0);
+        at = head;
+    }
+    for (; at < n; at += CAST_BLOCK) {
         Py_ssize_t m = n - at < CAST_BLOCK ? n - at : CAST_BLOCK;
         count += block(s + (size_t)at * item_size[sfmt], sfmt, d + (size_t)at * item_size[dfmt],
-                       dfmt, m, scale, scaled, op);
+                       dfmt, m, scale, scaled, op, streaming);
     }
+#ifdef CAST_X86
+    if (streaming)
+        _mm_sfence();
+#endif
     return count;
 }
 

@@ -133,7 +133,7 @@ static BLOCK_ATTR inline __m128i BLOCK_NAME(_narrow8)(__m256 x, int fmt, Py_ssiz
 
 static BLOCK_ATTR Py_ssize_t BLOCK_NAME(_fast)(const void *src, int sfmt, void *dst, int dfmt,
                                               Py_ssize_t n, float scale, int scaled, int op,
-                                              Py_ssize_t *count)
+                                              int streaming, Py_ssize_t *count)
 {
     const __m256 factor = _mm256_set1_ps(scale);
     Py_ssize_t i = 0;
@@ -144,7 +144,11 @@ static BLOCK_ATTR Py_ssize_t BLOCK_NAME(_fast)(const void *src, int sfmt, void *
             __m256 x = _mm256_loadu_ps(s + i);
             if (scaled)
                 x = _mm256_mul_ps(factor, x);
-            _mm_storeu_si128((__m128i *)(d + i), BLOCK_NAME(_narrow8)(x, dfmt, count));
+            __m128i h = BLOCK_NAME(_narrow8)(x, dfmt, count);
+            if (streaming)                   /* d + i is 16-byte aligned (commlib_cast) */
+                _mm_stream_si128((__m128i *)(d + i), h);
+            else
+                _mm_storeu_si128((__m128i *)(d + i), h);
         }
     } else if (sfmt != CAST_F32 && dfmt == CAST_F32 && op == CAST_OP_NONE) {
         const uint16_t *s = (const uint16_t *)src;
@@ -181,18 +185,21 @@ static BLOCK_ATTR Py_ssize_t BLOCK_NAME(_fast)(const void *src, int sfmt, void *
 #endif
 
 static BLOCK_ATTR Py_ssize_t BLOCK_NAME(_run)(const void *src, int sfmt, void *dst, int dfmt,
-                                             Py_ssize_t n, float scale, int scaled, int op)
+                                             Py_ssize_t n, float scale, int scaled, int op,
+                                             int streaming)
 {
     float v[CAST_BLOCK], w[CAST_BLOCK];
 #ifdef BLOCK_F16C
     Py_ssize_t count = 0, done = BLOCK_NAME(_fast)(src, sfmt, dst, dfmt, n, scale, scaled, op,
-                                                   &count);
+                                                   streaming, &count);
     if (done > 0) {                       /* the rest (under eight) as below */
         static const size_t bytes[] = {4, 2, 2};
         return count + BLOCK_NAME(_run)((const char *)src + (size_t)done * bytes[sfmt], sfmt,
                                         (char *)dst + (size_t)done * bytes[dfmt], dfmt,
-                                        n - done, scale, scaled, op);
+                                        n - done, scale, scaled, op, 0);
     }
+#else
+    (void)streaming;
 #endif
     BLOCK_NAME(_widen)(src, sfmt, v, n);
     if (scaled)

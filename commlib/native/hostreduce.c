@@ -51,7 +51,7 @@ static void combine_half(int type, int op, char *out, const char *x, const char 
     const int fmt = type == T_FLOAT16 ? CAST_F16 : CAST_BF16;
     if (out != x)
         memcpy(out, x, (size_t)len * 2);
-    commlib_cast(y, fmt, out, fmt, len, 1.0f, 0, cast_ops[op]);
+    commlib_cast(y, fmt, out, fmt, len, 1.0f, 0, cast_ops[op], 0);
 }
 
 static void combine(int type, int op, char *out, const char *x, const char *y, Py_ssize_t len)
@@ -72,7 +72,7 @@ static void scale_floats(int type, char *out, Py_ssize_t len, double scale)
 {
     if (type == T_FLOAT16 || type == T_BFLOAT16) {
         const int fmt = type == T_FLOAT16 ? CAST_F16 : CAST_BF16;
-        commlib_cast(out, fmt, out, fmt, len, (float)scale, 1, CAST_OP_NONE);
+        commlib_cast(out, fmt, out, fmt, len, (float)scale, 1, CAST_OP_NONE, 0);
     } else if (type == T_FLOAT32) {
         float s = (float)scale, *o = (float *)out;
         for (Py_ssize_t j = 0; j < len; ++j)

@@ -392,15 +392,19 @@ static int cast_format(PyObject *o, int writing, void **data, Py_ssize_t *size)
     return -1;
 }
 
-/* cast(x, out, scale, op) -> the number of non-finite values written, or
+/* cast(x, out, scale, op[, streaming]) -> the number of non-finite values written, or
  * -1 (nothing written) when x or out is not a plain aligned native array of
  * float32, float16 or uint16 (bfloat16), their sizes differ, or they
  * overlap other than as the same array. `scale`: float or None (no
- * multiply); `op`: 0 none, 1 sum, 2 prod, 3 max, 4 min (see hostcast.c).
+ * multiply); `op`: 0 none, 1 sum, 2 prod, 3 max, 4 min (see hostcast.c);
+ * `streaming` (default false): non-temporal stores where they apply.
  * The GIL is released while casting. */
 static PyObject *py_cast(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
 {
-    if (check_nargs("cast", nargs, 4))
+    if (nargs != 5 && check_nargs("cast", nargs, 4))
+        return NULL;
+    int streaming = nargs == 5 ? PyObject_IsTrue(args[4]) : 0;
+    if (streaming < 0)
         return NULL;
     int scaled = args[2] != Py_None;
     double scale = scaled ? PyFloat_AsDouble(args[2]) : 1.0;
@@ -419,7 +423,7 @@ static PyObject *py_cast(PyObject *self, PyObject *const *args, Py_ssize_t nargs
         return PyLong_FromLong(-1);
     Py_ssize_t count;
     Py_BEGIN_ALLOW_THREADS
-    count = commlib_cast(src, sfmt, dst, dfmt, n, (float)scale, scaled, (int)op);
+    count = commlib_cast(src, sfmt, dst, dfmt, n, (float)scale, scaled, (int)op, streaming);
     Py_END_ALLOW_THREADS
     return PyLong_FromSsize_t(count);
 }

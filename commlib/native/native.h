@@ -62,9 +62,12 @@ enum { CAST_F32, CAST_F16, CAST_BF16 };
 enum { CAST_OP_NONE, CAST_OP_SUM, CAST_OP_PROD, CAST_OP_MAX, CAST_OP_MIN };
 enum { COMMLIB_CAST_PORTABLE, COMMLIB_CAST_AVX2 };
 /* dst[i] = narrow(op(widen(dst[i]), scale * widen(src[i]))) for i < n (see
- * hostcast_block.h); returns the number of non-finite values written. */
+ * hostcast_block.h); returns the number of non-finite values written.
+ * `streaming`: float32 to a half format with no op writes dst with
+ * non-temporal stores where the CPU has them (memory another core reads
+ * next: see streaming.h), the same values. */
 Py_ssize_t commlib_cast(const void *src, int sfmt, void *dst, int dfmt, Py_ssize_t n,
-                        float scale, int scaled, int op);
+                        float scale, int scaled, int op, int streaming);
 /* The number of inf and NaN among n values of format fmt. */
 Py_ssize_t commlib_count_nonfinite(const void *data, int fmt, Py_ssize_t n);
 /* The code path of commlib_cast: level >= 0 chooses min(level, the best

@@ -29,16 +29,19 @@ def compiled(name):
     return getattr(native.module(), name, None)
 
 
-def cast_into(x, out, scale=np.float32(1), accumulate=False):
+def cast_into(x, out, scale=np.float32(1), accumulate=False, streaming=False):
     """``numpy_cast_into(x, out, scale, accumulate)``, compiled: write ``x``
     times ``scale`` (np.float32), cast to ``out``'s format (added to
     ``out`` when ``accumulate``), into ``out``; returns the number of
     non-finite values written (int). ``x``, ``out``: numpy arrays of one
-    size with dtypes float32, float16 or uint16 (bfloat16)."""
+    size with dtypes float32, float16 or uint16 (bfloat16). ``streaming``:
+    write ``out`` with non-temporal stores where the compiled loop can
+    (memory another process reads next), the same values."""
     loop = compiled("cast")
     if loop is not None:
         scale = np.float32(scale)
-        count = loop(x, out, None if scale == 1 else float(scale), 1 if accumulate else 0)
+        count = loop(x, out, None if scale == 1 else float(scale), 1 if accumulate else 0,
+                     streaming)
         if count >= 0:
             return count
     return numpy_cast_into(x, out, scale, accumulate)

@@ -433,7 +433,8 @@ class SharedMemoryReducer:
             length = b - a
             slot = slots[rank][:length]
             for piece, at in flat.pieces(a, b):
-                sent += hostcast.cast_into(piece, slot[at:at + piece.size], factor)
+                sent += hostcast.cast_into(piece, slot[at:at + piece.size], factor,
+                                           streaming=self.streaming)
             if n > 1:
                 self._seq += 2
                 self._wait_all(self._seq - 1, wait)

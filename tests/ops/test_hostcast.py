@@ -131,6 +131,26 @@ def test_odd_lengths_and_misaligned_views(level, n, dst):
         np.testing.assert_array_equal(bits(back_c), bits(back_t))
 
 
+@pytest.mark.parametrize("n", [0, 1, 7, 8, 9, 15, 16, 17, 511, 512, 513, 100003])
+@pytest.mark.parametrize("dst", ["float16", "bfloat16"])
+def test_streaming_stores_write_the_same_bits(level, n, dst):
+    """A cast with non-temporal stores (the shared-memory slots' writes)
+    writes what the plain one writes, from every start within 16 bytes
+    (plain stores up to the first aligned one), and nothing outside."""
+    x = np.random.default_rng(n).standard_normal(n).astype(np.float32) * 3e4
+    x[::97] = np.inf
+    x[5::101] = np.nan
+    want = np.empty(n, STORAGE[dst])
+    sent = hostcast.cast_into(x, want, np.float32(0.5))
+    for off in range(9):
+        guard = np.full(n + 16, 0x5A5A, np.uint16).view(STORAGE[dst])
+        got = guard[off:off + n]
+        assert hostcast.cast_into(x, got, np.float32(0.5), streaming=True) == sent
+        np.testing.assert_array_equal(bits(got), bits(want))
+        assert (guard.view(np.uint16)[:off] == 0x5A5A).all()
+        assert (guard.view(np.uint16)[off + n:] == 0x5A5A).all()
+
+
 def test_byte_misaligned_arrays_take_the_twin():
     raw = np.zeros(4 * 1001 + 1, np.uint8)
     x = raw[1:].view(np.float32)                  # not 4-byte aligned
