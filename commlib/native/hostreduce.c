@@ -87,41 +87,64 @@ static void scale_floats(int type, char *out, Py_ssize_t len, double scale)
 /* Bytes reduced at a time in a private scratch buffer that stays in L1. */
 #define SCRATCH_BYTES 16384
 
-/* Reduce bytes [begin, end) of a bucket of `nranks` ranks' contributions.
+/* Reduce elements [begin, end) of a bucket of `nranks` ranks' contributions
+ * (bounds in bytes of the element type).
  *
  * Rank q's contribution is slots[q] (each a flat buffer of the whole bucket)
  * for q != rank, and the concatenation of `spans` (this rank's own `n`
- * arrays, at least `end` bytes together) for q ==
- * rank. Each element becomes op(...op(op(x0, x1), x2)..., x(n-1)) in rank
- * order, times `scale` when `scaled` (floating types), and is written both
- * to `result` (at the same byte offset; with streaming stores when
- * `streaming`, see streaming.h) and back into this rank's arrays. `type`
- * and `op` are the enums of native.h. */
-void commlib_reduce_share(const commlib_span *spans, Py_ssize_t n, Py_ssize_t itemsize,
-                          int type, int op, char *const *slots, int nranks, int rank, char *result,
-                          Py_ssize_t begin, Py_ssize_t end, double scale, int scaled,
-                          int streaming)
+ * arrays, at least `end` bytes' worth of elements together) for q == rank.
+ * Each element becomes op(...op(op(x0, x1), x2)..., x(n-1)) in rank
+ * order, times `scale` when `scaled` (floating types), and is written
+ * to `result` (at the same offset; with streaming stores when `streaming`,
+ * see streaming.h) and back into this rank's arrays. `type` and `op` are
+ * the enums of native.h.
+ *
+ * `cast_own` (the half formats only): this rank's arrays hold float32;
+ * each value times `own_scale` is rounded to the half format (as
+ * commlib_cast into a slot would) before it takes part, and the arrays
+ * are not written. Returns the number of NaN and inf that rounding gave,
+ * and sets `*found` to the number of NaN and inf written to `result`
+ * (0 for both without `cast_own`). */
+Py_ssize_t commlib_reduce_share(const commlib_span *spans, Py_ssize_t n, Py_ssize_t itemsize,
+                                int type, int op, char *const *slots, int nranks, int rank,
+                                char *result, Py_ssize_t begin, Py_ssize_t end, double scale,
+                                int scaled, int streaming, int cast_own, float own_scale,
+                                Py_ssize_t *found)
 {
     _Alignas(64) char scratch[SCRATCH_BYTES];
-    Py_ssize_t at = 0;
-    for (Py_ssize_t i = 0; i < n && at < end; ++i) {
-        Py_ssize_t bytes = spans[i].bytes;
-        char *data = spans[i].data;
-        Py_ssize_t lo = at > begin ? at : begin, hi = at + bytes < end ? at + bytes : end;
-        for (; lo < hi; lo += SCRATCH_BYTES) {
-            Py_ssize_t piece = hi - lo < SCRATCH_BYTES ? hi - lo : SCRATCH_BYTES;
-            Py_ssize_t len = piece / itemsize;
-            char *own = data + (lo - at);
-            combine(type, op, scratch, rank == 0 ? own : slots[0] + lo,
-                    rank == 1 ? own : slots[1] + lo, len);
+    _Alignas(64) char narrowed[SCRATCH_BYTES];
+    const int fmt = type == T_FLOAT16 ? CAST_F16 : CAST_BF16;
+    const Py_ssize_t own_size = cast_own ? 4 : itemsize, step = SCRATCH_BYTES / itemsize;
+    const Py_ssize_t first = begin / itemsize, last = end / itemsize;
+    Py_ssize_t at = 0, sent = 0, nonfinite = 0;      /* in elements */
+    for (Py_ssize_t i = 0; i < n && at < last; ++i) {
+        Py_ssize_t count = spans[i].bytes / own_size;
+        Py_ssize_t lo = at > first ? at : first, hi = at + count < last ? at + count : last;
+        for (; lo < hi; lo += step) {
+            Py_ssize_t len = hi - lo < step ? hi - lo : step, bytes = len * itemsize;
+            char *own = spans[i].data + (lo - at) * own_size;
+            const char *mine = own;
+            if (cast_own) {
+                sent += commlib_cast(own, CAST_F32, narrowed, fmt, len, own_scale,
+                                     own_scale != 1.0f, CAST_OP_NONE, 0);
+                mine = narrowed;
+            }
+            combine(type, op, scratch, rank == 0 ? mine : slots[0] + lo * itemsize,
+                    rank == 1 ? mine : slots[1] + lo * itemsize, len);
             for (int q = 2; q < nranks; ++q)
-                combine(type, op, scratch, scratch, q == rank ? own : slots[q] + lo, len);
+                combine(type, op, scratch, scratch, q == rank ? mine : slots[q] + lo * itemsize,
+                        len);
             if (scaled)
                 scale_floats(type, scratch, len, scale);
-            memcpy(own, scratch, (size_t)piece);
-            copy_out(result + lo, scratch, (size_t)piece, streaming);
+            if (cast_own)
+                nonfinite += commlib_count_nonfinite(scratch, fmt, len);
+            else
+                memcpy(own, scratch, (size_t)bytes);
+            copy_out(result + lo * itemsize, scratch, (size_t)bytes, streaming);
         }
-        at += bytes;
+        at += count;
     }
     streaming_fence(streaming);
+    *found = nonfinite;
+    return sent;
 }

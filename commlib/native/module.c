@@ -27,14 +27,42 @@ static Py_ssize_t buffer_bytes(PyObject *o, PyArray_Descr *descr, Py_ssize_t ite
     return array_bytes(o, itemsize);
 }
 
+/* The items of `o` when it is a tuple or list (their number in *n), else NULL. */
+static PyObject **sequence_items(PyObject *o, Py_ssize_t *n)
+{
+    if (!PyTuple_Check(o) && !PyList_Check(o))
+        return NULL;
+    *n = PySequence_Fast_GET_SIZE(o);
+    return PySequence_Fast_ITEMS(o);
+}
+
 /* The dtype object of the first array of `arrays` (a tuple or list of at
  * least one exact ndarray), or NULL. */
 static PyArray_Descr *first_descr(PyObject *arrays)
 {
-    if ((!PyTuple_Check(arrays) && !PyList_Check(arrays)) || PySequence_Fast_GET_SIZE(arrays) < 1)
+    Py_ssize_t n = 0;
+    PyObject **items = sequence_items(arrays, &n);
+    if (items == NULL || n < 1 || !PyArray_CheckExact(items[0]))
         return NULL;
-    PyObject *first = PySequence_Fast_ITEMS(arrays)[0];
-    return PyArray_CheckExact(first) ? PyArray_DESCR((PyArrayObject *)first) : NULL;
+    return PyArray_DESCR((PyArrayObject *)items[0]);
+}
+
+/* Whether every item of `arrays` (a tuple or list) is an exact ndarray,
+ * aligned and in native byte order. */
+static int aligned_native(PyObject *arrays)
+{
+    Py_ssize_t n;
+    PyObject **items = sequence_items(arrays, &n);
+    if (items == NULL)
+        return 0;
+    for (Py_ssize_t i = 0; i < n; ++i) {
+        if (!PyArray_CheckExact(items[i]))
+            return 0;
+        PyArrayObject *a = (PyArrayObject *)items[i];
+        if (!PyArray_ISALIGNED(a) || !PyArray_ISNOTSWAPPED(a))
+            return 0;
+    }
+    return 1;
 }
 
 static int check_nargs(const char *name, Py_ssize_t nargs, Py_ssize_t want)
@@ -101,12 +129,16 @@ static PyObject *py_copy(PyObject *self, PyObject *const *args, Py_ssize_t nargs
 }
 
 /* reduce_share(parts, slots, rank, result, itemsize, type, op, begin, end,
- * scale, streaming) -> end - begin, or -1 (nothing written) when an
- * argument does not qualify. `slots`: tuple of every rank's flat buffer;
- * `scale`: float or None; bounds in bytes. See hostreduce.c. */
+ * scale, streaming, cast_own) -> end - begin, or -1 (nothing written) when
+ * an argument does not qualify. `slots`: tuple of every rank's flat buffer;
+ * `scale`: float or None; bounds in bytes of the element type. `cast_own`:
+ * None, or the float scale by which float32 `parts` are rounded to the half
+ * format `type` (aligned arrays, not written); then the result is the pair
+ * (NaN and inf the rounding gave, NaN and inf in the result). See
+ * hostreduce.c. */
 static PyObject *py_reduce_share(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
 {
-    if (check_nargs("reduce_share", nargs, 11))
+    if (check_nargs("reduce_share", nargs, 12))
         return NULL;
     PyObject *parts = args[0], *slots = args[1], *result = args[3];
     long rank = PyLong_AsLong(args[2]);
@@ -116,19 +148,29 @@ static PyObject *py_reduce_share(PyObject *self, PyObject *const *args, Py_ssize
     int scaled = args[9] != Py_None;
     double scale = scaled ? PyFloat_AsDouble(args[9]) : 0.0;
     int streaming = PyObject_IsTrue(args[10]);
+    int cast_own = args[11] != Py_None;
+    double own_scale = cast_own ? PyFloat_AsDouble(args[11]) : 1.0;
     if (PyErr_Occurred())
         return NULL;
     /* the element size of each type code (native.h) */
     static const Py_ssize_t type_size[COMMLIB_T_COUNT] = {4, 8, 4, 8, 1, 2, 2};
-    PyArray_Descr *descr = first_descr(parts);
-    if (descr == NULL || !PyTuple_Check(slots) || type < 0 || type >= COMMLIB_T_COUNT || op < 0
-            || op >= COMMLIB_OP_COUNT || itemsize != type_size[type] || begin < 0
-            || begin > end || begin % itemsize || end % itemsize)
+    PyArray_Descr *descr = PyArray_CheckExact(result) ? PyArray_DESCR((PyArrayObject *)result)
+                                                      : NULL;
+    PyArray_Descr *own = first_descr(parts);
+    Py_ssize_t own_size = cast_own ? 4 : itemsize;
+    if (descr == NULL || own == NULL || (cast_own ? own->type_num != NPY_FLOAT32 : own != descr)
+            || !PyTuple_Check(slots) || type < 0
+            || type >= COMMLIB_T_COUNT || op < 0 || op >= COMMLIB_OP_COUNT
+            || itemsize != type_size[type] || begin < 0 || begin > end || begin % itemsize
+            || end % itemsize
+            || (cast_own && type != COMMLIB_T_FLOAT16 && type != COMMLIB_T_BFLOAT16)
+            || (cast_own && !aligned_native(parts)))
         return PyLong_FromLong(-1);
     Py_ssize_t nranks = PyTuple_GET_SIZE(slots);
     if (nranks < 2 || nranks > 1 << 20 || rank < 0 || rank >= nranks
             || buffer_bytes(result, descr, itemsize, 1) < end
-            || checked_total(parts, descr, itemsize, PY_SSIZE_T_MAX, 1) < end)
+            || checked_total(parts, own, own_size, PY_SSIZE_T_MAX, !cast_own)
+               < end / itemsize * own_size)
         return PyLong_FromLong(-1);
     char *stack[MAX_STACK_RANKS];
     char **pointers = nranks <= MAX_STACK_RANKS ? stack : PyMem_Malloc(nranks * sizeof(char *));
@@ -141,14 +183,15 @@ static PyObject *py_reduce_share(PyObject *self, PyObject *const *args, Py_ssize
         pointers[q] = PyArray_CheckExact(slot) ? array_data(slot) : NULL;
     }
     commlib_span span_stack[COMMLIB_STACK_SPANS], *spans = span_stack;
-    Py_ssize_t n = 0;
+    Py_ssize_t n = 0, sent = 0, found = 0;
     if (ok)
-        spans = spans_of(parts, itemsize, span_stack, COMMLIB_STACK_SPANS, &n);
+        spans = spans_of(parts, own_size, span_stack, COMMLIB_STACK_SPANS, &n);
     if (ok && spans != NULL) {
         char *out = array_data(result);
         Py_BEGIN_ALLOW_THREADS
-        commlib_reduce_share(spans, n, itemsize, (int)type, (int)op, pointers, (int)nranks,
-                             (int)rank, out, begin, end, scale, scaled, streaming);
+        sent = commlib_reduce_share(spans, n, itemsize, (int)type, (int)op, pointers,
+                                    (int)nranks, (int)rank, out, begin, end, scale, scaled,
+                                    streaming, cast_own, (float)own_scale, &found);
         Py_END_ALLOW_THREADS
     }
     if (spans != span_stack && spans != NULL)
@@ -157,7 +200,11 @@ static PyObject *py_reduce_share(PyObject *self, PyObject *const *args, Py_ssize
         PyMem_Free(pointers);
     if (spans == NULL)
         return NULL;
-    return PyLong_FromSsize_t(ok ? end - begin : -1);
+    if (!ok)
+        return PyLong_FromLong(-1);
+    if (cast_own)
+        return Py_BuildValue("nn", sent, found);
+    return PyLong_FromSsize_t(end - begin);
 }
 
 /* same_items(a, b) -> whether lists/tuples a and b hold the very same
@@ -166,13 +213,10 @@ static PyObject *py_same_items(PyObject *self, PyObject *const *args, Py_ssize_t
 {
     if (check_nargs("same_items", nargs, 2))
         return NULL;
-    PyObject *a = args[0], *b = args[1];
-    if ((!PyTuple_Check(a) && !PyList_Check(a)) || (!PyTuple_Check(b) && !PyList_Check(b)))
+    Py_ssize_t n = 0, m = 0;
+    PyObject **x = sequence_items(args[0], &n), **y = sequence_items(args[1], &m);
+    if (x == NULL || y == NULL || n != m)
         Py_RETURN_FALSE;
-    Py_ssize_t n = PySequence_Fast_GET_SIZE(a);
-    if (n != PySequence_Fast_GET_SIZE(b))
-        Py_RETURN_FALSE;
-    PyObject **x = PySequence_Fast_ITEMS(a), **y = PySequence_Fast_ITEMS(b);
     for (Py_ssize_t i = 0; i < n; ++i)
         if (x[i] != y[i])
             Py_RETURN_FALSE;
@@ -185,11 +229,10 @@ static PyObject *py_first_readonly(PyObject *self, PyObject *const *args, Py_ssi
 {
     if (check_nargs("first_readonly", nargs, 1))
         return NULL;
-    PyObject *items = args[0];
-    if (!PyTuple_Check(items) && !PyList_Check(items))
+    Py_ssize_t n;
+    PyObject **x = sequence_items(args[0], &n);
+    if (x == NULL)
         return PyLong_FromLong(-2);
-    Py_ssize_t n = PySequence_Fast_GET_SIZE(items);
-    PyObject **x = PySequence_Fast_ITEMS(items);
     for (Py_ssize_t i = 0; i < n; ++i)
         if (PyArray_Check(x[i]) && !PyArray_ISWRITEABLE((PyArrayObject *)x[i]))
             return PyLong_FromSsize_t(i);
@@ -216,11 +259,10 @@ static PyObject *py_first_overlap(PyObject *self, PyObject *const *args, Py_ssiz
 {
     if (check_nargs("first_overlap", nargs, 1))
         return NULL;
-    PyObject *items = args[0];
-    if (!PyTuple_Check(items) && !PyList_Check(items))
+    Py_ssize_t n, m = 0;
+    PyObject **x = sequence_items(args[0], &n);
+    if (x == NULL)
         return PyLong_FromLong(-1);
-    Py_ssize_t n = PySequence_Fast_GET_SIZE(items), m = 0;
-    PyObject **x = PySequence_Fast_ITEMS(items);
     extent *e = PyMem_Malloc((size_t)(n > 0 ? n : 1) * sizeof(extent));
     if (e == NULL)
         return PyErr_NoMemory();

@@ -18,10 +18,11 @@ void commlib_copy(const commlib_span *spans, Py_ssize_t n, char *flat, int to_ar
 enum { COMMLIB_T_FLOAT32, COMMLIB_T_FLOAT64, COMMLIB_T_INT32, COMMLIB_T_INT64,
        COMMLIB_T_UINT8, COMMLIB_T_FLOAT16, COMMLIB_T_BFLOAT16, COMMLIB_T_COUNT };
 enum { COMMLIB_OP_SUM, COMMLIB_OP_PROD, COMMLIB_OP_MAX, COMMLIB_OP_MIN, COMMLIB_OP_COUNT };
-void commlib_reduce_share(const commlib_span *spans, Py_ssize_t n, Py_ssize_t itemsize,
-                          int type, int op, char *const *slots, int nranks, int rank, char *result,
-                          Py_ssize_t begin, Py_ssize_t end, double scale, int scaled,
-                          int streaming);
+Py_ssize_t commlib_reduce_share(const commlib_span *spans, Py_ssize_t n, Py_ssize_t itemsize,
+                                int type, int op, char *const *slots, int nranks, int rank,
+                                char *result, Py_ssize_t begin, Py_ssize_t end, double scale,
+                                int scaled, int streaming, int cast_own, float own_scale,
+                                Py_ssize_t *found);
 
 /* flag_wait.c: a wait returns COMMLIB_WAIT_DONE when every rank arrived,
  * COMMLIB_WAIT_LATER once `until` (CLOCK_MONOTONIC seconds) has passed, or

@@ -42,7 +42,7 @@ def supports(dtype, op, fmt=None):
 
 
 def reduce_share(parts, slots, rank, result, begin, end, op, scale=None, streaming=False,
-                 fmt=None):
+                 fmt=None, cast_own=None):
     """Reduce elements ``[begin, end)`` of a bucket over all ranks.
 
     ``parts``: this rank's arrays (tuple or list of C-contiguous writeable
@@ -54,9 +54,19 @@ def reduce_share(parts, slots, rank, result, begin, end, op, scale=None, streami
     (float, floating dtypes only) if given, and is written to ``result``
     (with non-temporal stores when ``streaming``: see
     ``commlib/native/streaming.h``) and into ``parts``. ``fmt``:
-    ``"bfloat16"`` when the arrays are uint16 bits of bfloat16. Raises
-    :class:`~commlib.errors.CommlibError` when an argument does not qualify
-    (nothing is written then).
+    ``"bfloat16"`` when the arrays are uint16 bits of bfloat16.
+
+    ``cast_own``: None, or (float16 and bfloat16 results only) a float
+    scale: ``parts`` are then aligned float32 arrays, read only, whose
+    values times ``cast_own`` are rounded to the result's format (as
+    :func:`commlib.ops.hostcast.cast_into` would into this rank's slot)
+    before they take part: the half-precision wire's own share, never cast
+    into shared memory. Returns ``(sent, found)``: the NaN and inf that
+    rounding gave, and those in the reduced elements; None without
+    ``cast_own``.
+
+    Raises :class:`~commlib.errors.CommlibError` when an argument does not
+    qualify (nothing is written then).
     """
     dtype = result.dtype
     ext = native.module()
@@ -65,8 +75,14 @@ def reduce_share(parts, slots, rank, result, begin, end, op, scale=None, streami
         size = dtype.itemsize
         done = ext.reduce_share(parts, slots, rank, result, size, _type_code(dtype, fmt),
                                 _OPS.get(op, -1), begin * size, end * size,
-                                None if scale is None else float(scale), streaming)
+                                None if scale is None else float(scale), streaming,
+                                None if cast_own is None else float(cast_own))
+    if type(done) is tuple:
+        return done
     if done < 0:
         raise CommlibError("commlib: reduce_share got arrays that are not C-contiguous "
-                           "writeable numpy arrays of %s covering elements [%d, %d), or an "
-                           "unsupported dtype/op (%s, %r)" % (dtype, begin, end, dtype, op))
+                           "%s numpy arrays of %s covering elements [%d, %d), or an "
+                           "unsupported dtype/op (%s, %r)"
+                           % ("writeable" if cast_own is None else "aligned float32 (cast to)",
+                              dtype, begin, end, dtype, op))
+    return None

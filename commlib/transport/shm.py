@@ -409,7 +409,11 @@ class SharedMemoryReducer:
         :meth:`all_reduce_parts` reduces that format, and the result is cast
         back into ``parts``, unless ``guarded`` and it holds NaN or inf;
         then nothing is written. The compression strategies' wire without
-        a wire buffer: one cast in, one cast out, window by window.
+        a wire buffer: one cast in, one cast out, window by window. With
+        the compiled loops a rank's own share of a window is not cast into
+        its slot: the reduction rounds it from ``parts`` as it goes
+        (:func:`~commlib.ops.hostreduce.reduce_share`'s ``cast_own``) and
+        counts the NaN and inf of the result on the way.
 
         Returns:
             ``(sent, found)``: how many NaN and inf this rank sent (its
@@ -429,22 +433,32 @@ class SharedMemoryReducer:
         wire = np.empty(count, storage) if len(windows) > 1 else None
         sent = found = 0
         n, rank, words = self.size, self.rank, self._control
+        # this rank's share of each window is cast inside the reduction,
+        # read straight from the parts: it never passes through the slot
+        direct = (n > 1 and hostreduce.supports(storage, op, bits)
+                  and all(p.flags.aligned for p in flat.parts))
         for a, b in windows:
             length = b - a
             slot = slots[rank][:length]
-            for piece, at in flat.pieces(a, b):
-                sent += hostcast.cast_into(piece, slot[at:at + piece.size], factor,
-                                           streaming=self.streaming)
+            lo, hi = length * rank // n, length * (rank + 1) // n
+            skip = (a + lo, a + hi) if direct else (b, b)
+            for first, last in ((a, skip[0]), (skip[1], b)):
+                for piece, at in flat.pieces(first, last):
+                    at += first - a
+                    sent += hostcast.cast_into(piece, slot[at:at + piece.size], factor,
+                                               streaming=self.streaming)
             if n > 1:
                 self._seq += 2
                 self._wait_all(self._seq - 1, wait)
-                lo, hi = length * rank // n, length * (rank + 1) // n
-                if hostreduce.supports(storage, op, bits):
-                    hostreduce.reduce_share((slot,), slots, rank, result, lo, hi, op,
-                                            None, self.streaming, bits)
+                if direct:
+                    own, share = hostreduce.reduce_share(
+                        [piece for piece, _ in flat.pieces(a, b)], slots, rank, result, lo, hi,
+                        op, None, self.streaming, bits, cast_own=factor)
+                    sent += own
                 else:
                     _reduce_share(slots, result[lo:hi], lo, hi, op, None, bits)
-                words[rank * (_LINE // 8) + 1] = hostcast.count_nonfinite(result[lo:hi], fmt)
+                    share = hostcast.count_nonfinite(result[lo:hi], fmt)
+                words[rank * (_LINE // 8) + 1] = share
                 self._wait_all(self._seq, wait)
                 found += int(words[1::_LINE // 8][:n].sum())
                 reduced = result[:length]

@@ -147,3 +147,64 @@ def test_unsupported_inputs_write_nothing():
     assert not hostreduce.supports(np.dtype(np.float32), "sum", fmt="bfloat16")
     assert not hostreduce.supports(np.dtype(">f4"), "sum")
     assert not hostreduce.supports(np.dtype(np.float32), "avg")
+
+
+@pytest.mark.parametrize("fmt", ["float16", "bfloat16"])
+@pytest.mark.parametrize("op", ["sum", "max"])
+@pytest.mark.parametrize("n", [2, 3, 4])
+def test_own_float32_share_is_cast_in_the_reduction(fmt, op, n):
+    """cast_own: this rank's float32 parts times the scale, rounded to the
+    half format (the numpy twin cast, as into a slot), take part in the
+    rank-order reduction; the parts are only read; the counts are the NaN
+    and inf the rounding gave and those in the reduced range, counted here
+    by numpy on the twin's bits."""
+    storage = np.float16 if fmt == "float16" else np.uint16
+    rng = np.random.default_rng(hash((fmt, op, n)) % 2**32)
+    count, scale = sum(SIZES), np.float32(1 / 3)
+    wide = (rng.standard_normal((n, count)) * 100).astype(np.float32)
+    wide[:, 5] = np.nan                                  # in every rank's cast
+    wide[:, 7] = 3e5 if fmt == "float16" else 3e38       # inf once cast and scaled (float16)
+    wide[:, count - 3] = 60000 * 3                       # 60000 each: the float16 sum overflows
+    half = np.empty((n, count), storage)
+    with np.errstate(over="ignore", invalid="ignore"):
+        for q in range(n):
+            hostcast.numpy_cast_into(wide[q], half[q], scale)
+        want = half[0].copy()
+        for q in range(1, n):
+            hostcast.numpy_reduce_into(half[q], want, op)
+    exponent = 0x7C00 if fmt == "float16" else 0x7F80
+
+    def nonfinite(bits):
+        return int(((bits.view(np.uint16) & exponent) == exponent).sum())
+
+    for rank in range(n):
+        lo, hi = count * rank // n, count * (rank + 1) // n
+        slots = [half[q].copy() for q in range(n)]
+        slots[rank][:] = 0                        # never read: cast from the parts
+        parts = split(wide[rank], SIZES)
+        before = [p.copy() for p in parts]
+        result = np.full(count + 3, 7, storage)
+        got = hostreduce.reduce_share(parts, tuple(slots), rank, result, lo, hi, op, None,
+                                      False, "bfloat16" if fmt == "bfloat16" else None,
+                                      cast_own=scale)
+        assert result[lo:hi].tobytes() == want[lo:hi].tobytes(), (rank, op)
+        assert (result[:lo] == 7).all() and (result[hi:] == 7).all()
+        assert got == (nonfinite(half[rank][lo:hi]), nonfinite(want[lo:hi])), (rank, got)
+        assert all(a.tobytes() == b.tobytes() for a, b in zip(parts, before))
+
+
+def test_cast_own_refuses_what_it_cannot_cast():
+    """Parts that are not aligned float32, or a result that is not a half
+    format: CommlibError, nothing written."""
+    table = tuple(np.ones((2, 16), np.float16))
+    result = np.zeros(16, np.float16)
+    raw = np.zeros(16 * 4 + 1, np.uint8)
+    unaligned = raw[1:].view(np.float32)
+    for parts, out in [([np.ones(16, np.float64)], result),         # not float32
+                       ([unaligned], result),                       # not aligned
+                       ([np.ones(8, np.float32)], result),          # shorter than the range
+                       ([np.ones(16, np.float32)], np.zeros(16, np.float32))]:  # not half
+        slots = table if out.dtype == np.float16 else tuple(np.ones((2, 16), np.float32))
+        with pytest.raises(CommlibError, match="aligned float32"):
+            hostreduce.reduce_share(parts, slots, 0, out, 0, 16, "sum", cast_own=1.0)
+        assert (out == 0).all()

@@ -131,7 +131,9 @@ def reduce(sync, *more):
             rng = np.random.default_rng([total, rank])
             flat = (rng.standard_normal(total) * 50).astype(np.float32)
             if rank == n - 1:
-                flat[1] = np.nan                # one rank sends a NaN
+                flat[1] = np.nan                # one rank sends a NaN in rank 0's share,
+                flat[min(total, CAPACITY // 2) * rank // n] = np.nan    # one in its own
+            flat[2] = 1e6 * (rank + 1)          # beyond float16's range: inf once cast
             wire = np.empty(total, storage)
             sent = hostcast.cast_into(flat, wire, np.float32(1 if scale is None else scale))
             assert red.all_reduce(wire, "sum", fmt="bfloat16" if storage is np.uint16
