@@ -39,13 +39,17 @@ def test_mismatches_raise_on_every_rank_naming_the_culprit(n, bad):
 @pytest.mark.parametrize("n,bad", [(2, -1), (3, 0)])
 def test_blocking_sends_end_at_the_deadline_naming_the_peer(n, bad):
     """bad=-1: two ranks send to each other (a cycle); else rank ``bad``
-    never calls and its peers' receives time out naming it."""
+    never calls and its peers' receives time out naming it. Then rank
+    ``bad`` (the last after the cycle) calls neither all_to_all nor split:
+    its peers' calls time out naming it."""
     proc = run_faults(n, "deadline", bad)
     assert_each_rank(proc.stdout, r"rank (?P<rank>\d+) deadline ok", n)
 
 
 @pytest.mark.parametrize("bad", [0, 2])
-def test_a_peer_that_dies_ends_receives_and_all_to_all(bad):
+def test_a_peer_that_dies_ends_split_receives_all_to_all_and_its_sub_communicator(bad):
+    """Rank ``bad`` dies inside a split, after the colours were exchanged
+    (its peers' split is MPI's, which blocks: bounded all the same)."""
     proc = run_faults(3, "death", bad, expect_fail=True, survivors=True)
     assert sorted(ranks_saying(proc.stdout, r"rank (?P<rank>\d+) death ok")) == \
         [r for r in range(3) if r != bad], proc.stdout + proc.stderr
