@@ -56,6 +56,15 @@ def check_p2p(comm, xp=np):
         comm.recv(got, r - 1)
         assert np.array_equal(host(got), values(r - 1, "float32", 105).reshape(shape))
         comm.send(a, r - 1)
+    # the order docs/api.md gives for blocking calls: a ring, even ranks
+    # send first, odd ranks receive first (at odd sizes too)
+    if n > 1:
+        got = xp.empty(13, np.float64)
+        mine = xp.asarray(values(r, "float64", 13, salt=3))
+        calls = [lambda: comm.send(mine, nxt), lambda: comm.recv(got, prv)]
+        for call in calls if r % 2 == 0 else calls[::-1]:
+            call()
+        assert np.array_equal(host(got), values(prv, "float64", 13, salt=3))
     # every pair at once, two messages each way, receives before sends
     ops, outs = [], {}
     for q in range(n):

@@ -108,6 +108,48 @@ def test_a_shape_mismatch_on_thread_ranks_names_both_and_writes_nothing():
         assert list(culprits) == [0, 1]
 
 
+@pytest.mark.parametrize("first", ["send", "isend"])
+def test_two_ranks_that_send_first_end_at_the_deadline_on_thread_ranks(first):
+    """The order docs/api.md warns of: both ranks send (blocking, or
+    asynchronously) to each other, then receive. Blocking: the first to
+    give up raises CollectiveTimeoutError naming its peer, the peer
+    PeerError saying it gave up. Asynchronous: each receive waits behind
+    its own rank's send; the send's Work raises CollectiveTimeoutError or
+    PeerError, the receive ClosedError citing it."""
+    comms = communicators(2, timeout=0.5)
+    found = [None, None]
+
+    def body(r):
+        out = np.zeros(3)
+        try:
+            if first == "send":
+                comms[r].send(np.full(3, float(r)), 1 - r)
+            else:
+                work = comms[r].send(np.full(3, float(r)), 1 - r, async_op=True)
+                with pytest.raises(errors.ClosedError, match="did not complete before its "
+                                   "deadline|gave up"):
+                    comms[r].recv(out, 1 - r)
+                work.wait()
+        except (errors.CollectiveTimeoutError, errors.PeerError) as exc:
+            found[r] = exc
+    threads = [threading.Thread(target=body, args=(r,)) for r in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    assert not any(t.is_alive() for t in threads)
+    assert sorted(type(e).__name__ for e in found) in (
+        ["CollectiveTimeoutError", "PeerError"], ["CollectiveTimeoutError"] * 2), found
+    for r, exc in enumerate(found):
+        if isinstance(exc, errors.CollectiveTimeoutError):
+            assert "(send to rank %d) did not complete before its deadline: waiting for " \
+                   "rank %d" % (1 - r, 1 - r) in str(exc) and list(exc.culprits) == [1 - r]
+        else:       # the peer's error passed on: it blamed this rank
+            assert "rank %d gave up" % (1 - r) in str(exc) and list(exc.culprits) == [r]
+    for c in comms:
+        c.close()
+
+
 def test_a_send_nobody_receives_times_out_on_thread_ranks():
     comms = communicators(2, timeout=0.5)
     found = []
