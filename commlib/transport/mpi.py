@@ -389,17 +389,22 @@ class MpiTransport(Transport):
         colour = MPI.UNDEFINED if color is None else color
         if not self.thread_safe():
             return _member(self.comm.Split(colour, key))
-        made = []
+        made, done = [], threading.Event()
 
         def run():
             try:
                 made.append(self.comm.Split(colour, key))
             except MPI.Exception as exc:
                 made.append(exc)
+            finally:
+                done.set()
 
         threading.Thread(target=run, daemon=True, name="commlib-mpi-split").start()
         try:
-            waiting.until(lambda _: made or None, wait, pace="sleep")
+            # each step blocks on the event for its slice (no CPU), woken
+            # the moment the split returns
+            waiting.until(lambda slice_s: made if done.wait(slice_s) else None, wait,
+                          pace="spin")
         except BaseException as exc:
             self.fail("split was given up on (%s)" % type(exc).__name__)
             raise
