@@ -190,14 +190,14 @@ def standin(comm_world):
             raise AssertionError("rank %d: a duplicate device was accepted" % me)
 
 
-def nccl_only():
+def nccl_only(**options):
     """An NCCL-only communicator of the world (from_nccl_id): numpy arrays
     travel over NCCL too, and its split makes new NCCL communicators whose
     ID the lowest rank of each colour made, sent over this one."""
     import cupy
     me = WORLD.rank
     nid = commlib.NcclId(WORLD.bcast(commlib.NcclId().data if me == 0 else None))
-    comm = commlib.Communicator.from_nccl_id(nid, me, WORLD.size, device=me)
+    comm = commlib.Communicator.from_nccl_id(nid, me, WORLD.size, device=me, **options)
     assert comm.transport_for("numpy") == "nccl"
     cupy.cuda.Device(me).use()
     return comm
@@ -266,9 +266,31 @@ def faults():
     CollectiveTimeoutError naming it, nothing written then or after it
     comes. An asynchronous NCCL error on one rank: TransportError naming
     it there; on its peers TransportError with NCCL's remote error naming
-    it. The misbehaving rank varies, rank 0 included."""
+    it. A rank that never calls an NCCL-only communicator's split: the
+    others' split times out naming it. The misbehaving rank varies, rank 0
+    included."""
     import cupy
     n, me = WORLD.size, WORLD.rank
+    # an NCCL-only communicator's split that rank 0 never calls: the
+    # others' split ends at the deadline naming it
+    comm = nccl_only(timeout=1.0)
+    if me != 0:
+        try:
+            comm.split(me % 2)
+        except errors.CollectiveTimeoutError as exc:
+            assert exc.culprits == (0,), (exc.culprits, str(exc))
+            assert "rank %d: split #1 did not complete before its deadline: waiting for rank 0 " \
+                   "(has not entered any collective)" % me in str(exc), exc
+            print("rank %d: split timed out waiting for rank 0" % me)
+        else:
+            raise AssertionError("rank %d: split with rank 0 absent returned" % me)
+    WORLD.Barrier()                     # rank 0 stays until its peers gave up
+    try:
+        comm.close()
+    except errors.PeerError as exc:     # the absent rank, told it missed a call
+        assert me == 0 and "rank 0 entered 0 collectives" in str(exc), exc
+    else:
+        assert me != 0, "rank 0 closed without a word after missing a split"
     for late in (0, n - 1):
         # a rank that does not call: its peers' entry times out, naming it
         comm = commlib.Communicator.from_mpi(backend="nccl", timeout=2)

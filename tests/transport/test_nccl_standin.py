@@ -10,7 +10,7 @@ import re
 import pytest
 
 import cuda_host_build as chb
-from mpirun import assert_each_rank, python_path, run_mpi
+from mpirun import assert_each_rank, python_path, ranks_saying, run_mpi
 
 CODE = "import sys, nccl_standin_programs\nnccl_standin_programs.main(sys.argv[1])\n"
 
@@ -43,6 +43,9 @@ def test_nccl_transport_odd_size_calls_and_faults(nccl_env):
     out = proc.stdout
     assert_each_rank(out, r"nccl stand-in calls rank (?P<rank>\d+) ok", 3)
     assert_each_rank(out, r"nccl stand-in faults rank (?P<rank>\d+) ok", 3)
+    # an NCCL-only communicator's split without rank 0: ranks 1 and 2 name it
+    assert sorted(ranks_saying(out, r"rank (?P<rank>\d): split timed out waiting for rank 0")) \
+        == [1, 2], out
     # rank 0 late: ranks 1 and 2 time out naming it; then rank 2 late
     assert sorted(int(a) for a in re.findall(
         r"rank (\d) timed out waiting for rank 0", out)) == [1, 2], out
