@@ -460,6 +460,11 @@ class Communicator:
             ArgumentError: ``color`` or ``key`` is not an int (``color`` not
                 ``>= 0``), or the transport cannot split (a transport of
                 the caller's own without ``split``).
+            ConsistencyError: another rank rejected its arguments, or
+                called another collective (naming it).
+            CollectiveTimeoutError, PeerError: a rank did not call split
+                before the deadline, or left or died, also inside MPI's
+                ``Comm.Split`` (see docs/failures.md), naming it.
         """
         table, made = self._issue("split", None, False, exchanges.split, color, key)
         if made is None:

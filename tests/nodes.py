@@ -44,6 +44,7 @@ starts it, inside ``unshare -r -n -m`` where not root.
 import atexit
 import contextlib
 import dataclasses
+import functools
 import json
 import os
 import re
@@ -58,6 +59,8 @@ import textwrap
 import threading
 import time
 from pathlib import Path
+
+from commlib.core.liveness import alive
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent / "benchmarks"))
@@ -99,14 +102,9 @@ def namespaces():
     return [line.split()[0] for line in out.splitlines() if line.split()]
 
 
-def _pid_alive(pid):
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
+#: whether a process still exists: ended and reaped counts as gone, a
+#: zombie not yet
+_pid_alive = functools.partial(alive, zombie=True)
 
 
 def delete_namespace(name):
@@ -141,7 +139,7 @@ def remove_stale():
     machine's crash. Those of live processes are left alone. Returns the
     names removed."""
     stale = [n for n in namespaces()
-             if NAME_PATTERN.match(n) and not _pid_alive(int(NAME_PATTERN.match(n).group(1)))]
+             if NAME_PATTERN.match(n) and not alive(int(NAME_PATTERN.match(n).group(1)))]
     for name in stale:
         delete_namespace(name)
     return stale

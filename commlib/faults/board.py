@@ -55,6 +55,7 @@ import time
 import numpy as np
 
 from ..core import fingerprints
+from ..core.liveness import alive
 from ..core import waiting
 from ..errors import CollectiveTimeoutError, PeerError, rank_name, ranks_text
 from ..ops import native
@@ -84,17 +85,6 @@ REASONS = {CLOSED: "closed the communicator", EXITED: "exited",
            GAVE_UP: "gave up", CLOSED_ON_EXCEPTION: "left after an exception",
            DROPPED: "dropped the communicator without close() (its script ended, or the last "
                     "reference went away)"}
-
-
-def _alive(pid):
-    """Whether process ``pid`` (on this node) still runs; zombies count as ended."""
-    try:
-        with open("/proc/%d/stat" % pid, "rb") as f:
-            return f.read().rsplit(b")", 1)[1].split()[0] not in (b"Z", b"X")
-    except FileNotFoundError:
-        return False
-    except OSError:
-        return True
 
 
 class StatusBoard:
@@ -269,7 +259,7 @@ class StatusBoard:
         """Whether rank ``r``'s process ended (it ran on this node: its
         process id is on its line)."""
         pid = int(self._lines[r, PID])
-        return bool(pid) and not _alive(pid)
+        return bool(pid) and not alive(pid)
 
     def who(self, r):
         """``rank 2 (pid 4242)``: rank ``r`` in messages about its death."""

@@ -24,6 +24,7 @@ transport for numpy arrays.)
 """
 import atexit
 import ctypes
+import threading
 from functools import partial
 
 import numpy as np
@@ -69,6 +70,11 @@ _ops = {}       # (numpy dtype, op name) -> MPI.Op
 #: interpreter shuts down before MPI_Finalize (each entry holds one
 #: reference that is never released)
 ABANDONED = []
+
+
+def _member(comm):
+    """A communicator made by ``Comm.Split``, or None for MPI's null one."""
+    return None if comm == mpi().COMM_NULL else comm
 
 
 def _free_ops():
@@ -371,12 +377,42 @@ class MpiTransport(Transport):
     def split(self, color, key, table, wait=waiting.FOREVER):
         """The mpi4py communicator of the ranks of ``color``
         (``Comm.Split``; None for a rank of no colour). Every rank has just
-        taken part in the exchange of ``table``, so MPI's blocking split
-        finds them all."""
+        taken part in the exchange of ``table``, so MPI's split finds them
+        all, unless one dies or stops in between. MPI has no non-blocking
+        split: where MPI takes calls from several threads it runs on a
+        thread of its own, bounded by ``wait`` (a rank that died: PeerError;
+        the deadline: CollectiveTimeoutError); a split given up on stays
+        blocked inside MPI, and this transport becomes unusable. Elsewhere
+        it blocks this thread."""
         MPI = mpi()
         self.check_usable()
-        sub = self.comm.Split(MPI.UNDEFINED if color is None else color, key)
-        return None if sub == MPI.COMM_NULL else sub
+        colour = MPI.UNDEFINED if color is None else color
+        if not self.thread_safe():
+            return _member(self.comm.Split(colour, key))
+        made, done = [], threading.Event()
+
+        def run():
+            try:
+                made.append(self.comm.Split(colour, key))
+            except MPI.Exception as exc:
+                made.append(exc)
+            finally:
+                done.set()
+
+        threading.Thread(target=run, daemon=True, name="commlib-mpi-split").start()
+        try:
+            # each step blocks on the event for its slice (no CPU), woken
+            # the moment the split returns
+            waiting.until(lambda slice_s: made if done.wait(slice_s) else None, wait,
+                          pace="spin")
+        except BaseException as exc:
+            self.fail("split was given up on (%s)" % type(exc).__name__)
+            raise
+        if isinstance(made[0], MPI.Exception):
+            self.fail("MPI error in split")
+            raise TransportError("rank %d: MPI reported an error in split: %s"
+                                 % (self.rank, made[0].Get_error_string().strip()))
+        return _member(made[0])
 
     def close(self):
         """Free the MPI communicator: local (MPICH frees a communicator

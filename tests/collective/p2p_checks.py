@@ -56,6 +56,15 @@ def check_p2p(comm, xp=np):
         comm.recv(got, r - 1)
         assert np.array_equal(host(got), values(r - 1, "float32", 105).reshape(shape))
         comm.send(a, r - 1)
+    # the order docs/api.md gives for blocking calls: a ring, even ranks
+    # send first, odd ranks receive first (at odd sizes too)
+    if n > 1:
+        got = xp.empty(13, np.float64)
+        mine = xp.asarray(values(r, "float64", 13, salt=3))
+        calls = [lambda: comm.send(mine, nxt), lambda: comm.recv(got, prv)]
+        for call in calls if r % 2 == 0 else calls[::-1]:
+            call()
+        assert np.array_equal(host(got), values(prv, "float64", 13, salt=3))
     # every pair at once, two messages each way, receives before sends
     ops, outs = [], {}
     for q in range(n):
@@ -332,10 +341,18 @@ def check_mismatches(comm, bad):
         else:
             got, _ = comm.all_to_allv(np.arange(n, dtype=np.float32), counts, expects)
             assert got.tolist() == [float(r)] * n
-    # split with a bad colour: every rank raises
-    expect(errors.ArgumentError if r == bad else errors.ConsistencyError,
-           ["color" if r == bad else "rank %d rejected its arguments" % bad],
-           lambda: comm.split(-1 if r == bad else 0))
+    # split with a bad colour, then a bad key: every rank raises naming it
+    for bad_args, what in (({"color": -1}, "color"), ({"color": 0, "key": "first"}, "key")):
+        exc = expect(errors.ArgumentError if r == bad else errors.ConsistencyError,
+                     ["rank %d: split: %s must be" % (bad, what)],
+                     lambda: comm.split(**(bad_args if r == bad else {"color": 0})))
+        if r != bad:
+            assert "rank %d rejected its arguments" % bad in str(exc), exc
+            assert list(exc.culprits) == [bad], exc.culprits
+    # split where rank ``bad`` calls all_gather_object: every rank raises
+    exc = expect(errors.ConsistencyError, ["split", "all_gather_object"],
+                 lambda: comm.all_gather_object(r) if r == bad else comm.split(0))
+    assert exc.culprits and (n == 2 or list(exc.culprits) == [bad]), exc.culprits
     # still usable
     x = np.ones(2)
     comm.all_reduce(x)
@@ -345,7 +362,9 @@ def check_mismatches(comm, bad):
 def check_deadline(comm, bad):
     """Blocking sends in a cycle (2 ranks: each sends to the other) end at
     the deadline: every rank raises, naming the peer it waited for; rank
-    ``bad`` alone does not call: its peer names it."""
+    ``bad`` alone does not call: its peer names it. Then a rank (``bad``,
+    or the last one after the cycle) calls neither all_to_all nor split:
+    the others' calls end at the deadline naming it."""
     r, n = comm.rank, comm.size
     short = commlib.Communicator.from_mpi(timeout=1.0)
     if n == 2 and bad < 0:
@@ -363,8 +382,19 @@ def check_deadline(comm, bad):
                "deadline: waiting for rank %d" % (bad, bad) in str(exc), exc
         assert list(exc.culprits) == [bad], exc.culprits
     WORLD.Barrier()             # rank ``bad`` stays until its peers gave up
-    print("rank %d deadline ok" % r, flush=True)
     short._session.abandon(2, "")
+    absent = bad if bad >= 0 else n - 1
+    for what, call in (("all_to_all", lambda c: c.all_to_all(np.zeros(n), np.zeros(n))),
+                       ("split", lambda c: c.split(r % 2))):
+        short = commlib.Communicator.from_mpi(timeout=1.0)
+        if r != absent:
+            exc = expect(errors.CollectiveTimeoutError, [
+                "rank %d: %s #1 did not complete before its deadline: waiting for rank %d "
+                "(has not entered any collective)" % (r, what, absent)], lambda: call(short))
+            assert list(exc.culprits) == [absent], exc.culprits
+        WORLD.Barrier()         # the absent rank stays until its peers gave up
+        short._session.abandon(2, "")
+    print("rank %d deadline ok" % r, flush=True)
 
 
 def expect_any(fn):
@@ -376,18 +406,30 @@ def expect_any(fn):
 
 
 def check_death(comm, bad):
-    """Rank ``bad`` dies while its peer waits to receive from it and the
-    others wait in an all_to_all: each raises PeerError naming it."""
-    r = comm.rank
+    """Rank ``bad`` dies inside a split, after the colours were exchanged:
+    the others' split raises PeerError naming it; then, while its peer
+    waits to receive from it and the others wait in an all_to_all, each
+    raises PeerError naming it; and a communicator split off before, which
+    holds it, names it by its rank there and its world rank."""
+    r, n = comm.rank, comm.size
+    sub = comm.split(0, key=-r)             # every rank, in reverse: bad is n-1-bad there
+    other = commlib.Communicator.from_mpi()
     if r == bad:
-        os._exit(3)
-    peer = (bad + 1) % comm.size
+        # the colours are exchanged, then this rank dies making the split
+        other._session.routes["numpy"].split = lambda *args: os._exit(3)
+    exc = expect(errors.PeerError, ["rank %d" % bad], lambda: other.split(r % 2))
+    assert r != bad
+    assert list(exc.culprits) == [bad], exc.culprits
+    peer = (bad + 1) % n
     if r == peer:
         exc = expect(errors.PeerError, ["rank %d" % bad], lambda: comm.recv(np.zeros(3), bad))
     else:
         exc = expect(errors.PeerError, ["rank %d" % bad],
-                     lambda: comm.all_to_all(np.zeros(comm.size), np.zeros(comm.size)))
+                     lambda: comm.all_to_all(np.zeros(n), np.zeros(n)))
     assert bad in exc.culprits, exc.culprits
+    exc = expect(errors.PeerError, ["rank %d (world rank %d)" % (n - 1 - bad, bad)],
+                 lambda: sub.all_reduce(np.ones(2)))
+    assert list(exc.culprits) == [n - 1 - bad], exc.culprits
     print("rank %d death ok" % r, flush=True)
     os._exit(0)
 

@@ -39,13 +39,17 @@ def test_mismatches_raise_on_every_rank_naming_the_culprit(n, bad):
 @pytest.mark.parametrize("n,bad", [(2, -1), (3, 0)])
 def test_blocking_sends_end_at_the_deadline_naming_the_peer(n, bad):
     """bad=-1: two ranks send to each other (a cycle); else rank ``bad``
-    never calls and its peers' receives time out naming it."""
+    never calls and its peers' receives time out naming it. Then rank
+    ``bad`` (the last after the cycle) calls neither all_to_all nor split:
+    its peers' calls time out naming it."""
     proc = run_faults(n, "deadline", bad)
     assert_each_rank(proc.stdout, r"rank (?P<rank>\d+) deadline ok", n)
 
 
 @pytest.mark.parametrize("bad", [0, 2])
-def test_a_peer_that_dies_ends_receives_and_all_to_all(bad):
+def test_a_peer_that_dies_ends_split_receives_all_to_all_and_its_sub_communicator(bad):
+    """Rank ``bad`` dies inside a split, after the colours were exchanged
+    (its peers' split is MPI's, which blocks: bounded all the same)."""
     proc = run_faults(3, "death", bad, expect_fail=True, survivors=True)
     assert sorted(ranks_saying(proc.stdout, r"rank (?P<rank>\d+) death ok")) == \
         [r for r in range(3) if r != bad], proc.stdout + proc.stderr
@@ -102,6 +106,48 @@ def test_a_shape_mismatch_on_thread_ranks_names_both_and_writes_nothing():
     for text, culprits in run_ranks(2, body, timeout=30):
         assert "rank 0 sends float64(2, 2) to rank 1, which receives float64(4,)" in text
         assert list(culprits) == [0, 1]
+
+
+@pytest.mark.parametrize("first", ["send", "isend"])
+def test_two_ranks_that_send_first_end_at_the_deadline_on_thread_ranks(first):
+    """The order docs/api.md warns of: both ranks send (blocking, or
+    asynchronously) to each other, then receive. Blocking: the first to
+    give up raises CollectiveTimeoutError naming its peer, the peer
+    PeerError saying it gave up. Asynchronous: each receive waits behind
+    its own rank's send; the send's Work raises CollectiveTimeoutError or
+    PeerError, the receive ClosedError citing it."""
+    comms = communicators(2, timeout=0.5)
+    found = [None, None]
+
+    def body(r):
+        out = np.zeros(3)
+        try:
+            if first == "send":
+                comms[r].send(np.full(3, float(r)), 1 - r)
+            else:
+                work = comms[r].send(np.full(3, float(r)), 1 - r, async_op=True)
+                with pytest.raises(errors.ClosedError, match="did not complete before its "
+                                   "deadline|gave up"):
+                    comms[r].recv(out, 1 - r)
+                work.wait()
+        except (errors.CollectiveTimeoutError, errors.PeerError) as exc:
+            found[r] = exc
+    threads = [threading.Thread(target=body, args=(r,)) for r in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    assert not any(t.is_alive() for t in threads)
+    assert sorted(type(e).__name__ for e in found) in (
+        ["CollectiveTimeoutError", "PeerError"], ["CollectiveTimeoutError"] * 2), found
+    for r, exc in enumerate(found):
+        if isinstance(exc, errors.CollectiveTimeoutError):
+            assert "(send to rank %d) did not complete before its deadline: waiting for " \
+                   "rank %d" % (1 - r, 1 - r) in str(exc) and list(exc.culprits) == [1 - r]
+        else:       # the peer's error passed on: it blamed this rank
+            assert "rank %d gave up" % (1 - r) in str(exc) and list(exc.culprits) == [r]
+    for c in comms:
+        c.close()
 
 
 def test_a_send_nobody_receives_times_out_on_thread_ranks():

@@ -64,6 +64,7 @@ import types
 
 import numpy as np
 
+from commlib.core.liveness import alive
 from commlib.startup import shared_segment
 
 # ncclDataType_t, ncclRedOp_t (as cupy.cuda.nccl names them)
@@ -259,20 +260,6 @@ def _segment_name(comm_id, nranks):
                                nranks)
 
 
-def _alive(pid):
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    try:
-        with open("/proc/%d/stat" % pid) as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return True
-
-
 class _Communicator:
     """cupy.cuda.nccl.NcclCommunicator (see the module's text)."""
 
@@ -321,7 +308,7 @@ class _Communicator:
     def _join(self):
         me = self._ranks[self._rank]
         pid = os.getpid()
-        if me[0] not in (0, pid) and _alive(int(me[0])):
+        if me[0] not in (0, pid) and alive(int(me[0])):
             raise NcclError(INVALID_USAGE, "rank %d: another process (pid %d) joined as rank %d"
                             % (self._rank, me[0], self._rank))
         me[1] = self._device + 1
@@ -627,7 +614,7 @@ class _Communicator:
                     reason = ": " + bytes(self._ranks[p, 8:].view(np.uint8)).rstrip(b"\0").decode(
                         errors="replace")
                 return "rank %d %s%s" % (p, _STATE_TEXT[state], reason)
-            if p != self._rank and not _alive(int(self._ranks[p, 0])):
+            if p != self._rank and not alive(int(self._ranks[p, 0])):
                 return "rank %d's process (pid %d) has ended" % (p, self._ranks[p, 0])
         return None
 

@@ -190,15 +190,24 @@ def standin(comm_world):
             raise AssertionError("rank %d: a duplicate device was accepted" % me)
 
 
-def nccl_only_grid():
-    """A 2x2 grid split from an NCCL-only communicator (from_nccl_id): each
-    sub-communicator a new NCCL communicator whose ID the lowest rank of
-    its colour made, sent over the first one."""
+def nccl_only(**options):
+    """An NCCL-only communicator of the world (from_nccl_id): numpy arrays
+    travel over NCCL too, and its split makes new NCCL communicators whose
+    ID the lowest rank of each colour made, sent over this one."""
     import cupy
     me = WORLD.rank
     nid = commlib.NcclId(WORLD.bcast(commlib.NcclId().data if me == 0 else None))
-    comm = commlib.Communicator.from_nccl_id(nid, me, WORLD.size, device=me)
+    comm = commlib.Communicator.from_nccl_id(nid, me, WORLD.size, device=me, **options)
     assert comm.transport_for("numpy") == "nccl"
+    cupy.cuda.Device(me).use()
+    return comm
+
+
+def nccl_only_grid():
+    """A 2x2 grid split from an NCCL-only communicator."""
+    import cupy
+    me = WORLD.rank
+    comm = nccl_only()
     p2p_checks.check_grid(comm, cupy)
     sub = comm.split(me % 2, key=-me)
     assert (sub.rank, sub.size, sub.backend) == (1 - me // 2, 2, "nccl")
@@ -210,29 +219,46 @@ def nccl_only_grid():
     comm.close()
 
 
-def main(case):
+def main(cases):
+    """Each of the comma-separated ``cases``: ``collectives`` (every call
+    over NCCL under an MPI communicator; at 4 ranks grids, at 3 and more
+    the stand-in's contract), ``calls`` (the point-to-point, rooted,
+    all-to-all, object and split calls alone, on an NCCL-only
+    communicator), ``faults``."""
     import cupy
     rng = np.random.default_rng(77 + WORLD.rank)
-    if case == "collectives":
-        comm = commlib.Communicator.from_mpi(backend="nccl")
-        assert comm.backend == "nccl" and comm.device == comm.rank, (comm.backend, comm.device)
-        cupy.cuda.Device(comm.device).use()
-        collectives(comm, rng)
-        # point-to-point, rooted, all-to-all, object and split calls with
-        # cupy arrays: their data over NCCL
-        p2p_checks.check_p2p(comm, cupy)
-        p2p_checks.check_exchanges(comm, cupy)
-        if WORLD.size == 4:
-            p2p_checks.check_grid(comm, cupy)
-        comm.close()
-        if WORLD.size == 4:
-            nccl_only_grid()
-        if WORLD.size >= 3:
-            standin(WORLD)
-    elif case == "faults":
-        faults()
-    print("nccl stand-in %s rank %d ok" % (case, WORLD.rank))
-    sys.stdout.flush()
+    for case in cases.split(","):
+        if case == "collectives":
+            comm = commlib.Communicator.from_mpi(backend="nccl")
+            assert comm.backend == "nccl" and comm.device == comm.rank, (comm.backend,
+                                                                         comm.device)
+            cupy.cuda.Device(comm.device).use()
+            collectives(comm, rng)
+            calls(comm)
+            comm.close()
+            if WORLD.size == 4:
+                nccl_only_grid()
+            if WORLD.size >= 3:
+                standin(WORLD)
+        elif case == "calls":
+            comm = nccl_only()
+            calls(comm)
+            comm.close()
+        else:
+            assert case == "faults", case
+            faults()
+        print("nccl stand-in %s rank %d ok" % (case, WORLD.rank))
+        sys.stdout.flush()
+
+
+def calls(comm):
+    """Point-to-point, rooted, all-to-all, object and split calls with cupy
+    arrays (empty, odd-length and large): their data over NCCL."""
+    import cupy
+    p2p_checks.check_p2p(comm, cupy)
+    p2p_checks.check_exchanges(comm, cupy)
+    if comm.size == 4:
+        p2p_checks.check_grid(comm, cupy)
 
 
 def faults():
@@ -240,9 +266,31 @@ def faults():
     CollectiveTimeoutError naming it, nothing written then or after it
     comes. An asynchronous NCCL error on one rank: TransportError naming
     it there; on its peers TransportError with NCCL's remote error naming
-    it. The misbehaving rank varies, rank 0 included."""
+    it. A rank that never calls an NCCL-only communicator's split: the
+    others' split times out naming it. The misbehaving rank varies, rank 0
+    included."""
     import cupy
     n, me = WORLD.size, WORLD.rank
+    # an NCCL-only communicator's split that rank 0 never calls: the
+    # others' split ends at the deadline naming it
+    comm = nccl_only(timeout=1.0)
+    if me != 0:
+        try:
+            comm.split(me % 2)
+        except errors.CollectiveTimeoutError as exc:
+            assert exc.culprits == (0,), (exc.culprits, str(exc))
+            assert "rank %d: split #1 did not complete before its deadline: waiting for rank 0 " \
+                   "(has not entered any collective)" % me in str(exc), exc
+            print("rank %d: split timed out waiting for rank 0" % me)
+        else:
+            raise AssertionError("rank %d: split with rank 0 absent returned" % me)
+    WORLD.Barrier()                     # rank 0 stays until its peers gave up
+    try:
+        comm.close()
+    except errors.PeerError as exc:     # the absent rank, told it missed a call
+        assert me == 0 and "rank 0 entered 0 collectives" in str(exc), exc
+    else:
+        assert me != 0, "rank 0 closed without a word after missing a split"
     for late in (0, n - 1):
         # a rank that does not call: its peers' entry times out, naming it
         comm = commlib.Communicator.from_mpi(backend="nccl", timeout=2)
@@ -275,55 +323,49 @@ def faults():
         WORLD.Barrier()                 # the late rank's call has ended
         assert (x.get() == me + 1).all(), "written after the late rank came"
         comm.close()
-    for stalled in (0, n - 1):
-        # a rank whose NCCL work hangs: the watch aborts the all_reduce at
-        # its deadline (the read waits until then), nothing is written, the
-        # next call raises
-        comm = commlib.Communicator.from_mpi(backend="nccl", timeout=2)
+    # a rank whose NCCL work hangs (stall: the watch aborts the all_reduce
+    # at its deadline, the read waiting until then) or fails (fail: NCCL's
+    # asynchronous error): nothing is written, the next call raises
+    for how, culprit in (("stall", 0), ("stall", n - 1), ("fail", 0), ("fail", 1)):
+        stall = how == "stall"
+        comm = commlib.Communicator.from_mpi(backend="nccl", timeout=2 if stall else 60)
         cupy.cuda.Device(comm.device).use()
         x = cupy.full(70001, me + 1, np.float32)
-        if me == stalled:
-            nccl_of(comm).stall_at(0)
+        if me == culprit:
+            getattr(nccl_of(comm), how + "_at")(0)
         comm.all_reduce(x)
         assert (x.get() == me + 1).all(), "written by an aborted all_reduce"
         try:
             comm.all_reduce(x)
-        except (errors.CollectiveTimeoutError, errors.PeerError) as exc:
-            assert "all_reduce #1 did not complete before its deadline" in str(exc), exc
-            print("rank %d: watch timed out with rank %d stalled" % (me, stalled))
+        except errors.CommlibError as exc:
+            (stalled_error if stall else failed_error)(exc, me, culprit)
         else:
-            raise AssertionError("rank %d: no timeout with rank %d stalled" % (me, stalled))
+            raise AssertionError("rank %d: no error with rank %d %s" % (me, culprit, how))
         assert (x.get() == me + 1).all(), "written after the abort"
         WORLD.Barrier()
         comm.close()
-    for failing in (0, 1):
-        comm = commlib.Communicator.from_mpi(backend="nccl", timeout=60)
-        cupy.cuda.Device(comm.device).use()
-        x = cupy.full(1001, me + 1, np.float32)
-        if me == failing:
-            nccl_of(comm).fail_at(0)
-        comm.all_reduce(x)
-        assert (x.get() == me + 1).all(), "written by a failed all_reduce"
-        try:
-            comm.all_reduce(x)
-        except (errors.TransportError, errors.PeerError) as exc:
-            # this rank's watch saw NCCL's error (TransportError), or a
-            # peer's watch did first and left the board (PeerError citing it)
-            text = str(exc)
-            assert "NCCL reported an error in all_reduce #1: " in text, text
-            named = ["rank %d: allReduce #0 failed (injected)" % failing,
-                     "rank %d aborted its communicator" % failing, "rank %d failed" % failing]
-            assert any(t in text for t in named), text
-            if isinstance(exc, errors.TransportError):
-                assert text.startswith("rank %d: NCCL reported an error in all_reduce #1: "
-                                       % me), text
-            print("rank %d: transport error naming rank %d" % (me, failing))
-        else:
-            raise AssertionError("rank %d: no error with rank %d failing" % (me, failing))
-        assert (x.get() == me + 1).all(), "written by a failed all_reduce"
-        WORLD.Barrier()
-        comm.close()
 
+
+def stalled_error(exc, me, stalled):
+    """The error of the all_reduce after one that rank ``stalled`` hung."""
+    assert isinstance(exc, (errors.CollectiveTimeoutError, errors.PeerError)), repr(exc)
+    assert "all_reduce #1 did not complete before its deadline" in str(exc), exc
+    print("rank %d: watch timed out with rank %d stalled" % (me, stalled))
+
+
+def failed_error(exc, me, failing):
+    """The error of the all_reduce after one that failed on rank
+    ``failing``: TransportError where this rank's watch saw NCCL's error,
+    PeerError citing it where a peer's watch did first and left the board."""
+    assert isinstance(exc, (errors.TransportError, errors.PeerError)), repr(exc)
+    text = str(exc)
+    assert "NCCL reported an error in all_reduce #1: " in text, text
+    named = ["rank %d: allReduce #0 failed (injected)" % failing,
+             "rank %d aborted its communicator" % failing, "rank %d failed" % failing]
+    assert any(t in text for t in named), text
+    if isinstance(exc, errors.TransportError):
+        assert text.startswith("rank %d: NCCL reported an error in all_reduce #1: " % me), text
+    print("rank %d: transport error naming rank %d" % (me, failing))
 
 if __name__ == "__main__":
     main(sys.argv[1])

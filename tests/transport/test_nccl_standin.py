@@ -1,15 +1,16 @@
 """commlib's NCCL transport at 2-4 ranks without a GPU: the host build's
 cupy with the NCCL stand-in (tests/ops/nccl_standin.py) under mpiexec, one
 job per world size for the collectives (and, from 3 ranks, the stand-in's
-own contract), one for the faults. Expected values come from numpy on every
-rank's inputs (tests/transport/nccl_standin_programs.py)."""
+own contract), one of 3 ranks for the other calls at an odd size and the
+faults. Expected values come from numpy on every rank's inputs
+(tests/transport/nccl_standin_programs.py)."""
 import os
 import re
 
 import pytest
 
 import cuda_host_build as chb
-from mpirun import assert_each_rank, python_path, run_mpi
+from mpirun import assert_each_rank, python_path, ranks_saying, run_mpi
 
 CODE = "import sys, nccl_standin_programs\nnccl_standin_programs.main(sys.argv[1])\n"
 
@@ -35,10 +36,16 @@ def test_nccl_transport_collectives(nccl_env, n):
 
 
 @needs_host_build
-def test_nccl_transport_faults(nccl_env):
-    proc = run_mpi(3, CODE, args=["faults"], env=nccl_env, timeout=300)
+def test_nccl_transport_odd_size_calls_and_faults(nccl_env):
+    """At 3 ranks: the point-to-point, rooted, all-to-all, object and split
+    calls on an NCCL-only communicator, then the faults."""
+    proc = run_mpi(3, CODE, args=["calls,faults"], env=nccl_env, timeout=300)
     out = proc.stdout
+    assert_each_rank(out, r"nccl stand-in calls rank (?P<rank>\d+) ok", 3)
     assert_each_rank(out, r"nccl stand-in faults rank (?P<rank>\d+) ok", 3)
+    # an NCCL-only communicator's split without rank 0: ranks 1 and 2 name it
+    assert sorted(ranks_saying(out, r"rank (?P<rank>\d): split timed out waiting for rank 0")) \
+        == [1, 2], out
     # rank 0 late: ranks 1 and 2 time out naming it; then rank 2 late
     assert sorted(int(a) for a in re.findall(
         r"rank (\d) timed out waiting for rank 0", out)) == [1, 2], out
