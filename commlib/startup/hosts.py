@@ -71,8 +71,9 @@ def read_hostfile(path, source="--hostfile"):
     return hosts
 
 
-def check_slots(hosts, n, source="--hosts"):
-    """Raise unless ``n`` ranks fit the slots of ``hosts``.
+def check_slots(hosts, n, source="--hosts", asked="-n"):
+    """Raise unless ``n`` ranks (asked for with the option ``asked``) fit
+    the slots of ``hosts``.
 
     Raises:
         ArgumentError: ``n`` is more than the slots' sum (naming both).
@@ -80,9 +81,9 @@ def check_slots(hosts, n, source="--hosts"):
     total = sum(h.slots for h in hosts)
     if n > total:
         raise ArgumentError(
-            "-n %d is more than the %d slot%s of %s (%s): give each host as many slots as "
-            "ranks it is to run (HOST:SLOTS), or -n %d or fewer"
-            % (n, total, "" if total == 1 else "s", source, text(hosts), total))
+            "%s %d is more than the %d slot%s of %s (%s): give each host as many slots as "
+            "ranks it is to run (HOST:SLOTS), or %s %d or fewer"
+            % (asked, n, total, "" if total == 1 else "s", source, text(hosts), asked, total))
 
 
 def text(hosts):
