@@ -11,7 +11,7 @@ from ..startup import hosts as host_list
 from . import slurm
 from .jobs import ENV_MPIEXEC, ForkedWorkers, MpiJob, common_env
 from .processes import PROG, RANK_FLAG, WORKER_FLAG, say
-from .rank import run_supervisor, run_worker
+from .rank import main_internal
 from .slurm import STARTERS
 from .supervision import EXIT_TIMEOUT, EXIT_WRONG_SIZE, supervise
 
@@ -212,11 +212,7 @@ def main(argv=None):
     """
     argv = sys.argv[1:] if argv is None else list(argv)
     if argv[:1] in ([WORKER_FLAG], [RANK_FLAG]):
-        if len(argv) < 2:
-            say("%s needs a script" % argv[0])
-            return 2
-        run = run_supervisor if argv[0] == WORKER_FLAG else run_worker
-        return run(argv[1], argv[2:])
+        return main_internal(argv)
     ns = parse_args(argv)
     failed = []
 

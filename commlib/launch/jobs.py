@@ -18,7 +18,6 @@ import time
 from .. import settings
 from ..errors import ArgumentError, LaunchError
 from ..startup import hosts as host_list, mpi_library
-from ..startup.bootstrap import ENV_LOCAL_RANK, ENV_LOCAL_SIZE, ENV_NCCL_ID, ENV_RANK, ENV_SIZE
 from . import slurm
 from .processes import (ENV_PREFIX, PIPE_DRAIN_S, POLL_S, PROG, RANK_FLAG, WORKER_FLAG,
                         end_processes, join, parse_record_line, popen, relay, start_relays)
@@ -26,6 +25,10 @@ from ..startup.records import ENV_STATUS_DIR, Record, read_records, write_record
 
 
 ENV_MPIEXEC = settings.MPIEXEC  # the mpiexec to use
+# the forked workers' variables (commlib.startup.bootstrap reads them; named in
+# settings, so that the launcher need not load the start-up code and numpy)
+ENV_NCCL_ID, ENV_RANK, ENV_SIZE = settings.NCCL_ID, settings.RANK, settings.SIZE
+ENV_LOCAL_RANK, ENV_LOCAL_SIZE = settings.LOCAL_RANK, settings.LOCAL_SIZE
 LAUNCH_ENV = (ENV_NCCL_ID, ENV_RANK, ENV_SIZE, ENV_LOCAL_RANK, ENV_LOCAL_SIZE)
 
 
