@@ -47,8 +47,9 @@ def build_parser():
                "the worker to blame (128 + N for signal N; the others are ended); %d after "
                "--timeout; %d when the job was not N ranks (a rank's MPI world is not of size "
                "N, or ranks never reported); 128 + N after signal N to the launcher; 2 when "
-               "nothing could be started (bad arguments or COMMLIB_* variables, an mpiexec "
-               "that is not a program or belongs to another MPI than mpi4py's)."
+               "nothing could be started (bad arguments or COMMLIB_* variables, a bad host entry "
+               "or hostfile line, more ranks than slots, an mpiexec that is not a program or "
+               "belongs to another MPI than mpi4py's)."
                % (EXIT_TIMEOUT, EXIT_WRONG_SIZE))
     parser.add_argument("-n", "--nprocs", type=_positive_int, required=True,
                         help="number of workers (ranks)")
