@@ -14,7 +14,13 @@ ranks of one node. The addresses exist only inside the namespaces.
 Hydra (MPICH's ``mpiexec``) starts inside node 0 and reaches the other
 nodes through ``-launcher ssh -launcher-exec <fake ssh>``: a script,
 written with mode 0700 into a private folder, that maps a node's address
-to ``ip netns exec <its namespace> unshare --uts --ipc``. The namespaces
+to ``ip netns exec <its namespace> unshare --uts --ipc --mount``; on every
+node but node 0 it also mounts an empty tmpfs over the run's ``TMPDIR``
+folder, so that what a process of node 0 makes there (the launcher's
+status directory) is not seen on the other nodes, as without a shared file
+system. :func:`run_nodes` runs one mpiexec job, or (``jobs``, made by
+:func:`launcher`) several commands one after the other in one network:
+the launcher with ``--hosts``, bare mpiexec, ``commlib.info``. The namespaces
 are named ``commlib-<pid>-<random>-<node>`` (and ``...-sw``), after the
 process that runs :func:`run_nodes`, so that a later run removes the ones a
 killed run left (:func:`remove_stale`: those whose process is dead).
@@ -458,11 +464,18 @@ def terminate_raises():
 
 
 def launcher(*options, args=(), tool="commlib.launch"):
-    """A job for :func:`run_nodes`' ``jobs``: ``python -m commlib.launch -n N
-    --hosts <node 0>:k,<node 1>:k,... --launcher-exec <fake ssh> OPTIONS
-    <the code> ARGS`` started on node 0 (k ranks per node); ``tool=
-    "commlib.info"``: ``python -m commlib.info --run N --hosts ...
-    --launcher-exec ... OPTIONS``, whose ranks do not run the code."""
+    """A job for :func:`run_nodes`, started on node 0, with ``k`` ranks per
+    node: ``python -m commlib.launch -n N --hosts <node 0>:k,<node 1>:k,...
+    --launcher-exec <fake ssh> OPTIONS <the code> ARGS``; ``tool="mpiexec"``:
+    hydra's ``mpiexec -launcher ssh -launcher-exec <fake ssh> -hosts ... -n
+    N OPTIONS python <the code> ARGS``; ``tool="commlib.info"``: ``python
+    -m commlib.info --run N --hosts ... --launcher-exec ... OPTIONS``, whose
+    ranks do not run the code."""
+    if tool == "mpiexec":
+        mpiexec = shutil.which("mpiexec.hydra", path=os.path.dirname(sys.executable))
+        return {"command": [mpiexec, "-launcher", "ssh", "-launcher-exec", "{ssh}", "-hosts",
+                            "{hosts}", "-n", "{n}", *options, sys.executable, "{script}",
+                            *map(str, args)], "reports": True}
     if tool == "commlib.info":
         return {"command": [sys.executable, "-m", tool, "--run", "{n}", "--hosts", "{hosts}",
                             "--launcher-exec", "{ssh}", *options], "reports": False}
@@ -479,7 +492,7 @@ def run_nodes(layout=(2, 1), code="", timeout=60, env=None, args=(), expect_fail
 
     ``jobs``: instead of one mpiexec job, these commands one after the
     other in the same network, each made by :func:`launcher` (the
-    launcher, ``commlib.info``), started on node 0; returns a list of
+    launcher, mpiexec, ``commlib.info``), started on node 0; returns a list of
     :class:`NodesRun`, one per job. Each job's ranks have a folder of their
     own (``COMMLIB_TEST_NODES_FOLDER``), and ``TMPDIR`` is a folder that is
     empty, and of the node's own, on every node but node 0: the launcher's
@@ -516,15 +529,10 @@ def run_nodes(layout=(2, 1), code="", timeout=60, env=None, args=(), expect_fail
     full_env["PYTHONPATH"] = python_path(full_env)
     full_env.update(env or {})
     ssh = os.path.join(folder, "ssh")
-    mpiexec = shutil.which("mpiexec.hydra", path=os.path.dirname(sys.executable))
     single = jobs is None
     if single:
-        jobs = [{"command": [mpiexec, "-launcher", "ssh", "-launcher-exec", "{ssh}",
-                             "-hosts", ",".join(address(i) for i in range(nodes)),
-                             "-ppn", str(per_node), "-n", "{n}",
-                             *(["-disable-auto-cleanup"] if survivors else []),
-                             sys.executable, "{script}", *map(str, args)],
-                 "reports": True}]
+        jobs = [launcher(*(["-disable-auto-cleanup"] if survivors else []), args=args,
+                         tool="mpiexec")]
     hosts = ",".join("%s:%d" % (address(i), per_node) for i in range(nodes))
     specs = []
     for k, job in enumerate(jobs):

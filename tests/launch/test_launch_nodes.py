@@ -10,6 +10,7 @@ that stalls, one that takes a step fewer; the culprit is rank 0 (whose
 records the launcher's node holds) or a rank of node 1 (whose records
 travel over its output), by turns. Every rank raises or is ended within seconds of the fault, the
 launcher's last line names the culprit, and nothing is left running.
+Two faults run under bare mpiexec in the same network, for comparison.
 (The job with correct results, and ``commlib.info --run`` with
 ``--hosts``, is tests/transport/test_nodes.py's 2x2.)"""
 import re
@@ -85,9 +86,31 @@ def said(text):
     return re.findall(r"^commlib\.launch: (.*)$", text, re.MULTILINE)
 
 
+#: (fault, culprit) under bare mpiexec, for comparison (docs/launching.md's table)
+BARE = [("kill", 3), ("raise", 0)]
+
+
 def test_faults_under_the_launcher_across_nodes():
     runs = run_nodes((2, 2), FAULTS, timeout=60, expect_fail=True,
-                     jobs=[launcher(args=(kind, bad)) for kind, bad, _, _ in CASES])
+                     jobs=[launcher(args=(kind, bad)) for kind, bad, _, _ in CASES] +
+                     [launcher(args=case, tool="mpiexec") for case in BARE])
+    for (kind, bad), run in zip(BARE, runs[len(CASES):]):
+        # bare mpiexec ends every rank too, but names no rank: a killed rank is a pid
+        # and a host in hydra's banner, an exception a traceback among the others
+        what = "bare mpiexec, %s on rank %d: %s" % (kind, bad, run.describe())
+        after = run.ended + run.gone_s - float(run.files["fault"])
+        print("bare mpiexec, %s on rank %d: exit status %d, every rank ended %.2f s after the "
+              "fault" % (kind, bad, run.returncode, after))
+        assert run.left == [] and after < ENDED_WITHIN_S, what
+        raised = {int(r): culprits for culprits, r in re.findall(
+            r"raised PeerError (\[[\d, ]*\]) rank (\d+)", run.text)}
+        assert bad not in raised and all(c == "[%d]" % bad for c in raised.values()), what
+        if kind == "kill":
+            pid = [r["pid"] for r in run.reports if r["rank"] == bad][0]
+            assert "PID %d RUNNING AT 10.250.0.2" % pid in run.launcher, what
+        else:
+            assert "RuntimeError: rank 0: the script failed" in run.errors[0], what
+        assert not said(run.launcher), what
     for (kind, bad, status, line), run in zip(CASES, runs):
         what = "%s on rank %d: %s" % (kind, bad, run.describe())
         assert run.returncode == status, what
