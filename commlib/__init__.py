@@ -7,6 +7,7 @@
 ``import commlib`` works without cupy, NCCL or a GPU.
 """
 import importlib
+import importlib.util
 
 #: public name -> the module that defines it (relative to this package), imported on
 #: first use: ``import commlib`` stays cheap for the launcher's processes (a rank's
@@ -27,10 +28,13 @@ _WHERE.update(dict.fromkeys((
 
 
 def __getattr__(name):
-    """The package's public names, each imported from its module on first use."""
+    """The package's public names, each imported from its module on first
+    use; a subpackage or module (``commlib.overlap``) too."""
     module = _WHERE.get(name)
     if module is None:
-        raise AttributeError("module %r has no attribute %r" % (__name__, name))
+        if name.startswith("__") or importlib.util.find_spec("%s.%s" % (__name__, name)) is None:
+            raise AttributeError("module %r has no attribute %r" % (__name__, name))
+        module = "." + name
     found = importlib.import_module(module, __name__)
     value = found if module == "." + name else getattr(found, name)
     globals()[name] = value
