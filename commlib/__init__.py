@@ -6,20 +6,44 @@
 
 ``import commlib`` works without cupy, NCCL or a GPU.
 """
-from . import compression, errors, trace
-from .startup.bootstrap import NcclId
-from .collective.bucketing import flat_arrays
-from .communicator import Communicator
-from .overlap import BackwardReducer
-from .collective.reduce_state import ReduceState
-from .collective.p2p import P2POp
-from .collective.stats import CommStats
-from .progress.work import Work
-from .errors import (ArgumentError, ArrayTypeError, BackendUnavailableError, ClosedError,
-                     CollectiveTimeoutError, CommlibError, ConsistencyError, DeviceMismatchError,
-                     LaunchError, NonFiniteError, PayloadError, PeerError, TransportError)
-from . import optim
-from .optim import DistributedOptimizer, broadcast_parameters, check_parameters, partition
+import importlib
+import importlib.util
+
+#: public name -> the module that defines it (relative to this package), imported on
+#: first use: ``import commlib`` stays cheap for the launcher's processes (a rank's
+#: supervisor, which needs neither numpy nor the collectives)
+_WHERE = {
+    "compression": ".compression", "errors": ".errors", "trace": ".trace", "optim": ".optim",
+    "NcclId": ".startup.bootstrap", "flat_arrays": ".collective.bucketing",
+    "Communicator": ".communicator", "BackwardReducer": ".overlap",
+    "ReduceState": ".collective.reduce_state", "P2POp": ".collective.p2p",
+    "CommStats": ".collective.stats", "Work": ".progress.work",
+    "DistributedOptimizer": ".optim", "broadcast_parameters": ".optim",
+    "check_parameters": ".optim", "partition": ".optim",
+}
+_WHERE.update(dict.fromkeys((
+    "ArgumentError", "ArrayTypeError", "BackendUnavailableError", "ClosedError",
+    "CollectiveTimeoutError", "CommlibError", "ConsistencyError", "DeviceMismatchError",
+    "LaunchError", "NonFiniteError", "PayloadError", "PeerError", "TransportError"), ".errors"))
+
+
+def __getattr__(name):
+    """The package's public names, each imported from its module on first
+    use; a subpackage or module (``commlib.overlap``) too."""
+    module = _WHERE.get(name)
+    if module is None:
+        if name.startswith("__") or importlib.util.find_spec("%s.%s" % (__name__, name)) is None:
+            raise AttributeError("module %r has no attribute %r" % (__name__, name))
+        module = "." + name
+    found = importlib.import_module(module, __name__)
+    value = found if module == "." + name else getattr(found, name)
+    globals()[name] = value
+    return value
+
+
+def __dir__():
+    return sorted(set(globals()) | set(_WHERE))
+
 
 __version__ = "0.1.0"
 
@@ -43,6 +67,8 @@ def init(**options):
         BackendUnavailableError: a launcher says several ranks but mpi4py is
             not installed.
     """
+    from .communicator import Communicator
+    from .errors import BackendUnavailableError
     from .startup.bootstrap import launcher_env
     from .startup.mpi_library import launched_size
     found = launcher_env()

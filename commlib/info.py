@@ -4,8 +4,11 @@ Prints the versions of Python, numpy, mpi4py, cupy and torch; the MPI
 library mpi4py loads and the mpiexec commlib would start ranks with (and
 whether they belong to the same MPI: a mismatch is said in one line); GPUs
 and NCCL; whether the compiled host loops are built; the commlib settings
-in effect. ``--run N`` also starts N ranks with that mpiexec and checks
-that they form one MPI world of N.
+in effect. ``--run N`` also starts N ranks with that mpiexec, checks
+that they form one MPI world of N and shows each rank's host, local rank
+and local size (the ranks sharing its node's memory); with ``--hosts
+a:2,b:2`` or ``--hostfile FILE`` (and ``--launcher-exec PROGRAM`` instead
+of ssh) on those hosts, as ``python -m commlib.launch`` places them.
 
 Exit status: 0, or 1 when the mpiexec on PATH or the one commlib would use
 belongs to another MPI than mpi4py's library, or the ranks of ``--run N``
@@ -17,9 +20,9 @@ import platform
 import shutil
 import sys
 
-from .startup import mpi_library
+from .startup import hosts, mpi_library
 from . import settings
-from .errors import BackendUnavailableError, LaunchError
+from .errors import ArgumentError, BackendUnavailableError, LaunchError
 
 
 def _version(module):
@@ -60,10 +63,12 @@ def _settings():
                                              else "%g s" % settings.timeout())
 
 
-def _mpi(run, say):
+def _mpi(run, say, where=None):
     """Say which MPI library mpi4py loads, the mpiexec on PATH and the one
     commlib uses, whether they match, and (``run`` > 0) whether ``run``
-    ranks form one world; returns the exit status (see :func:`report`)."""
+    ranks form one world, and each rank's host, local rank and local size;
+    ``where``: (hosts, launcher-exec) to place them; returns the exit
+    status (see :func:`report`)."""
     status = 0
     try:
         library = mpi_library.loaded_library()
@@ -89,8 +94,14 @@ def _mpi(run, say):
                 "yes" if chosen.family == library.family
                 else "unknown (%s / %s)" % (library.family, chosen.family)))
             if run:
-                got = mpi_library.run_world(run, chosen)
-                say("%d ranks form one MPI world of %d: %s" % (run, run, got))
+                args = hosts.mpiexec_args(chosen.family, *where) if where else []
+                got = mpi_library.run_world(run, chosen, args=args)
+                names = list(dict.fromkeys(r["host"] for r in got))
+                say("%d ranks form one MPI world of %d: yes, on %d host%s (%s)"
+                    % (run, run, len(names), "" if len(names) == 1 else "s", ", ".join(names)))
+                for r in got:
+                    say("rank %d: host %s, local rank %d of %d"
+                        % (r["rank"], r["host"], r["local_rank"], r["local_size"]))
         except LaunchError as exc:
             say("MISMATCH: %s" % " ".join(str(exc).split()))
             return 1
@@ -100,7 +111,7 @@ def _mpi(run, say):
     return status
 
 
-def report(run=0, out=sys.stdout):
+def report(run=0, out=sys.stdout, where=None):
     """Print what commlib would use on this machine (see the module docstring).
 
     A LaunchError or BackendUnavailableError met on the way is printed and
@@ -110,6 +121,8 @@ def report(run=0, out=sys.stdout):
         run: N > 0 also starts N ranks with the chosen mpiexec and checks
             that they form one MPI world of N; 0 (default) starts none.
         out: the text stream printed to (default ``sys.stdout``).
+        where: (hosts, launcher-exec path) for ``run``'s ranks (see
+            :mod:`commlib.startup.hosts`; None: this machine).
 
     Returns:
         The exit status: 0, or 1 when the mpiexec on PATH or the one
@@ -122,7 +135,7 @@ def report(run=0, out=sys.stdout):
     say("python %s on %s" % (sys.version.split()[0], platform.platform()))
     for module in ("numpy", "mpi4py", "cupy", "torch"):
         say("%s: %s" % (module, _version(module)))
-    status = _mpi(run, say)
+    status = _mpi(run, say, where)
     for line in _gpus():
         say(line)
     say("compiled host loops: %s" % ("built" if native.available()
@@ -159,8 +172,29 @@ def main(argv=None):
                                  description=__doc__.split("\n\n")[0])
     ap.add_argument("--run", type=_ranks, default=0, metavar="N",
                     help="start N ranks with the chosen mpiexec and check they form one world")
+    place = ap.add_mutually_exclusive_group()
+    place.add_argument("-H", "--hosts", default=None, metavar="HOST:N,...",
+                       help="--run's ranks on these hosts, as python -m commlib.launch "
+                            "--hosts places them")
+    place.add_argument("--hostfile", default=None, metavar="FILE",
+                       help="--run's hosts from a file of HOST or HOST:N lines")
+    ap.add_argument("--launcher-exec", default=None, metavar="PROGRAM",
+                    help="the program mpiexec reaches the hosts with (default ssh)")
     ns = ap.parse_args(argv)
-    return report(ns.run)
+    where = None
+    if ns.hosts or ns.hostfile or ns.launcher_exec:
+        try:
+            if not ns.run:
+                raise ArgumentError("--hosts, --hostfile and --launcher-exec are for --run N")
+            found = (hosts.parse_hosts(ns.hosts) if ns.hosts is not None
+                     else hosts.read_hostfile(ns.hostfile) if ns.hostfile is not None else None)
+            if found:
+                hosts.check_slots(found, ns.run, "--hosts" if ns.hosts else
+                                  "--hostfile %s" % ns.hostfile, "--run")
+            where = (found, ns.launcher_exec and hosts.check_launcher_exec(ns.launcher_exec))
+        except ArgumentError as exc:
+            ap.error(str(exc))
+    return report(ns.run, where=where)
 
 
 if __name__ == "__main__":

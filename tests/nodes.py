@@ -14,7 +14,13 @@ ranks of one node. The addresses exist only inside the namespaces.
 Hydra (MPICH's ``mpiexec``) starts inside node 0 and reaches the other
 nodes through ``-launcher ssh -launcher-exec <fake ssh>``: a script,
 written with mode 0700 into a private folder, that maps a node's address
-to ``ip netns exec <its namespace> unshare --uts --ipc``. The namespaces
+to ``ip netns exec <its namespace> unshare --uts --ipc --mount``; on every
+node but node 0 it also mounts an empty tmpfs over the run's ``TMPDIR``
+folder, so that what a process of node 0 makes there (the launcher's
+status directory) is not seen on the other nodes, as without a shared file
+system. :func:`run_nodes` runs one mpiexec job, or (``jobs``, made by
+:func:`launcher`) several commands one after the other in one network:
+the launcher with ``--hosts``, bare mpiexec, ``commlib.info``. The namespaces
 are named ``commlib-<pid>-<random>-<node>`` (and ``...-sw``), after the
 process that runs :func:`run_nodes`, so that a later run removes the ones a
 killed run left (:func:`remove_stale`: those whose process is dead).
@@ -105,6 +111,15 @@ def namespaces():
 #: whether a process still exists: ended and reaped counts as gone, a
 #: zombie not yet
 _pid_alive = functools.partial(alive, zombie=True)
+
+
+def _running(pid):
+    """Whether ``pid`` runs (a zombie, ended but not reaped, does not)."""
+    try:
+        with open("/proc/%d/stat" % pid) as f:
+            return f.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+    except (FileNotFoundError, ProcessLookupError):
+        return False
 
 
 def delete_namespace(name):
@@ -206,12 +221,16 @@ case $host in
 %s
 *) echo "fake ssh: no node has the address $host" >&2; exit 255;;
 esac
-exec ip netns exec "$ns" unshare --uts --ipc sh -c "hostname $name && exec $*"
+exec ip netns exec "$ns" unshare --uts --ipc --mount sh -c "hostname $name && $own exec $*"
 """
 
 
-def _write_fake_ssh(folder, names):
-    cases = "\n".join("%s) ns=%s; name=node%d;;" % (address(i), name, i)
+def _write_fake_ssh(folder, names, node_tmp):
+    """The fake ssh in ``folder``; on every node but node 0, ``node_tmp`` is
+    an empty folder of the node's own (a tmpfs over it)."""
+    own = "mount -t tmpfs commlib-node-tmp %s &&" % shlex.quote(node_tmp)
+    cases = "\n".join("%s) ns=%s; name=node%d; own=%s;;"
+                      % (address(i), name, i, shlex.quote(own) if i else "''")
                       for i, name in enumerate(names))
     path = os.path.join(folder, "ssh")
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o700)
@@ -220,16 +239,57 @@ def _write_fake_ssh(folder, names):
     return path
 
 
+#: seconds a job's ranks may live on after its command exited
+LEFT_S = 10.0
+
+
+def _run_job(ssh, job, timeout, prefix, nodes):
+    """Run one job's command on node 0; its result (a dict)."""
+    result = {"timed_out": False}
+    before = _port_bytes(prefix, nodes)
+    start = time.monotonic()
+    proc = subprocess.Popen([ssh, address(0), " ".join(shlex.quote(c) for c in job["command"])],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env=job["env"], start_new_session=True)
+    try:
+        try:
+            out, err = proc.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            result["timed_out"] = True
+            os.killpg(proc.pid, signal.SIGKILL)
+            out, err = proc.communicate()
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    result.update(returncode=proc.returncode, stdout=out, stderr=err, ended=time.time(),
+                  seconds=time.monotonic() - start)
+    after = _port_bytes(prefix, nodes)
+    result["sent"] = {i: after[i] - before[i] for i in range(nodes)}
+    # the ranks it started (their records' pids): still running LEFT_S after it?
+    pids = []
+    reports = os.path.join(job["folder"], "reports")
+    for name in os.listdir(reports) if os.path.isdir(reports) else []:
+        with open(os.path.join(reports, name)) as f:
+            pids.append(json.load(f)["pid"])
+    deadline = time.monotonic() + LEFT_S
+    while any(_running(p) for p in pids) and time.monotonic() < deadline:
+        time.sleep(0.02)
+    result["left"] = [p for p in pids if _running(p)]
+    result["gone_s"] = time.time() - result["ended"]
+    return result
+
+
 def drive(spec):
-    """Make the network, run the job, delete the network; writes
-    ``result.json`` into ``spec["folder"]``. Runs in the driver process."""
+    """Make the network, run the jobs one after the other, delete the
+    network; writes ``result.json`` into ``spec["folder"]``. Runs in the
+    driver process."""
     nodes, per_node = spec["layout"]
     prefix, folder = spec["prefix"], spec["folder"]
-    result = {"returncode": None, "timed_out": False}
+    result = {"jobs": []}
     if spec["private"]:
         # a user namespace's own /run, where ip keeps the namespaces' names
         _run(["mount", "-t", "tmpfs", "-o", "mode=0755", "tmpfs", "/run"])
-    proc = None
     interrupted = []
 
     def interrupt(number, frame):
@@ -241,30 +301,11 @@ def drive(spec):
         names = _make_network(prefix, nodes)
         result["namespaces"] = {i: os.stat("/run/netns/" + name).st_ino
                                 for i, name in enumerate(names)}
-        ssh = _write_fake_ssh(folder, names)
-        hosts = ",".join(address(i) for i in range(nodes))
-        job = [spec["mpiexec"], "-launcher", "ssh", "-launcher-exec", ssh, "-hosts", hosts,
-               "-ppn", str(per_node), "-n", str(nodes * per_node), *spec["mpiexec_args"],
-               *spec["command"]]
-        before = _port_bytes(prefix, nodes)
-        start = time.monotonic()
-        proc = subprocess.Popen([ssh, address(0), " ".join(shlex.quote(c) for c in job)],
-                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                                env=spec["env"], start_new_session=True)
-        try:
-            out, err = proc.communicate(timeout=spec["timeout"])
-        except subprocess.TimeoutExpired:
-            result["timed_out"] = True
-            os.killpg(proc.pid, signal.SIGKILL)
-            out, err = proc.communicate()
-        result.update(returncode=proc.returncode, stdout=out, stderr=err,
-                      seconds=time.monotonic() - start)
-        after = _port_bytes(prefix, nodes)
-        result["sent"] = {i: after[i] - before[i] for i in range(nodes)}
+        ssh = _write_fake_ssh(folder, names, spec["node_tmp"])
+        assert ssh == spec["ssh"], (ssh, spec["ssh"])
+        for job in spec["jobs"]:
+            result["jobs"].append(_run_job(ssh, job, spec["timeout"], prefix, nodes))
     finally:
-        if proc is not None and proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
         remove_namespaces(prefix)
         if os.getppid() != spec["owner"]:         # run_nodes was killed: nobody reads it
             shutil.rmtree(folder, ignore_errors=True)
@@ -310,10 +351,12 @@ del _commlib_test_node
 class NodesRun:
     """What a :func:`run_nodes` job did.
 
-    returncode: mpiexec's exit status. outputs, errors: each rank's stdout
-    and stderr (lists indexed by rank). node_of: each rank's node (0-based).
+    returncode: the exit status of the job's command (mpiexec, the
+    launcher). outputs, errors: each rank's stdout and stderr (lists
+    indexed by rank). node_of: each rank's node (0-based).
     sent: bytes each node's eth0 sent during the job. seconds: the job's
-    wall time (namespaces' setup apart). launcher: mpiexec's own output.
+    wall time (namespaces' setup apart). launcher: the command's own output
+    (stdout, then stderr).
     reports: each rank's record (rank, size, host, pid, namespaces).
     """
     returncode: int
@@ -324,6 +367,14 @@ class NodesRun:
     seconds: float
     launcher: str
     reports: list = dataclasses.field(default_factory=list, repr=False)
+    #: time.time() when the job's command (mpiexec, the launcher) had exited
+    ended: float = 0.0
+    #: pids of its ranks still running 10 s (LEFT_S) after that
+    left: list = dataclasses.field(default_factory=list)
+    #: seconds from ``ended`` until its ranks had all ended (LEFT_S at most)
+    gone_s: float = 0.0
+    #: what else the ranks wrote into their folder (COMMLIB_TEST_NODES_FOLDER): name -> text
+    files: dict = dataclasses.field(default_factory=dict, repr=False)
 
     @property
     def text(self):
@@ -332,7 +383,8 @@ class NodesRun:
 
     def describe(self):
         """All output, rank by rank, for a failure's message."""
-        parts = ["mpiexec exited %d; its output:\n%s" % (self.returncode, self.launcher)]
+        parts = ["the job's command exited %d; its output:\n%s"
+                 % (self.returncode, self.launcher)]
         for rank, (out, err) in enumerate(zip(self.outputs, self.errors)):
             parts.append("--- rank %d (node %s) stdout:\n%s--- stderr:\n%s"
                          % (rank, self.node_of[rank] if rank < len(self.node_of) else "?",
@@ -409,14 +461,44 @@ def terminate_raises():
             signal.signal(sig, handler)
 
 
+def launcher(*options, args=(), tool="commlib.launch"):
+    """A job for :func:`run_nodes`, started on node 0, with ``k`` ranks per
+    node: ``python -m commlib.launch -n N --hosts <node 0>:k,<node 1>:k,...
+    --launcher-exec <fake ssh> OPTIONS <the code> ARGS``; ``tool="mpiexec"``:
+    hydra's ``mpiexec -launcher ssh -launcher-exec <fake ssh> -hosts ... -n
+    N OPTIONS python <the code> ARGS``; ``tool="commlib.info"``: ``python
+    -m commlib.info --run N --hosts ... --launcher-exec ... OPTIONS``, whose
+    ranks do not run the code."""
+    if tool == "mpiexec":
+        mpiexec = shutil.which("mpiexec.hydra", path=os.path.dirname(sys.executable))
+        return {"command": [mpiexec, "-launcher", "ssh", "-launcher-exec", "{ssh}", "-hosts",
+                            "{hosts}", "-n", "{n}", *options, sys.executable, "{script}",
+                            *map(str, args)], "reports": True}
+    if tool == "commlib.info":
+        return {"command": [sys.executable, "-m", tool, "--run", "{n}", "--hosts", "{hosts}",
+                            "--launcher-exec", "{ssh}", *options], "reports": False}
+    return {"command": [sys.executable, "-m", tool, "-n", "{n}", "--hosts", "{hosts}",
+                        "--launcher-exec", "{ssh}", *options, "{script}", *map(str, args)],
+            "reports": True}
+
+
 def run_nodes(layout=(2, 1), code="", timeout=60, env=None, args=(), expect_fail=False,
-              survivors=False):
+              survivors=False, jobs=None):
     """Run ``code`` (Python source) on ``layout = (nodes, ranks per node)``
     ranks, each node a network namespace of its own (see the module's
     docstring); returns a :class:`NodesRun`.
 
+    ``jobs``: instead of one mpiexec job, these commands one after the
+    other in the same network, each made by :func:`launcher` (the
+    launcher, mpiexec, ``commlib.info``), started on node 0; returns a list of
+    :class:`NodesRun`, one per job. Each job's ranks have a folder of their
+    own (``COMMLIB_TEST_NODES_FOLDER``), and ``TMPDIR`` is a folder that is
+    empty, and of the node's own, on every node but node 0: the launcher's
+    status directory exists on node 0 only, as on machines that share no
+    file system.
+
     Skips the test (with :func:`unavailable_reason`) where no namespaces
-    can be made. Fails the test when the job runs past ``timeout`` seconds
+    can be made. Fails the test when a job runs past ``timeout`` seconds
     (the whole job killed), when its exit status is not what
     ``expect_fail`` says (None: either), unless ranks 0..n-1 of one world of size n each
     reported, or unless node i holds ranks ``i*k .. i*k+k-1`` (k ranks per
@@ -436,20 +518,32 @@ def run_nodes(layout=(2, 1), code="", timeout=60, env=None, args=(), expect_fail
     n = nodes * per_node
     tmp = os.environ.get("PYTEST_TMPDIR", tempfile.gettempdir())
     folder = tempfile.mkdtemp(prefix="commlib-nodes-", dir=tmp)       # mode 0700
-    os.mkdir(os.path.join(folder, "reports"))
+    node_tmp = os.path.join(folder, "node-tmp")
+    os.mkdir(node_tmp)
     fd, script = tempfile.mkstemp(prefix="commlib_nodes_", suffix=".py", dir=folder)
     with os.fdopen(fd, "w") as f:
         f.write(PROLOGUE + textwrap.dedent(code))
     full_env = dict(os.environ)
     full_env["PYTHONPATH"] = python_path(full_env)
     full_env.update(env or {})
-    full_env[ENV_FOLDER] = folder
+    ssh = os.path.join(folder, "ssh")
+    single = jobs is None
+    if single:
+        jobs = [launcher(*(["-disable-auto-cleanup"] if survivors else []), args=args,
+                         tool="mpiexec")]
+    hosts = ",".join("%s:%d" % (address(i), per_node) for i in range(nodes))
+    specs = []
+    for k, job in enumerate(jobs):
+        job_folder = os.path.join(folder, "job-%d" % k)
+        os.makedirs(os.path.join(job_folder, "reports"))
+        specs.append({"folder": job_folder, "reports": job["reports"],
+                      "env": dict(full_env, **{ENV_FOLDER: job_folder, "TMPDIR": node_tmp}),
+                      "command": [c.format(n=n, hosts=hosts, ssh=ssh, script=script)
+                                  for c in job["command"]]})
     prefix = "commlib-%d-%s" % (os.getpid(), secrets.token_hex(3))
     spec = {"layout": [nodes, per_node], "prefix": prefix, "folder": folder, "owner": os.getpid(),
-            "private": mode == "private", "timeout": timeout, "env": full_env,
-            "mpiexec": shutil.which("mpiexec.hydra", path=os.path.dirname(sys.executable)),
-            "mpiexec_args": ["-disable-auto-cleanup"] if survivors else [],
-            "command": [sys.executable, script, *map(str, args)]}
+            "private": mode == "private", "timeout": timeout, "ssh": ssh,
+            "node_tmp": node_tmp, "jobs": specs}
     spec_path = os.path.join(folder, "spec.json")
     with open(spec_path, "w") as f:
         json.dump(spec, f)
@@ -467,16 +561,17 @@ def run_nodes(layout=(2, 1), code="", timeout=60, env=None, args=(), expect_fail
                 # a Ctrl-C while the driver is being made acts once it is known
                 proc = subprocess.Popen(driver, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                         text=True, start_new_session=True)
-            dout, derr = _wait_driver(proc, timeout, nodes, per_node)
+            dout, derr = _wait_driver(proc, timeout * len(specs), nodes, per_node)
             try:
                 with open(os.path.join(folder, "result.json")) as f:
                     result = json.load(f)
             except FileNotFoundError:
                 result = None
-            if proc.returncode or result is None or result["returncode"] is None:
+            if proc.returncode or result is None or len(result["jobs"]) != len(specs):
                 pytest.fail("the driver of a %dx%d job failed (exit %d)\n%s%s"
                             % (nodes, per_node, proc.returncode, dout, derr))
-            run = _collect(folder, n, result)
+            runs = [_collect(job["folder"], n, got, result["namespaces"])
+                    for job, got in zip(specs, result["jobs"])]
         finally:
             if proc is not None and proc.poll() is None:
                 os.killpg(proc.pid, signal.SIGKILL)
@@ -486,15 +581,16 @@ def run_nodes(layout=(2, 1), code="", timeout=60, env=None, args=(), expect_fail
                 with _LOCK:
                     _LIVE.discard(prefix)
             shutil.rmtree(folder, ignore_errors=True)
-    if result["timed_out"]:
-        pytest.fail("%dx%d job timed out after %ss\n%s"
-                    % (nodes, per_node, timeout, run.describe()))
-    reports = run.reports
-    check_world(reports, n, "a %dx%d job on namespaces" % (nodes, per_node))
-    _check_placement(reports, result["namespaces"], nodes, per_node, run)
-    if expect_fail is not None and (run.returncode != 0) != expect_fail:
-        pytest.fail("%dx%d job: %s" % (nodes, per_node, run.describe()))
-    return run
+    for job, got, run in zip(specs, result["jobs"], runs):
+        what = "%dx%d job %s" % (nodes, per_node, " ".join(job["command"][:4]))
+        if got["timed_out"]:
+            pytest.fail("%s timed out after %ss\n%s" % (what, timeout, run.describe()))
+        if job["reports"]:
+            check_world(run.reports, n, "a %s on namespaces" % what)
+            _check_placement(run.reports, result["namespaces"], nodes, per_node, run)
+        if expect_fail is not None and (run.returncode != 0) != expect_fail:
+            pytest.fail("%s: %s" % (what, run.describe()))
+    return runs[0] if single else runs
 
 
 def _wait_driver(proc, timeout, nodes, per_node):
@@ -508,7 +604,7 @@ def _wait_driver(proc, timeout, nodes, per_node):
                     "\n%s%s" % (nodes, per_node, timeout, dout, derr))
 
 
-def _collect(folder, n, result):
+def _collect(folder, n, result, namespaces):
     def read(name):
         try:
             with open(os.path.join(folder, name), errors="replace") as f:
@@ -519,18 +615,22 @@ def _collect(folder, n, result):
     for name in sorted(os.listdir(os.path.join(folder, "reports"))):
         with open(os.path.join(folder, "reports", name)) as f:
             reports.append(json.load(f))
-    net_to_node = {ino: int(i) for i, ino in result["namespaces"].items()}
+    net_to_node = {ino: int(i) for i, ino in namespaces.items()}
     node_of = [None] * n
     for r in reports:
         if 0 <= r["rank"] < n:
             node_of[r["rank"]] = net_to_node.get(r["net"])
-    run = NodesRun(returncode=result["returncode"],
-                   outputs=[read("out-%d" % r) for r in range(n)],
-                   errors=[read("err-%d" % r) for r in range(n)],
-                   node_of=node_of, sent={int(k): v for k, v in result["sent"].items()},
-                   seconds=result["seconds"],
-                   launcher=result["stdout"] + result["stderr"], reports=reports)
-    return run
+    outputs = {"out-%d" % r for r in range(n)} | {"err-%d" % r for r in range(n)}
+    files = {name: read(name) for name in os.listdir(folder)
+             if name not in outputs and os.path.isfile(os.path.join(folder, name))}
+    return NodesRun(returncode=result["returncode"],
+                    outputs=[read("out-%d" % r) for r in range(n)],
+                    errors=[read("err-%d" % r) for r in range(n)],
+                    node_of=node_of, sent={int(k): v for k, v in result["sent"].items()},
+                    seconds=result["seconds"],
+                    launcher=result["stdout"] + result["stderr"], reports=reports,
+                    ended=result["ended"], left=result["left"], gone_s=result["gone_s"],
+                    files=files)
 
 
 def _check_placement(reports, namespaces, nodes, per_node, run):

@@ -86,12 +86,30 @@ def test_chosen_mpiexec_of_another_mpi_is_refused_in_one_line(tmp_path):
 
 
 def test_run_starts_ranks_that_form_one_world():
+    """--run 2: one world of 2 on this host; each rank's host, local rank
+    and local size (both ranks share this machine's memory)."""
+    import socket
     proc = info("--run", "2")
     found = lines_starting(proc.stdout, "2 ranks form one MPI world of 2: ")
-    assert len(found) == 1, proc.stdout + proc.stderr
+    assert found == ["2 ranks form one MPI world of 2: yes, on 1 host (%s)"
+                     % socket.gethostname()], proc.stdout + proc.stderr
+    assert lines_starting(proc.stdout, "rank ") == [
+        "rank %d: host %s, local rank %d of 2" % (r, socket.gethostname(), r)
+        for r in range(2)], proc.stdout
     assert not lines_starting(proc.stdout, "MISMATCH: the mpiexec commlib"), proc.stdout
 
 
 def test_negative_number_of_ranks_is_an_argument_error():
     proc = info("--run", "-2")
     assert proc.returncode == 2 and "expected a number of ranks >= 0, got '-2'" in proc.stderr
+
+
+def test_hosts_are_checked_and_need_run():
+    """--hosts without --run, or with more ranks than slots: status 2 and the
+    reason (the runs on several nodes are tests/transport/test_nodes.py's)."""
+    proc = info("--hosts", "a:2")
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert "error: --hosts, --hostfile and --launcher-exec are for --run N" in proc.stderr
+    proc = info("--run", "3", "-H", "a:2")
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert "error: --run 3 is more than the 2 slots of --hosts (a:2)" in proc.stderr

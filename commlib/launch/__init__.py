@@ -1,6 +1,7 @@
 """Start N data-parallel workers of a training script and watch over them.
 
     python -m commlib.launch -n 4 [--backend auto|nccl|mpi] [--timeout S] [--] train.py [args]
+    python -m commlib.launch -n 4 --hosts a:2,b:2 [--launcher-exec PROG] train.py [args]
     commlib-run -n 4 train.py [args]
 
 Each worker runs ``train.py args`` as ``__main__`` (like ``python train.py
@@ -32,6 +33,18 @@ args``) and calls :func:`commlib.init`.
   (128 + signal number for a signal). mpiexec thus learns of a rank's death
   only after it is recorded; the child dies with its supervisor
   (``PR_SET_PDEATHSIG``), e.g. when hydra kills the job.
+
+Several machines (:mod:`commlib.startup.hosts`, :mod:`~commlib.launch.slurm`):
+``--hosts a:2,b:2`` (``-H``) or ``--hostfile FILE`` (hydra's ``host:n``
+lines) place the ranks, in order, on those hosts (``-n`` at most the
+slots' sum), and ``--launcher-exec PROGRAM`` names what mpiexec reaches
+them with instead of ssh; they become hydra's ``-hosts ... -launcher ssh
+-launcher-exec ...`` or Open MPI's ``--host ... --mca plm_rsh_agent ...``.
+Inside a Slurm allocation (``SLURM_JOB_ID`` set, ``srun`` on PATH) and
+without those options, the ranks are a job step: ``srun -n N
+--kill-on-bad-exit=1 python -m commlib.launch --_worker train.py args``
+(``--starter mpiexec|srun`` to choose); ``-n`` more than ``SLURM_NTASKS``
+is refused.
 
 A failing rank (exception or nonzero ``sys.exit``) records the failure,
 prints a one-line summary and (under MPI) calls ``MPI_Abort`` so that peers
@@ -99,7 +112,8 @@ rank's MPI world was not of size N, or mpiexec exited 0 while ranks never
 reported finishing (it started nothing, say); 128 + signal number when the
 launcher was interrupted; 2 when nothing could be started: bad arguments,
 an invalid ``COMMLIB_*`` variable, an mpiexec that is not a program or
-belongs to another MPI than mpi4py's.
+belongs to another MPI than mpi4py's, a bad host entry or hostfile line,
+more ranks than slots.
 """
 import importlib
 

@@ -7,9 +7,12 @@ import sys
 from .. import settings
 from ..core import gpu
 from ..errors import ArgumentError, BackendUnavailableError, CommlibError
+from ..startup import hosts as host_list
+from . import slurm
 from .jobs import ENV_MPIEXEC, ForkedWorkers, MpiJob, common_env
 from .processes import PROG, RANK_FLAG, WORKER_FLAG, say
-from .rank import run_supervisor, run_worker
+from .rank import main_internal
+from .slurm import STARTERS
 from .supervision import EXIT_TIMEOUT, EXIT_WRONG_SIZE, supervise
 
 
@@ -44,8 +47,9 @@ def build_parser():
                "the worker to blame (128 + N for signal N; the others are ended); %d after "
                "--timeout; %d when the job was not N ranks (a rank's MPI world is not of size "
                "N, or ranks never reported); 128 + N after signal N to the launcher; 2 when "
-               "nothing could be started (bad arguments or COMMLIB_* variables, an mpiexec "
-               "that is not a program or belongs to another MPI than mpi4py's)."
+               "nothing could be started (bad arguments or COMMLIB_* variables, a bad host entry "
+               "or hostfile line, more ranks than slots, an mpiexec that is not a program or "
+               "belongs to another MPI than mpi4py's)."
                % (EXIT_TIMEOUT, EXIT_WRONG_SIZE))
     parser.add_argument("-n", "--nprocs", type=_positive_int, required=True,
                         help="number of workers (ranks)")
@@ -62,6 +66,29 @@ def build_parser():
                         help="the mpiexec to start MPI workers with (default: %s, else one "
                              "of the MPI library mpi4py loads: the one beside the Python "
                              "interpreter, the library's own, then PATH's)" % ENV_MPIEXEC)
+    machines = parser.add_argument_group(
+        "several machines", "ranks fill the hosts in order (a:2,b:2 with -n 4: ranks 0, 1 on "
+        "a, 2, 3 on b); -n may not exceed the slots. The hosts need this Python at the "
+        "same path, the script at its path, and commlib; mpiexec reaches them with ssh "
+        "unless --launcher-exec names another program. Inside a Slurm allocation "
+        "(SLURM_JOB_ID set) the ranks are a job step: srun -n N --kill-on-bad-exit=1 ...; "
+        "srun's MPI plugin is its default or SLURM_MPI_TYPE's (MPICH: pmi2 or pmix)")
+    where = machines.add_mutually_exclusive_group()
+    where.add_argument("-H", "--hosts", default=None, metavar="HOST:N,...",
+                       help="the hosts and their slots, e.g. a:2,b:2 (HOST alone: 1 slot); "
+                            "passed to mpiexec (hydra -hosts, Open MPI --host)")
+    where.add_argument("--hostfile", default=None, metavar="FILE",
+                       help="a file of one HOST or HOST:N per line (MPICH hydra's format; "
+                            "# comments); read and checked here, passed on as --hosts is")
+    machines.add_argument("--launcher-exec", default=None, metavar="PROGRAM",
+                          help="the program mpiexec reaches the hosts with instead of ssh, "
+                               "called as ssh is (PROGRAM HOST COMMAND; hydra "
+                               "-launcher-exec, Open MPI --mca plm_rsh_agent)")
+    machines.add_argument("--starter", choices=STARTERS, default="auto",
+                          help="what starts the ranks: mpiexec, or srun (a Slurm job step); "
+                               "auto (default): srun inside a Slurm allocation when srun is "
+                               "on PATH and none of --hosts, --hostfile, --mpiexec, "
+                               "--launcher-exec is given, else mpiexec")
     parser.add_argument("script", help="the Python training script")
     parser.add_argument("args", nargs=argparse.REMAINDER, help="the script's arguments")
     return parser
@@ -74,6 +101,32 @@ def parse_args(argv=None):
     if not os.path.isfile(ns.script):
         parser.error("script %r does not exist or is not a file" % ns.script)
     return ns
+
+
+def machines(ns, env):
+    """(hosts or None, launcher-exec path or None, ``"srun"`` or
+    ``"mpiexec"``) of the parsed arguments ``ns``, checked: a job on
+    several machines.
+
+    Raises:
+        ArgumentError: a bad host entry or hostfile line, more ranks than
+            slots (or than the Slurm allocation's tasks), a launcher-exec
+            that is not a program, srun together with mpiexec's options.
+    """
+    hosts = None
+    if ns.hosts is not None:
+        hosts = host_list.parse_hosts(ns.hosts)
+        host_list.check_slots(hosts, ns.nprocs, "--hosts")
+    elif ns.hostfile is not None:
+        hosts = host_list.read_hostfile(ns.hostfile)
+        host_list.check_slots(hosts, ns.nprocs, "--hostfile %s" % ns.hostfile)
+    launcher_exec = (host_list.check_launcher_exec(ns.launcher_exec)
+                     if ns.launcher_exec is not None else None)
+    across = hosts is not None or launcher_exec is not None or bool(ns.mpiexec)
+    starter = slurm.choose_starter(ns.starter, env, across)
+    if starter == "srun":
+        slurm.check_tasks(ns.nprocs, env)
+    return hosts, launcher_exec, starter
 
 
 def gpu_status():
@@ -112,11 +165,17 @@ def start_job(ns):
             backend, no mpiexec of mpi4py's MPI, ...).
     """
     settings.check_environment(common_env(os.environ, ns.nprocs))
-    backend = choose_backend(ns.backend, ns.nprocs)
+    hosts, launcher_exec, starter = machines(ns, os.environ)
+    several = hosts is not None or starter == "srun"
+    if several and ns.backend == "nccl":
+        raise ArgumentError("--backend nccl: forked workers run on this machine only; "
+                            "--hosts, --hostfile and Slurm steps take --backend mpi (or auto)")
+    backend = "mpi" if several else choose_backend(ns.backend, ns.nprocs)
     if backend == "nccl":
         from ..startup.bootstrap import NcclId
         return ForkedWorkers.start_script(ns.script, ns.args, ns.nprocs, str(NcclId()))
-    return MpiJob.start(ns.script, ns.args, ns.nprocs, mpiexec=ns.mpiexec)
+    return MpiJob.start(ns.script, ns.args, ns.nprocs, mpiexec=ns.mpiexec, hosts=hosts,
+                        launcher_exec=launcher_exec, starter=starter)
 
 
 def main(argv=None):
@@ -154,11 +213,7 @@ def main(argv=None):
     """
     argv = sys.argv[1:] if argv is None else list(argv)
     if argv[:1] in ([WORKER_FLAG], [RANK_FLAG]):
-        if len(argv) < 2:
-            say("%s needs a script" % argv[0])
-            return 2
-        run = run_supervisor if argv[0] == WORKER_FLAG else run_worker
-        return run(argv[1], argv[2:])
+        return main_internal(argv)
     ns = parse_args(argv)
     failed = []
 

@@ -17,14 +17,18 @@ import time
 
 from .. import settings
 from ..errors import ArgumentError, LaunchError
-from ..startup import mpi_library
-from ..startup.bootstrap import ENV_LOCAL_RANK, ENV_LOCAL_SIZE, ENV_NCCL_ID, ENV_RANK, ENV_SIZE
+from ..startup import hosts as host_list, mpi_library
+from . import slurm
 from .processes import (ENV_PREFIX, PIPE_DRAIN_S, POLL_S, PROG, RANK_FLAG, WORKER_FLAG,
                         end_processes, join, parse_record_line, popen, relay, start_relays)
 from ..startup.records import ENV_STATUS_DIR, Record, read_records, write_record
 
 
 ENV_MPIEXEC = settings.MPIEXEC  # the mpiexec to use
+# the forked workers' variables (commlib.startup.bootstrap reads them; named in
+# settings, so that the launcher need not load the start-up code and numpy)
+ENV_NCCL_ID, ENV_RANK, ENV_SIZE = settings.NCCL_ID, settings.RANK, settings.SIZE
+ENV_LOCAL_RANK, ENV_LOCAL_SIZE = settings.LOCAL_RANK, settings.LOCAL_SIZE
 LAUNCH_ENV = (ENV_NCCL_ID, ENV_RANK, ENV_SIZE, ENV_LOCAL_RANK, ENV_LOCAL_SIZE)
 
 
@@ -213,39 +217,53 @@ class ForkedWorkers:
 
 
 class MpiJob:
-    """``mpiexec -n N python -m commlib.launch --_worker script args``; how
-    ranks start and end comes back through records in a status directory."""
+    """``mpiexec -n N python -m commlib.launch --_worker script args`` (or
+    ``srun -n N ...``); how ranks start and end comes back through records
+    in a status directory."""
 
     def __init__(self, proc, status_dir, size, mpiexec=None):
         self.proc, self.status_dir, self.size = proc, status_dir, size
         self.mpiexec = mpiexec    # the mpi_library.Mpiexec that started it
 
     @classmethod
-    def start(cls, script, args, n, mpiexec=None, base_env=None):
+    def start(cls, script, args, n, mpiexec=None, base_env=None, hosts=None,
+              launcher_exec=None, starter="mpiexec"):
         """Start ``script args`` on ``n`` ranks under the supervisor.
 
         ``mpiexec``: a path or name (default ``COMMLIB_MPIEXEC``, else one of
         the MPI library mpi4py loads, see
-        :func:`commlib.startup.mpi_library.choose_mpiexec`).
+        :func:`commlib.startup.mpi_library.choose_mpiexec`). ``hosts``: the
+        :class:`~commlib.startup.hosts.Host` list to place the ranks on
+        (default: this machine), ``launcher_exec``: the program mpiexec
+        reaches them with (default its own: ssh); both checked already.
+        ``starter="srun"``: a Slurm job step instead
+        (:mod:`commlib.launch.slurm`; no mpiexec is needed).
 
         Raises:
             ArgumentError: the mpiexec named is not a program.
             LaunchError: no mpiexec of mpi4py's MPI library was found, or
                 the one named belongs to another MPI, or it cannot be
                 started.
-            BackendUnavailableError: mpi4py or mpiexec is missing.
+            BackendUnavailableError: mpi4py or mpiexec (or srun) is missing.
         """
         env = common_env(os.environ if base_env is None else base_env, n)
-        named, source = (mpiexec, "--mpiexec") if mpiexec else (env.get(ENV_MPIEXEC), ENV_MPIEXEC)
-        chosen = mpi_library.choose_mpiexec(named or None, env=env, source=source)
-        hydra = chosen.family == mpi_library.MPICH and _says_hydra(chosen.path)
+        worker = [sys.executable, "-m", PROG, WORKER_FLAG, script, *args]
+        if starter == "srun":
+            chosen = slurm.srun(env)
+            cmd, prepend = slurm.command(chosen.path, n, worker), []
+        else:
+            named, source = ((mpiexec, "--mpiexec") if mpiexec
+                             else (env.get(ENV_MPIEXEC), ENV_MPIEXEC))
+            chosen = mpi_library.choose_mpiexec(named or None, env=env, source=source)
+            hydra = chosen.family == mpi_library.MPICH and _says_hydra(chosen.path)
+            prepend = ["-prepend-rank"] if hydra else []
+            cmd = [chosen.path, *mpi_library.extra_args(chosen),
+                   *host_list.mpiexec_args(chosen.family, hosts, launcher_exec), *prepend,
+                   "-n", str(n), *worker]
         status_dir = tempfile.mkdtemp(prefix="commlib-launch-")
         env[ENV_STATUS_DIR] = status_dir
-        prepend = ["-prepend-rank"] if hydra else []
         if not prepend:
             env[ENV_PREFIX] = "1"
-        cmd = [chosen.path, *mpi_library.extra_args(chosen), *prepend, "-n", str(n),
-               sys.executable, "-m", PROG, WORKER_FLAG, script, *args]
         try:
             job = cls(popen(cmd, env, stdout=subprocess.PIPE), status_dir, n, chosen)
         except OSError as exc:

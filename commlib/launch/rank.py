@@ -12,7 +12,8 @@ import threading
 import time
 import traceback
 
-from .processes import (ENV_PREFIX, PIPE_DRAIN_S, POLL_S, PROG, RANK_FLAG, write_all, join,
+from .processes import (ENV_PREFIX, PIPE_DRAIN_S, POLL_S, PROG, RANK_FLAG, WORKER_FLAG,
+                        write_all, join,
                         popen, record_line, say, start_relays)
 from ..settings import launcher_rank
 from ..startup.records import ENV_STATUS_DIR, Record, read_records, write_record
@@ -163,6 +164,18 @@ def _report_failure(code, exc=None):
         time.sleep(OUTPUT_DRAIN_S)  # mpiexec drops output still in its pipes at an abort
         mpi.COMM_WORLD.Abort(code)
     os._exit(code)
+
+
+def main_internal(argv=None):
+    """``python -m commlib.launch --_worker|--_rank script args``: run that
+    part (see :func:`commlib.launch.cli.main`); returns its status (2 when
+    the script is missing)."""
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if len(argv) < 2:
+        say("%s needs a script" % (argv[0] if argv else "--_worker or --_rank"))
+        return 2
+    run = run_supervisor if argv[0] == WORKER_FLAG else run_worker
+    return run(argv[1], argv[2:])
 
 
 def run_worker(script, args):

@@ -1,6 +1,7 @@
 """Watching a job: ending it on a failure, a signal, a timeout or a wrong
 world size, then printing each distinct traceback once and the rank to
 blame; the launcher's exit status."""
+import os
 import signal
 import sys
 import time
@@ -134,8 +135,10 @@ def report(job):
         return found[1]
     code = job.unreported_exit()
     if code:
-        say("mpiexec exited with status %d and no rank recorded a failure (mpiexec "
-             "failed, or a rank was ended from outside; see the output above)" % code)
+        used = getattr(job, "mpiexec", None)
+        name = os.path.basename(used.path) if used else "mpiexec"
+        say("%s exited with status %d and no rank recorded a failure (%s failed, or a rank "
+            "was ended from outside; see the output above)" % (name, code, name))
         return code
     missing = job.missing(records)
     if missing:

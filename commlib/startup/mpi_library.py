@@ -347,17 +347,21 @@ def check_world_size(world_size, env=None, library=None):
 
 
 _WORLD_PROBE = """
-import json, os
+import json, os, socket
 from mpi4py import MPI
 world = MPI.COMM_WORLD
+node = world.Split_type(MPI.COMM_TYPE_SHARED)
 print("WORLD " + json.dumps({"rank": world.Get_rank(), "size": world.Get_size(),
+                             "host": socket.gethostname(), "local_rank": node.Get_rank(),
+                             "local_size": node.Get_size(),
                              "launcher_rank": next((os.environ[v] for v in (
                                  "PMI_RANK", "OMPI_COMM_WORLD_RANK") if v in os.environ), None)}),
       flush=True)
+node.Free()
 """
 
 
-def run_world(n, mpiexec=None, timeout=60):
+def run_world(n, mpiexec=None, timeout=60, args=()):
     """Start ``n`` ranks of this interpreter and check they form one world.
 
     Args:
@@ -365,27 +369,32 @@ def run_world(n, mpiexec=None, timeout=60):
         mpiexec: the :class:`Mpiexec` to start them with (default
             :func:`choose_mpiexec`'s).
         timeout: seconds the job may take.
+        args: more arguments for mpiexec (hosts, see
+            :func:`commlib.startup.hosts.mpiexec_args`).
 
     Returns:
-        The sorted (rank, size) each rank reported: ``[(0, n), ..., (n-1, n)]``.
+        What each rank reported, in rank order: dicts with ``rank``,
+        ``size`` (``n``), ``host`` (its host name), ``local_rank`` and
+        ``local_size`` (among the ranks of its node: those sharing memory).
 
     Raises:
         LaunchError: the ranks did not form one world of size ``n``.
     """
     chosen = mpiexec or choose_mpiexec()
-    cmd = [chosen.path, *extra_args(chosen), "-n", str(n), sys.executable, "-c", _WORLD_PROBE]
+    cmd = [chosen.path, *extra_args(chosen), *args, "-n", str(n), sys.executable, "-c",
+           _WORLD_PROBE]
     try:
         out = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                              timeout=timeout).stdout
     except subprocess.TimeoutExpired:
         raise LaunchError("%s did not finish in %g s" % (" ".join(cmd), timeout)) from None
-    got = sorted((r["rank"], r["size"]) for r in
-                 (json.loads(m) for m in re.findall(r"WORLD (\{[^}]*\})", out)))
-    if got != [(r, n) for r in range(n)]:
+    got = sorted((json.loads(m) for m in re.findall(r"WORLD (\{[^}]*\})", out)),
+                 key=lambda r: r["rank"])
+    if [(r["rank"], r["size"]) for r in got] != [(r, n) for r in range(n)]:
         raise LaunchError("%s: expected ranks 0..%d of a world of %d, got (rank, size) %s\n%s"
-                          % (" ".join(cmd), n - 1, n, got, out[-2000:]))
+                          % (" ".join(cmd), n - 1, n, [(r["rank"], r["size"]) for r in got],
+                             out[-2000:]))
     return got
-
 
 
 def abort_at_exit(status=1, why=""):

@@ -1,6 +1,8 @@
 """Every collective across real nodes: ranks in network namespaces of their
-own, joined by a bridge, talking TCP (tests/nodes.py), at 2x1, 2x2 and 3x1
-(nodes x ranks per node).
+own, joined by a bridge, talking TCP (tests/nodes.py), at 2x1 and 3x1
+(nodes x ranks per node) under bare mpiexec and at 2x2 under the launcher
+with ``--hosts`` (its supervisors and records across nodes, at no extra
+job's cost).
 
 One job per layout runs every check; each rank regenerates every rank's
 inputs from their seeds and compares its results with numpy on them. Each
@@ -22,7 +24,7 @@ from pathlib import Path
 import pytest
 
 from mpirun import assert_each_rank, python_path
-from nodes import _mode, _pid_alive, namespaces, remove_stale, run_nodes
+from nodes import _mode, _pid_alive, launcher, namespaces, remove_stale, run_nodes
 
 CHECKS = ["placement", "all_reduce", "all_reduce avg", "fp16", "bf16", "broadcast", "reduce",
           "all_gather", "all_gatherv", "reduce_scatter", "barrier", "async",
@@ -374,11 +376,12 @@ print("digest %s rank %d" % (digest.hexdigest(), rank), flush=True)
 """
 
 
-@pytest.mark.parametrize("layout", [(2, 1), (2, 2), (3, 1)], ids=["2x1", "2x2", "3x1"])
-def test_every_collective_across_nodes(layout):
+def check_every_collective(run, layout):
+    """Every rank of ``run`` (CODE at ``layout``) passed every check, on
+    its node, with the same digest, and each node's link carried the large
+    arrays."""
     nodes, per_node = layout
     n = nodes * per_node
-    run = run_nodes(layout, CODE, timeout=120, args=layout)
     for check in CHECKS + HIERARCHICAL_CHECKS * (per_node > 1):
         assert_each_rank(run.text, r"ok %s rank (?P<rank>\d+)" % re.escape(check), n)
     assert run.node_of == [r // per_node for r in range(n)]
@@ -390,6 +393,30 @@ def test_every_collective_across_nodes(layout):
     # the large arrays crossed the link: a 300 001-element float32 all-reduce
     # alone makes every node send at least (nodes - 1) / nodes of its 1.2 MB
     assert all(run.sent[i] > 1_000_000 for i in range(nodes)), run.sent
+
+
+@pytest.mark.parametrize("layout", [(2, 1), (3, 1)], ids=["2x1", "3x1"])
+def test_every_collective_across_nodes(layout):
+    check_every_collective(run_nodes(layout, CODE, timeout=120, args=layout), layout)
+
+
+def test_every_collective_under_the_launcher_with_hosts():
+    """2x2 under ``python -m commlib.launch -n 4 --hosts <node 0>:2,<node 1>:2
+    --launcher-exec <fake ssh>``: the ranks are placed two per node, every
+    check passes on every rank, the launcher exits 0 having said nothing.
+    Then ``python -m commlib.info --run 4`` with the same hosts names each
+    rank's host, local rank and local size."""
+    run, info = run_nodes((2, 2), CODE, timeout=120,
+                          jobs=[launcher(args=(2, 2)), launcher(tool="commlib.info")])
+    check_every_collective(run, (2, 2))
+    assert not re.findall(r"^commlib\.launch: .*$", run.launcher, re.MULTILINE), run.launcher
+    assert info.returncode == 0, info.launcher
+    assert "4 ranks form one MPI world of 4: yes, on 2 hosts (node0, node1)" in info.launcher, \
+        info.launcher
+    ranks = re.findall(r"^rank (\d+): host (\S+), local rank (\d+) of (\d+)$", info.launcher,
+                       re.MULTILINE)
+    assert ranks == [(str(r), "node%d" % (r // 2), str(r % 2), "2") for r in range(4)], \
+        info.launcher
 
 
 def test_the_hierarchical_transport_is_for_nodes_alike_of_several_ranks():
