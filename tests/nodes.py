@@ -248,9 +248,13 @@ def _run_job(ssh, job, timeout, prefix, nodes):
     result = {"timed_out": False}
     before = _port_bytes(prefix, nodes)
     start = time.monotonic()
+    # SIGPIPE stays ignored (as Python has it), also in mpiexec: hydra
+    # writing to the connection of a node whose ranks all ended (a rank's
+    # os._exit, with -disable-auto-cleanup) then gets EPIPE, where the
+    # default action killed it in about one run in eight
     proc = subprocess.Popen([ssh, address(0), " ".join(shlex.quote(c) for c in job["command"])],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env=job["env"], start_new_session=True)
+                            env=job["env"], start_new_session=True, restore_signals=False)
     try:
         try:
             out, err = proc.communicate(timeout=timeout)
