@@ -26,7 +26,7 @@ import numpy as np
 
 from ..core import fingerprints
 from .board import (CLOSED, ENTERED, ERROR_DIGEST, EXITED, GONE, LINE_BYTES, SEEN, SEEN_SEQ,
-                    SLOT, SLOT_WORDS, TEXT_BYTES, StatusBoard, steps_text, uneven_culprits)
+                    SETTLE_S, SLOT, SLOT_WORDS, TEXT_BYTES, StatusBoard, steps_text, uneven_culprits)
 from .peer_watch import PeerWatch
 from ..errors import PeerError
 from ..core.waiting import Wait
@@ -108,6 +108,17 @@ class ExchangeBoard(StatusBoard):
         if error is not None:
             raise error
         raise failure
+
+    def settled_counts(self, mine, leaving, wait_s=SETTLE_S):
+        """As :meth:`StatusBoard.settled_counts
+        <commlib.faults.board.StatusBoard.settled_counts>`, this rank's line
+        published first: a rank that saw a peer gone as it entered a
+        collective has sent no heartbeat there, so its count has not
+        travelled, and the peers settling at the same moment would each
+        wait :data:`~commlib.faults.board.SETTLE_S` for the others' counts,
+        then blame themselves with the culprit (a tie of two counts)."""
+        self._publish()
+        return super().settled_counts(mine, leaving, wait_s)
 
     def _entered(self, seq, rows):
         """Every rank's fingerprint came: each entered collective ``seq``

@@ -206,3 +206,41 @@ def test_a_rank_that_cannot_connect_makes_every_rank_go_without(monkeypatch, cap
     text = made[0].timeout_text(1, ALL_REDUCE, None)
     assert "not known across nodes" in text, text
     np.testing.assert_array_equal(made[0]._lines[1], 0)
+
+
+@pytest.mark.parametrize("short", [0, 2])
+def test_ranks_that_find_a_peer_closed_as_they_enter_settle_at_once(short):
+    """Rank ``short`` closes after collective #4 while the others enter #5
+    and, finding it gone before any heartbeat of theirs went out, settle
+    the counts at the same moment: each publishes its own first, so both
+    blame ``short`` alone at once (not each itself with it after
+    SETTLE_S, for want of the other's count)."""
+    made = boards()
+    try:
+        made[short].arrive(4)
+        made[short].leave(4, board.CLOSED)
+        others = [r for r in range(N) if r != short]
+        for r in others:
+            made[r].arrive(5)                 # entered #5: not sent yet
+            eventually(lambda: made[r].state_of(short).startswith("closed the communicator"),
+                       "rank %d closed, seen by %d" % (short, r))
+        got, start = {}, time.monotonic()
+
+        def settle(r):
+            try:
+                made[r].check_peers(5, ALL_REDUCE)
+            except PeerError as exc:
+                got[r] = (exc, time.monotonic() - start)
+
+        threads = [threading.Thread(target=settle, args=(r,)) for r in others]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(BOUND_S + board.SETTLE_S)
+        assert sorted(got) == others, got
+        for r, (exc, seconds) in got.items():
+            assert exc.culprits == (short,), (r, exc)
+            assert "uneven number of steps: rank %d entered 4 collectives" % short in str(exc), exc
+            assert seconds < board.SETTLE_S, (r, seconds)
+    finally:
+        close_all(made)
