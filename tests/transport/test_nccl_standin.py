@@ -1,4 +1,4 @@
-"""commlib's NCCL transport at 2-4 ranks without a GPU: the host build's
+"""commlib's NCCL transport at 1-4 ranks without a GPU: the host build's
 cupy with the NCCL stand-in (tests/ops/nccl_standin.py) under mpiexec, one
 job per world size for the collectives (and, from 3 ranks, the stand-in's
 own contract), one of 3 ranks for the other calls at an odd size and the
@@ -29,7 +29,7 @@ def nccl_env(tmp_path_factory):
 
 
 @needs_host_build
-@pytest.mark.parametrize("n", [2, 4])
+@pytest.mark.parametrize("n", [1, 2, 4])
 def test_nccl_transport_collectives(nccl_env, n):
     proc = run_mpi(n, CODE, args=["collectives"], env=nccl_env, timeout=300)
     assert_each_rank(proc.stdout, r"nccl stand-in collectives rank (?P<rank>\d+) ok", n)
