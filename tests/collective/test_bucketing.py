@@ -190,3 +190,13 @@ def test_results_at_the_bucket_boundaries_equal_numpy():
                     got = results[r][k][i]
                     assert got.tobytes() == want.tobytes(), (layout, op, i, r)
             k += 1
+
+
+def test_default_caps_are_the_documented_ones():
+    """docs/api.md: 1 MiB over MPI (and shared memory and threads), 25 MiB
+    over NCCL (and the one-process transport); another name gets MPI's."""
+    mib = 1 << 20
+    assert {name: bucketing.default_bucket_bytes(name)
+            for name in ("mpi", "shm", "threads", "nccl", "local", "another")} == {
+        "mpi": mib, "shm": mib, "threads": mib, "nccl": 25 * mib, "local": 25 * mib,
+        "another": mib}

@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 
 import commlib
+from commlib.collective import bucketing
 from commlib.compression import TopK
 from commlib.errors import ArrayTypeError, ConsistencyError, PeerError
 from inprocess import run_ranks
@@ -63,22 +64,33 @@ def test_all_reduce_every_dtype_op_and_length(n):
 
 @pytest.mark.parametrize("n", [2, 3])
 def test_zero_copy_views_and_repeated_lists(n):
-    shapes = [(3, 5), (1000,), (7,), (64, 64), (1,)]
+    # at 8192 bytes a bucket: the first layout's bucket (0, 1, 2, 4) has an
+    # array reduced in place among its arrays, so it is copied; the
+    # second's (1, 2, 3, 4) lies back to back and is reduced where it lies
+    layouts = [[(3, 5), (1000,), (7,), (64, 64), (1,)], [(64, 64), (3, 5), (1000,), (7,), (1,)]]
+    for shapes, buckets, zero_copy in zip(layouts, [(0, 1, 2, 4), (1, 2, 3, 4)], [False, True]):
+        views = commlib.flat_arrays(shapes, "float32")
+        plan = bucketing.plan_for(views, 8192)
+        assert [b.indices for b in plan.buckets] == [buckets]
+        assert bucketing.PreparedList(views, plan, "numpy", True).zero_copy(0) is zero_copy
 
     def body(comm):
-        views = commlib.flat_arrays(shapes, "float32")
         out = []
-        for step in range(3):                  # the same list: its plan is reused
-            for k, v in enumerate(views):
-                v[...] = comm.rank + step + k
-            comm.all_reduce(views, op="avg")
-            out.append([v.copy() for v in views])
+        for shapes in layouts:
+            views = commlib.flat_arrays(shapes, "float32")
+            for step in range(3):                  # the same list: its plan is reused
+                for k, v in enumerate(views):
+                    v[...] = comm.rank + step + k
+                comm.all_reduce(views, op="avg")
+                out.append([v.copy() for v in views])
         return out
 
     for per_rank in run_ranks(n, body, bucket_bytes=8192):
-        for step, arrays in enumerate(per_rank):
+        assert len(per_rank) == 3 * len(layouts)
+        for i, arrays in enumerate(per_rank):
+            step = i % 3
             for k, a in enumerate(arrays):
-                assert np.all(a == np.float32((n - 1) / 2 + step + k)), (step, k)
+                assert np.all(a == np.float32((n - 1) / 2 + step + k)), (i, k)
 
 
 @pytest.mark.parametrize("n", [2, 3, 4])
