@@ -5,6 +5,7 @@ in a module (a mutant) and run the tests that cover it.
     python scripts/mutation_check.py commlib/faults/board.py --max-mutants 40 --seed 1
     python scripts/mutation_check.py --list-modules
     python scripts/mutation_check.py commlib/faults/board.py --list    # the mutants only
+    python scripts/mutation_check.py commlib/faults/board.py --only 14 32   # these two
     python scripts/mutation_check.py commlib/faults/board.py --max-mutants 20 --seed 1 \
         -- tests/faults/test_board.py -k "not slow"     # these pytest arguments instead
 
@@ -247,6 +248,12 @@ def check_module(module, tests, args):
     if args.lines:
         low, high = args.lines
         mutants = [m for m in mutants if low <= m.line <= high]
+    if args.only:
+        unknown = sorted(set(args.only) - {m.index for m in mutants})
+        if unknown:
+            raise SystemExit("mutation_check: %s has no mutant #%s%s" % (
+                module, ", #".join(map(str, unknown)), " on those lines" if args.lines else ""))
+        mutants = [m for m in mutants if m.index in args.only]
     available = len(mutants)
     if args.max_mutants is not None and len(mutants) > args.max_mutants:
         mutants = sorted(random.Random(args.seed).sample(mutants, args.max_mutants),
@@ -301,6 +308,8 @@ def table(module, results, available, args):
         sample += ", seed %d" % args.seed
     if args.lines:
         sample += ", lines %d-%d" % tuple(args.lines)
+    if args.only:
+        sample += ", #%s" % " #".join(map(str, args.only))
     lines = ["| module | mutants (sample) | killed | timed out | survived | score |",
              "|---|---|---|---|---|---|",
              "| %s | %s | %d | %d | %d | %.0f %% |" % (module, sample, count["killed"],
@@ -323,6 +332,8 @@ def main(argv=None):
     parser.add_argument("--seed", type=int, default=0, help="of the sample (default 0)")
     parser.add_argument("--lines", type=int, nargs=2, metavar=("FIRST", "LAST"),
                         help="only mutants on these lines")
+    parser.add_argument("--only", type=int, nargs="+", metavar="N",
+                        help="only the mutants of these numbers (#N in the output)")
     parser.add_argument("--timeout", type=float, help="seconds per mutant (default: 3 times "
                                                       "the unmutated run, plus 30, at least 60)")
     parser.add_argument("--baseline-timeout", type=float, default=1800.0,
