@@ -221,6 +221,18 @@ def test_closing_waits_for_every_rank_to_leave_after_the_same_collective(culprit
     others_fail(views, PeerError, r"^rank %%d: rank %d closed the communicator after "
                                   r"collective #2; this rank left after collective #4$" % culprit)
 
+    views = ranks_on_one_board(3)                           # the culprit went on to #5
+    for view in views:
+        view.arrive(5 if view.rank == culprit else 4)
+        if view.rank != culprit:
+            view.leave(4, board.CLOSED)
+    others = ", ".join(str(r) for r in range(3) if r != culprit)
+    others_fail(views, PeerError, r"^rank %%d: this rank left after collective #4 but rank %d "
+                                  r"last entered all_reduce #5 .*: uneven number of steps: rank "
+                                  r"%d entered 5 collectives, ranks %s entered 4 collectives; "
+                                  r"blaming rank %d \(every rank must call the same "
+                                  r"collectives\)$" % (culprit, culprit, others, culprit))
+
     views = ranks_on_one_board(3)                           # the culprit's process ended
     pid = ended_pid()
     views[culprit].words[culprit * board.STRIDE + board.PID] = pid
@@ -230,3 +242,18 @@ def test_closing_waits_for_every_rank_to_leave_after_the_same_collective(culprit
             view.leave(4, board.CLOSED)
     others_fail(views, PeerError, r"^rank %%d: rank %d \(pid %d\) died before closing$"
                 % (culprit, pid))
+
+
+@pytest.mark.parametrize("counts, culprits", [
+    ({0: 4, 1: 4, 2: 5}, (2,)), ({0: 3, 1: 4, 2: 4, 3: 4}, (0,)), ({0: 4, 1: 5}, (0, 1)),
+    ({0: 1, 1: 2, 2: 3}, (0, 1, 2)), ({0: 2, 1: 2, 2: 3, 3: 3}, (0, 1, 2, 3)),
+    ({0: 6, 1: 7, 2: 6, 3: 8, 4: 6}, (1, 3))])
+def test_uneven_steps_blame_the_ranks_off_the_most_common_count(counts, culprits):
+    assert board.uneven_culprits(counts) == culprits
+
+
+def test_steps_text_lists_the_culprits_first():
+    assert board.steps_text({0: 6, 1: 7, 2: 6}, (1,), 0) == \
+        "rank 1 entered 7 collectives, ranks 0, 2 entered 6 collectives; blaming rank 1"
+    assert board.steps_text({0: 1, 1: 2}, (0,), 0) == \
+        "rank 0 entered 1 collective, rank 1 entered 2 collectives; blaming this rank"
