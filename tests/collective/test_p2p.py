@@ -104,15 +104,27 @@ def test_a_shape_mismatch_on_thread_ranks_names_both_and_writes_nothing():
         assert list(culprits) == [0, 1]
 
 
-def test_a_send_nobody_receives_times_out_on_thread_ranks():
+@pytest.mark.parametrize("ops, call", [
+    (1, "send to rank 0"),
+    (4, "send to rank 0; recv from rank 0; send to rank 0; recv from rank 0"),
+    (5, "send to rank 0; recv from rank 0; send to rank 0; recv from rank 0; ...")])
+def test_a_send_nobody_receives_times_out_on_thread_ranks(ops, call):
+    """The error names the call's first four messages (then "...") and the
+    peer waited for."""
     comms = communicators(2, timeout=0.5)
+    batch = [P2POp("send" if i % 2 == 0 else "recv", np.zeros(2), 0) for i in range(ops)]
     found = []
     thread = threading.Thread(target=lambda: found.append(
-        pytest.raises(errors.CollectiveTimeoutError, comms[1].send, np.zeros(2), 0)))
+        pytest.raises(errors.CollectiveTimeoutError, comms[1].batch_send_recv, batch)
+        if ops > 1 else pytest.raises(errors.CollectiveTimeoutError, comms[1].send,
+                                      np.zeros(2), 0)))
     thread.start()
     thread.join(30)
     assert not thread.is_alive()
-    assert "send to rank 0" in str(found[0].value) and list(found[0].value.culprits) == [0]
+    text = str(found[0].value)
+    assert "after collective #0 (%s) did not complete before its deadline: waiting for rank 0" \
+        % call in text, text
+    assert list(found[0].value.culprits) == [0]
 
 
 def test_single_process_calls():
