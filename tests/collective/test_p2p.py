@@ -104,6 +104,35 @@ def test_a_shape_mismatch_on_thread_ranks_names_both_and_writes_nothing():
         assert list(culprits) == [0, 1]
 
 
+@pytest.mark.parametrize("culprit", [0, 1])
+def test_a_rejected_receive_on_thread_ranks_is_named_on_the_sender(culprit):
+    """The receiving rank rejects its read-only array (ArrayTypeError); the
+    sender raises ConsistencyError quoting that error whole and blaming the
+    receiver alone; both stay usable."""
+    other = 1 - culprit
+    own = ("rank %d: recv(array) from rank %d[0] is read-only; in-place collectives write "
+           "their result into it" % (culprit, other))
+
+    def body(comm):
+        try:
+            if comm.rank == culprit:
+                ro = np.zeros(3)
+                ro.setflags(write=False)
+                comm.recv(ro, other)
+            else:
+                comm.send(np.zeros(3), culprit)
+        except errors.CommlibError as exc:
+            comm.barrier()
+            return type(exc), str(exc), tuple(exc.culprits)
+
+    results = run_ranks(2, body, timeout=30)
+    assert results[culprit] == (errors.ArrayTypeError, own, ())
+    assert results[other] == (
+        errors.ConsistencyError, "rank %d: send after collective #0 was not run for 1 of its 1 "
+        "message(s):\n  rank %d rejected its arguments: %s (its recv from rank %d)"
+        % (other, culprit, own, other), (culprit,))
+
+
 @pytest.mark.parametrize("ops, call", [
     (1, "send to rank 0"),
     (4, "send to rank 0; recv from rank 0; send to rank 0; recv from rank 0"),
