@@ -1,6 +1,8 @@
 """Faults in compressed all-reduce: the ``nonfinite=`` setting and payload
 validation. Unit tests of the helpers here; whole calls on 1-4 real MPI
 ranks through tests/compression/compression_fault_checks.py (with cupy arrays on a GPU)."""
+import re
+
 import numpy as np
 import pytest
 
@@ -27,6 +29,31 @@ def test_nonfinite_setting(make):
     for bad in ("Raise", "ignore", None, 1, True):
         with pytest.raises(ArgumentError, match="nonfinite must be 'raise' or 'warn'"):
             make(bad)
+
+
+@pytest.mark.parametrize("ratio", [1e-9, 0.5, 1, 1.0])
+def test_topk_ratio_in_zero_one(ratio):
+    assert TopK(ratio).ratio == float(ratio)
+    assert TopK(ratio).k_for(1000) == min(1000, max(1, int(np.ceil(ratio * 1000))))
+
+
+@pytest.mark.parametrize("ratio", [0, 0.0, -0.5, 1.0000001, 2, float("nan"), True, "0.5", None])
+def test_topk_ratio_outside_zero_one(ratio):
+    with pytest.raises(ArgumentError, match=r"^TopK: ratio must be a number in \(0, 1\], got "
+                                            r"%s$" % re.escape(repr(ratio))):
+        TopK(ratio)
+
+
+@pytest.mark.parametrize("threshold", [0, 0.0, 1e-30, 3, 3.4e38])
+def test_threshold_finite_and_not_negative(threshold):
+    assert Threshold(threshold).threshold == float(threshold)
+
+
+@pytest.mark.parametrize("threshold", [-1e-30, -1, float("inf"), float("nan"), True, "1", None])
+def test_threshold_negative_infinite_or_no_number(threshold):
+    with pytest.raises(ArgumentError, match=r"^Threshold: threshold must be a finite number >= "
+                                            r"0, got %s$" % re.escape(repr(threshold))):
+        Threshold(threshold)
 
 
 def test_names():
