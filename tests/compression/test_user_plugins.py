@@ -158,3 +158,57 @@ def test_both_boards_take_the_same_leave_arguments():
     from commlib.faults.board_exchange import ExchangeBoard
     assert list(inspect.signature(ExchangeBoard.leave).parameters) == \
         list(inspect.signature(StatusBoard.leave).parameters)
+
+
+class FirstK(commlib.compression.TopK):
+    """Top-K's count, but the first k entries instead of the largest."""
+
+    def select(self, acc):
+        indices, _ = super().select(acc)          # the built-in selection still works
+        k = indices.size
+        return np.arange(k, dtype=np.int32), acc[:k].copy()
+
+
+class PositiveOnly(commlib.compression.Threshold):
+    """Threshold's entries above it, but only the positive ones."""
+
+    def select(self, acc):
+        indices, values = super().select(acc)
+        keep = values > 0
+        return indices[keep], values[keep]
+
+
+def test_topk_and_threshold_select_as_documented():
+    x = np.array([0.5, -3, 3, 0, -7, 1, 7, 2], np.float32)      # ties: |3| twice, |7| twice
+    indices, values = commlib.compression.TopK(0.5).select(x)   # k = 4: 7 and -7, then 3, -3
+    assert indices.tolist() == [1, 2, 4, 6] and values.tolist() == [-3, 3, -7, 7]
+    indices, values = commlib.compression.TopK(0.375).select(x)  # k = 3: the lower 3 index wins
+    assert indices.tolist() == [1, 4, 6] and values.tolist() == [-3, -7, 7]
+    indices, values = commlib.compression.Threshold(2).select(x)
+    assert indices.tolist() == [1, 2, 4, 6] and values.tolist() == [-3, 3, -7, 7]
+
+
+@pytest.mark.parametrize("make, picks", [
+    (lambda: FirstK(0.25, error_feedback=False), lambda x: np.arange(x.size) < 16),
+    (lambda: PositiveOnly(20.0, error_feedback=False), lambda x: x > 20)])
+def test_a_subclass_that_selects_its_own_way_is_used(make, picks):
+    """A subclass of TopK or Threshold that overrides select() is reduced
+    with its selection, not the built-in fused pass: each rank's picked
+    entries summed, the others zero."""
+    n = 3
+
+    def data(rank):
+        return np.random.default_rng(rank).integers(-50, 50, 64).astype(np.float32)
+
+    def body(comm):
+        x = data(comm.rank)
+        comm.all_reduce(x, op="sum", compression=make())
+        return x
+
+    results = run_ranks(n, body)
+    want = np.zeros(64, np.float32)
+    for r in range(n):
+        x = data(r)
+        want += np.where(picks(x), x, np.float32(0))
+    for r in range(n):
+        assert np.array_equal(results[r], want), (r, results[r], want)
