@@ -7,7 +7,7 @@ import pytest
 
 import commlib
 from commlib.collective import bucketing
-from commlib.compression import TopK
+from commlib.compression import Threshold, TopK
 from commlib.errors import ArrayTypeError, ConsistencyError, PeerError
 from inprocess import run_ranks
 
@@ -150,12 +150,20 @@ def test_rejected_arguments_reach_every_rank():
         assert "rank 1 rejected its arguments" in got[r][1]
 
 
+def top_k(acc, k):
+    """The indices of the k largest |acc|, ties to the lowest index, ascending."""
+    return np.sort(np.lexsort((np.arange(acc.size), -np.abs(acc)))[:k])
+
+
 @pytest.mark.parametrize("n", [1, 3])
-def test_topk_error_feedback_over_steps(n):
+@pytest.mark.parametrize("make, chosen", [
+    (lambda: TopK(0.05), lambda acc: top_k(acc, 10)),
+    (lambda: Threshold(1.5), lambda acc: np.nonzero(np.abs(acc) > np.float32(1.5))[0])],
+    ids=["topk", "threshold"])
+def test_topk_and_threshold_error_feedback_over_steps(n, make, chosen):
     """Residuals follow each rank's unsent values; a new strategy object per
     call with the same settings continues the same residuals."""
-    size, ratio, steps = 200, 0.05, 4
-    k = int(np.ceil(ratio * size))
+    size, steps = 200, 4
 
     def grads(rank, step):
         return np.random.default_rng([rank, step]).standard_normal(size).astype(np.float32)
@@ -164,7 +172,7 @@ def test_topk_error_feedback_over_steps(n):
         out = []
         for step in range(steps):
             g = [grads(comm.rank, step)]
-            comm.all_reduce(g, op="avg", compression=TopK(ratio))     # a new object each time
+            comm.all_reduce(g, op="avg", compression=make())     # a new object each time
             out.append(g[0])
         return out
 
@@ -174,10 +182,10 @@ def test_topk_error_feedback_over_steps(n):
         want = np.zeros(size, np.float32)
         for r in range(n):
             acc = residual[r] + grads(r, step)
-            keys = np.abs(acc)
-            chosen = np.sort(np.lexsort((np.arange(size), -keys))[:k])   # ties: lowest index
-            want[chosen] += acc[chosen]
-            acc[chosen] = 0
+            picked = chosen(acc)
+            assert picked.size
+            want[picked] += acc[picked]
+            acc[picked] = 0
             residual[r] = acc
         want *= np.float32(1.0 / n)
         for r in range(n):
