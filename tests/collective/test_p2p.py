@@ -133,6 +133,33 @@ def test_a_rejected_receive_on_thread_ranks_is_named_on_the_sender(culprit):
         % (other, culprit, own, other), (culprit,))
 
 
+@pytest.mark.parametrize("root", [0, 2])
+def test_a_scatter_root_without_one_array_per_rank_on_thread_ranks(root):
+    """The root raises ArgumentError saying what it passed; every other
+    rank ConsistencyError quoting it and blaming the root."""
+    n = 3
+    given = [([np.zeros(2)] * 2, "a list of 2"), (np.zeros((3, 2)), "ndarray")]
+
+    def body(comm):
+        out = []
+        for arrays, _ in given:
+            try:
+                comm.scatter(arrays if comm.rank == root else None, root=root)
+            except errors.CommlibError as exc:
+                out.append((type(exc), str(exc), tuple(exc.culprits)))
+        return out
+
+    results = run_ranks(n, body, timeout=30)
+    for seq, (_, what) in enumerate(given, 1):
+        own = ("rank %d: scatter: the root's arrays must be a list of %d arrays (one per "
+               "rank), got %s" % (root, n, what))
+        for r in range(n):
+            want = (errors.ArgumentError, own, ()) if r == root else (
+                errors.ConsistencyError, "rank %d: scatter #%d was not run:\n  rank %d "
+                "rejected its arguments: %s" % (r, seq, root, own), (root,))
+            assert results[r][seq - 1] == want, (r, results[r][seq - 1])
+
+
 @pytest.mark.parametrize("ops, call", [
     (1, "send to rank 0"),
     (4, "send to rank 0; recv from rank 0; send to rank 0; recv from rank 0"),
