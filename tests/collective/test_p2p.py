@@ -160,6 +160,40 @@ def test_a_scatter_root_without_one_array_per_rank_on_thread_ranks(root):
             assert results[r][seq - 1] == want, (r, results[r][seq - 1])
 
 
+@pytest.mark.parametrize("culprit", [0, 2])
+def test_bad_roots_and_colours_on_thread_ranks(culprit):
+    """A root out of range or no int, passed by every rank to the rooted
+    calls, raises ArgumentError on every rank; a negative colour passed by
+    one rank to split raises ArgumentError there and ConsistencyError
+    blaming it on the others."""
+    n = 3
+    calls = [(lambda comm: comm.broadcast_object(1, root=n), "root=3 is out of range for a "
+              "communicator of size 3 (expected 0 <= root < 3)"),
+             (lambda comm: comm.gather(np.zeros(2), root=-1), "root=-1 is out of range for a "
+              "communicator of size 3 (expected 0 <= root < 3)"),
+             (lambda comm: comm.scatter(None, root=True), "root must be an int, got True")]
+
+    def body(comm):
+        out = []
+        for call, _ in calls:
+            with pytest.raises(errors.ArgumentError) as info:
+                call(comm)
+            out.append(str(info.value))
+        try:
+            comm.split(-1 if comm.rank == culprit else 0)
+        except errors.CommlibError as exc:
+            out.append((type(exc), str(exc), tuple(exc.culprits)))
+        return out
+
+    results = run_ranks(n, body, timeout=30)
+    own = "rank %d: split: color must be an int >= 0 or None, got -1" % culprit
+    for r in range(n):
+        assert results[r][:3] == ["rank %d: %s" % (r, text) for _, text in calls]
+        assert results[r][3] == ((errors.ArgumentError, own, ()) if r == culprit else (
+            errors.ConsistencyError, "rank %d: split #4 was not run:\n  rank %d rejected its "
+            "arguments: %s" % (r, culprit, own), (culprit,)))
+
+
 @pytest.mark.parametrize("ops, call", [
     (1, "send to rank 0"),
     (4, "send to rank 0; recv from rank 0; send to rank 0; recv from rank 0"),
