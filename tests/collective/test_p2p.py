@@ -163,7 +163,7 @@ def test_a_scatter_root_without_one_array_per_rank_on_thread_ranks(root):
 @pytest.mark.parametrize("culprit", [0, 2])
 def test_bad_roots_and_colours_on_thread_ranks(culprit):
     """A root out of range or no int, passed by every rank to the rooted
-    calls, raises ArgumentError on every rank; a negative colour passed by
+    calls, and a peer out of range raise ArgumentError on every rank; a negative colour passed by
     one rank to split raises ArgumentError there and ConsistencyError
     blaming it on the others."""
     n = 3
@@ -171,7 +171,11 @@ def test_bad_roots_and_colours_on_thread_ranks(culprit):
               "communicator of size 3 (expected 0 <= root < 3)"),
              (lambda comm: comm.gather(np.zeros(2), root=-1), "root=-1 is out of range for a "
               "communicator of size 3 (expected 0 <= root < 3)"),
-             (lambda comm: comm.scatter(None, root=True), "root must be an int, got True")]
+             (lambda comm: comm.scatter(None, root=True), "root must be an int, got True"),
+             (lambda comm: comm.send(np.zeros(2), n), "send: the peer of ops[0] (send) must "
+              "be a rank, an int with 0 <= peer < 3, got 3"),
+             (lambda comm: comm.recv(np.zeros(2), -1), "recv: the peer of ops[0] (recv) must "
+              "be a rank, an int with 0 <= peer < 3, got -1")]
 
     def body(comm):
         out = []
@@ -188,8 +192,8 @@ def test_bad_roots_and_colours_on_thread_ranks(culprit):
     results = run_ranks(n, body, timeout=30)
     own = "rank %d: split: color must be an int >= 0 or None, got -1" % culprit
     for r in range(n):
-        assert results[r][:3] == ["rank %d: %s" % (r, text) for _, text in calls]
-        assert results[r][3] == ((errors.ArgumentError, own, ()) if r == culprit else (
+        assert results[r][:-1] == ["rank %d: %s" % (r, text) for _, text in calls]
+        assert results[r][-1] == ((errors.ArgumentError, own, ()) if r == culprit else (
             errors.ConsistencyError, "rank %d: split #4 was not run:\n  rank %d rejected its "
             "arguments: %s" % (r, culprit, own), (culprit,)))
 
