@@ -212,3 +212,17 @@ def test_a_subclass_that_selects_its_own_way_is_used(make, picks):
         want += np.where(picks(x), x, np.float32(0))
     for r in range(n):
         assert np.array_equal(results[r], want), (r, results[r], want)
+
+
+def test_topk_select_into_writes_its_selection_or_declines():
+    """select_into (what the GPU path calls to write a record in place):
+    TopK's own selection into arrays of k elements; False, nothing
+    written, for arrays of another size or a subclass with its own select."""
+    x = np.array([0.5, -3, 3, 0, -7, 1, 7, 2], np.float32)
+    indices, values = np.full(4, -9, np.int32), np.full(4, -9, np.float32)
+    assert commlib.compression.TopK(0.5).select_into(x, indices, values) is True
+    assert indices.tolist() == [1, 2, 4, 6] and values.tolist() == [-3, 3, -7, 7]
+    for strategy, k in ((commlib.compression.TopK(0.25), 4), (FirstK(0.5), 4)):
+        indices, values = np.full(k, -9, np.int32), np.full(k, -9, np.float32)
+        assert strategy.select_into(x, indices, values) is False
+        assert (indices == -9).all() and (values == -9).all()
