@@ -206,3 +206,41 @@ def test_a_rank_that_cannot_connect_makes_every_rank_go_without(monkeypatch, cap
     text = made[0].timeout_text(1, ALL_REDUCE, None)
     assert "not known across nodes" in text, text
     np.testing.assert_array_equal(made[0]._lines[1], 0)
+
+
+def test_addresses_are_this_machines_ipv4_ones_loopback_last():
+    """Against ``ip -4 -o addr``: the (first) address of every interface
+    that has one, once, the loopback ones last."""
+    import shutil
+    import subprocess
+    if shutil.which("ip") is None:
+        pytest.skip("no ip command to list the interfaces' addresses")
+    listed = subprocess.run(["ip", "-4", "-o", "addr", "show"], stdout=subprocess.PIPE,
+                            text=True, timeout=30, check=True).stdout.split("\n")
+    first = {}
+    for line in listed:
+        if " inet " in line:
+            words = line.split()
+            first.setdefault(words[1], words[3].split("/")[0])
+    want = set(first.values())
+    found = peer_watch.addresses()
+    assert sorted(found) == sorted(want) and len(found) == len(set(found))
+    loopback = [a.startswith("127.") for a in found]
+    assert loopback == sorted(loopback), found
+
+
+def test_connections_keep_alive_without_delay():
+    """The TCP options of the copies' connections: keep-alive probes after
+    KEEPALIVE's idle seconds, every so many seconds, so many times; no
+    Nagle delay."""
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    try:
+        peer_watch._keepalive(sock)
+        assert sock.getsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE) == 1
+        assert sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY) == 1
+        for option, value in zip(("TCP_KEEPIDLE", "TCP_KEEPINTVL", "TCP_KEEPCNT"),
+                                 peer_watch.KEEPALIVE):
+            if hasattr(socket, option):
+                assert sock.getsockopt(socket.IPPROTO_TCP, getattr(socket, option)) == value
+    finally:
+        sock.close()
