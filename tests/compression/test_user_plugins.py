@@ -226,3 +226,44 @@ def test_topk_select_into_writes_its_selection_or_declines():
         indices, values = np.full(k, -9, np.int32), np.full(k, -9, np.float32)
         assert strategy.select_into(x, indices, values) is False
         assert (indices == -9).all() and (values == -9).all()
+
+
+class FP16BucketByBucket(commlib.compression.FP16):
+    """FP16 through the base class's reduce_all: its reduce(), one bucket
+    at a time, instead of its own reduce_all (every bucket in one wire)."""
+
+    reduce_all = commlib.compression.Compression.reduce_all
+
+
+@pytest.mark.parametrize("op", ["avg", "sum"])
+def test_half_precision_bucket_by_bucket_equals_all_buckets_at_once(op):
+    """Thread ranks, three buckets and an array reduced in place: FP16's
+    reduce() bucket by bucket gives, bit for bit, what its reduce_all gives,
+    and both the float16 reference (each rank's values, times 1/n when
+    averaging, rounded to float16, summed in rank order in float32 and
+    rounded back at each step)."""
+    n, shapes = 3, [(5,), (3, 7), (40,), (2,), (300,)]
+
+    def inputs(rank):
+        rng = np.random.default_rng(rank)
+        return [rng.standard_normal(s).astype(np.float32) for s in shapes]
+
+    def body(comm):
+        out = []
+        for strategy in (commlib.compression.FP16(), FP16BucketByBucket()):
+            arrays = inputs(comm.rank)
+            comm.all_reduce(arrays, op=op, compression=strategy)
+            out.append(arrays)
+        return out
+
+    results = run_ranks(n, body, bucket_bytes=256)
+    for i in range(len(shapes)):
+        terms = [(x[i] * np.float32(1.0 / n) if op == "avg" else x[i]).astype(np.float16)
+                 for x in map(inputs, range(n))]
+        want = terms[0]
+        for t in terms[1:]:
+            want = (want.astype(np.float32) + t.astype(np.float32)).astype(np.float16)
+        want = want.astype(np.float32)
+        for r in range(n):
+            for got in results[r]:
+                assert got[i].tobytes() == want.tobytes(), (op, i, r)
