@@ -228,3 +228,33 @@ def test_faults_without_shared_memory_or_compiled_loops(which):
 def test_faults_cupy_world_size_1(which):
     proc = run_mpi(1, CODE, args=[which, "cupy"], timeout=240)
     assert "faults %s rank 0 ok" % which in proc.stdout
+
+
+@pytest.mark.parametrize("culprit", [0, 2])
+def test_half_precision_nonfinite_in_a_later_bucket_on_thread_ranks(culprit):
+    """FP16, three buckets: one rank's NaN in the second bucket raises
+    NonFiniteError on every rank, naming that rank and its count; that
+    bucket's arrays stay as they were, the finite buckets before and after
+    it are written (docs/compression.md)."""
+    from inprocess import run_ranks
+    n, shapes = 3, [(20,), (20,), (20,)]        # 40 bytes of float16 each: one bucket apiece
+
+    def inputs(rank):
+        arrays = [np.full(s, rank + 1.0 + i, F32) for i, s in enumerate(shapes)]
+        if rank == culprit:
+            arrays[1][7] = np.nan
+        return arrays
+
+    def body(comm):
+        arrays = inputs(comm.rank)
+        with pytest.raises(NonFiniteError) as info:
+            comm.all_reduce(arrays, compression=FP16(), op="sum")
+        same = arrays[1].tobytes() == inputs(comm.rank)[1].tobytes() and \
+            (arrays[0] == 1 + 2 + 3).all() and (arrays[2] == 3 + 4 + 5).all()
+        return info.value.counts, info.value.culprits, str(info.value), same
+
+    counts = [1 if r == culprit else 0 for r in range(n)]
+    for r, (got, culprits, text, same) in enumerate(run_ranks(n, body, bucket_bytes=80)):
+        assert (got, culprits, same) == (tuple(counts), (culprit,), True), (r, text)
+        assert text.startswith("rank %d: compression fp16: the reduced float16 result holds 1 "
+                               "NaN or inf" % r) and "sent by rank %d (1 value)" % culprit in text
