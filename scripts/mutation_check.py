@@ -54,7 +54,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 #: in-process tests first: with ``-x`` a mutant is usually killed early.
 COVERING = {
     "commlib/faults/board.py": [
-        "tests/faults/test_waits.py", "tests/collective/test_frontend.py",
+        "tests/faults/test_board.py", "tests/faults/test_waits.py", "tests/collective/test_frontend.py",
         "tests/faults/test_stalls.py", "tests/faults/test_faults.py",
         "tests/collective/test_errors.py"],
     "commlib/core/waiting.py": [
@@ -73,6 +73,7 @@ COVERING = {
         "tests/collective/test_collectives.py", "tests/faults/test_stalls.py",
         "tests/faults/test_faults.py", "tests/progress/test_async.py"],
     "commlib/transport/threads.py": [
+        "tests/collective/test_p2p.py", "tests/collective/test_frontend.py",
         "tests/faults/test_stalls.py", "tests/compression/test_compression.py"],
     "commlib/collective/collectives.py": [
         "tests/collective/test_frontend.py", "tests/collective/test_collectives.py",
@@ -85,16 +86,18 @@ COVERING = {
         "tests/collective/test_errors.py::test_argument_errors_name_argument_rank_and_expectation",
         "tests/collective/test_errors.py::test_consistency_check_raises_on_every_rank"],
     "commlib/compression/half.py": [
-        "tests/compression/test_half_range.py", "tests/compression/test_compression.py",
-        "tests/compression/test_compression_faults.py"],
+        "tests/compression/test_half_range.py", "tests/compression/test_user_plugins.py",
+        "tests/compression/test_compression_faults.py", "tests/compression/test_compression.py"],
     "commlib/compression/topk.py": [
-        "tests/compression/test_compression_faults.py", "tests/collective/test_frontend.py",
+        "tests/compression/test_user_plugins.py", "tests/compression/test_compression_faults.py", "tests/collective/test_frontend.py",
         "tests/collective/test_reduce_state.py", "tests/compression/test_compression.py"],
     "commlib/compression/threshold.py": [
-        "tests/compression/test_compression_faults.py", "tests/collective/test_reduce_state.py",
+        "tests/compression/test_user_plugins.py", "tests/compression/test_compression_faults.py",
+        "tests/collective/test_frontend.py", "tests/collective/test_reduce_state.py",
         "tests/compression/test_compression.py"],
     "commlib/compression/nonfinite.py": [
-        "tests/compression/test_compression_faults.py", "tests/compression/test_compression.py"],
+        "tests/compression/test_compression_faults.py", "tests/compression/test_half_range.py",
+        "tests/compression/test_compression.py"],
     "commlib/collective/p2p.py": [
         "tests/collective/test_p2p.py"],
     "commlib/collective/exchanges.py": [
