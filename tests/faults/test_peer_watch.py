@@ -244,3 +244,25 @@ def test_connections_keep_alive_without_delay():
                 assert sock.getsockopt(socket.IPPROTO_TCP, getattr(socket, option)) == value
     finally:
         sock.close()
+
+
+def test_a_slots_digest_arrives_as_written_and_its_time_on_the_receivers_clock():
+    """Of a line's words, only the times move onto the receiver's clock
+    (later than the sender's: the transit is in it); the digests and the
+    collective's code arrive as written."""
+    made = boards()
+    try:
+        rank1 = made[1]
+        at = board.SLOT + board.SLOT_WORDS          # the slot of odd collectives
+        written = time.monotonic_ns()
+        rank1._mine[at:at + 4] = (111, 222, ALL_REDUCE, written)
+        rank1.arrive(9)
+        waiting = Wait(None, 9, ALL_REDUCE, rank1, 1)
+        for r in (0, 2):
+            eventually(lambda: rank1.check_waiting(waiting) or
+                       made[r].not_arrived(9) == [0, 2], "rank 1 entered #9, seen by %d" % r)
+            copy = made[r]._lines[1]
+            assert (int(copy[at]), int(copy[at + 1]), int(copy[at + 2])) == (111, 222, ALL_REDUCE)
+            assert int(copy[at + 3]) > written, (r, int(copy[at + 3]) - written)
+    finally:
+        close_all(made)
