@@ -238,7 +238,7 @@ def test_half_precision_nonfinite_in_a_later_bucket_on_thread_ranks(culprit):
     bucket's arrays stay as they were, the finite buckets before and after
     it are written (docs/compression.md)."""
     from inprocess import run_ranks
-    n, shapes = 3, [(20,), (20,), (20,)]        # 40 bytes of float16 each: one bucket apiece
+    n, shapes = 3, [(20,), (30,), (40,)]        # at 80 bytes a bucket: one bucket apiece
 
     def inputs(rank):
         arrays = [np.full(s, rank + 1.0 + i, F32) for i, s in enumerate(shapes)]
@@ -258,4 +258,5 @@ def test_half_precision_nonfinite_in_a_later_bucket_on_thread_ranks(culprit):
     for r, (got, culprits, text, same) in enumerate(run_ranks(n, body, bucket_bytes=80)):
         assert (got, culprits, same) == (tuple(counts), (culprit,), True), (r, text)
         assert text.startswith("rank %d: compression fp16: the reduced float16 result holds 1 "
-                               "NaN or inf" % r) and "sent by rank %d (1 value)" % culprit in text
+                               "NaN or inf, in a bucket of 30 float32 values (1 array); sent by "
+                               "rank %d (1 value)" % (r, culprit)), text
