@@ -5,6 +5,9 @@ in a module (a mutant) and run the tests that cover it.
     python scripts/mutation_check.py commlib/faults/board.py --max-mutants 40 --seed 1
     python scripts/mutation_check.py --list-modules
     python scripts/mutation_check.py commlib/faults/board.py --list    # the mutants only
+    python scripts/mutation_check.py commlib/faults/board.py --only 14 32   # these two
+    python scripts/mutation_check.py commlib/faults/board.py --max-mutants 20 --seed 1 \
+        -- tests/faults/test_board.py -k "not slow"     # these pytest arguments instead
 
 For each module named (default: every module of :data:`COVERING`), the
 script copies the checkout (the files git tracks or would track, and the
@@ -51,7 +54,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 #: in-process tests first: with ``-x`` a mutant is usually killed early.
 COVERING = {
     "commlib/faults/board.py": [
-        "tests/faults/test_waits.py", "tests/collective/test_frontend.py",
+        "tests/faults/test_board.py", "tests/faults/test_waits.py", "tests/collective/test_frontend.py",
         "tests/faults/test_stalls.py", "tests/faults/test_faults.py",
         "tests/collective/test_errors.py"],
     "commlib/core/waiting.py": [
@@ -70,6 +73,7 @@ COVERING = {
         "tests/collective/test_collectives.py", "tests/faults/test_stalls.py",
         "tests/faults/test_faults.py", "tests/progress/test_async.py"],
     "commlib/transport/threads.py": [
+        "tests/collective/test_p2p.py", "tests/collective/test_frontend.py",
         "tests/faults/test_stalls.py", "tests/compression/test_compression.py"],
     "commlib/collective/collectives.py": [
         "tests/collective/test_frontend.py", "tests/collective/test_collectives.py",
@@ -78,10 +82,28 @@ COVERING = {
         "tests/collective/test_frontend.py", "tests/collective/test_errors.py",
         "tests/faults/test_faults.py", "tests/progress/test_async.py"],
     "commlib/collective/validation.py": [
-        "tests/collective/test_frontend.py", "tests/collective/test_errors.py"],
+        "tests/collective/test_validation.py", "tests/collective/test_frontend.py",
+        "tests/collective/test_errors.py::test_argument_errors_name_argument_rank_and_expectation",
+        "tests/collective/test_errors.py::test_consistency_check_raises_on_every_rank"],
     "commlib/compression/half.py": [
-        "tests/compression/test_half_range.py", "tests/compression/test_compression.py",
-        "tests/compression/test_compression_faults.py"],
+        "tests/compression/test_half_range.py", "tests/compression/test_user_plugins.py",
+        "tests/compression/test_compression_faults.py", "tests/compression/test_compression.py"],
+    "commlib/compression/topk.py": [
+        "tests/compression/test_user_plugins.py", "tests/compression/test_compression_faults.py", "tests/collective/test_frontend.py",
+        "tests/collective/test_reduce_state.py", "tests/compression/test_compression.py"],
+    "commlib/compression/threshold.py": [
+        "tests/compression/test_user_plugins.py", "tests/compression/test_compression_faults.py",
+        "tests/collective/test_frontend.py", "tests/collective/test_reduce_state.py",
+        "tests/compression/test_compression.py"],
+    "commlib/compression/nonfinite.py": [
+        "tests/compression/test_compression_faults.py", "tests/compression/test_half_range.py",
+        "tests/compression/test_compression.py"],
+    "commlib/collective/p2p.py": [
+        "tests/collective/test_p2p.py"],
+    "commlib/collective/exchanges.py": [
+        "tests/collective/test_p2p.py"],
+    "commlib/faults/peer_watch.py": [
+        "tests/faults/test_peer_watch.py", "tests/faults/test_faults.py"],
     "commlib/compression/base.py": [
         "tests/compression/test_user_plugins.py", "tests/compression/test_compression.py"],
 }
@@ -221,20 +243,28 @@ def run_tests(scratch, tests, timeout):
 
 
 def check_module(module, tests, args):
-    """Mutate ``module`` one mutant at a time; returns (results, mutants)."""
+    """Mutate ``module`` one mutant at a time; returns (results, how many
+    mutants there were to sample from)."""
     with open(os.path.join(ROOT, module)) as f:
         original = f.read()
     tree, mutants = mutants_of(original)
     if args.lines:
         low, high = args.lines
         mutants = [m for m in mutants if low <= m.line <= high]
+    if args.only:
+        unknown = sorted(set(args.only) - {m.index for m in mutants})
+        if unknown:
+            raise SystemExit("mutation_check: %s has no mutant #%s%s" % (
+                module, ", #".join(map(str, unknown)), " on those lines" if args.lines else ""))
+        mutants = [m for m in mutants if m.index in args.only]
+    available = len(mutants)
     if args.max_mutants is not None and len(mutants) > args.max_mutants:
         mutants = sorted(random.Random(args.seed).sample(mutants, args.max_mutants),
                          key=lambda m: m.index)
     if args.list:
         for m in mutants:
             print("%s:%d  #%d  %s" % (module, m.line, m.index, m.text))
-        return [], mutants
+        return [], available
     scratch = scratch_copy(ROOT)
     try:
         target = os.path.join(scratch, module)
@@ -263,25 +293,34 @@ def check_module(module, tests, args):
             results.append((m, outcome, seconds))
             print("  #%-4d line %-4d %-9s %5.0f s  %s" % (m.index, m.line, outcome, seconds,
                                                           m.text), flush=True)
-        return results, mutants
+        return results, available
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
 
 
-def table(module, results):
-    """The summary of one module, as lines of text."""
+def table(module, results, available, args):
+    """The summary of one module, as lines of text: the counts, the sample
+    (how many of how many, with which seed and lines, to rerun it) and each
+    survivor."""
     count = {k: sum(1 for _, o, _ in results if o == k)
              for k in ("killed", "survived", "timed out")}
     total = len(results)
     score = (count["killed"] + count["timed out"]) / total if total else 1.0
-    lines = ["| module | mutants | killed | survived | timed out | score |",
+    sample = "%d of %d" % (total, available)
+    if total < available and args.max_mutants is not None:
+        sample += ", seed %d" % args.seed
+    if args.lines:
+        sample += ", lines %d-%d" % tuple(args.lines)
+    if args.only:
+        sample += ", #%s" % " #".join(map(str, args.only))
+    lines = ["| module | mutants (sample) | killed | timed out | survived | score |",
              "|---|---|---|---|---|---|",
-             "| %s | %d | %d | %d | %d | %.0f %% |" % (module, total, count["killed"],
-                                                     count["survived"], count["timed out"],
+             "| %s | %s | %d | %d | %d | %.0f %% |" % (module, sample, count["killed"],
+                                                     count["timed out"], count["survived"],
                                                      100 * score)]
     for m, outcome, _ in results:
         if outcome == "survived":
-            lines.append("survived: %s:%d  %s" % (module, m.line, m.text))
+            lines.append("survived: %s:%d  #%d  %s" % (module, m.line, m.index, m.text))
     return lines
 
 
@@ -289,18 +328,30 @@ def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("modules", nargs="*", help="paths from the checkout's root (default: "
                                                    "every module of the table)")
-    parser.add_argument("--tests", nargs="+", help="pytest arguments instead of the table's")
+    parser.add_argument("--tests", nargs="+", help="pytest files or node ids instead of the "
+                                                   "table's (pytest options such as -k: "
+                                                   "after --)")
     parser.add_argument("--max-mutants", type=int, help="a random sample of this many")
     parser.add_argument("--seed", type=int, default=0, help="of the sample (default 0)")
     parser.add_argument("--lines", type=int, nargs=2, metavar=("FIRST", "LAST"),
                         help="only mutants on these lines")
+    parser.add_argument("--only", type=int, nargs="+", metavar="N",
+                        help="only the mutants of these numbers (#N in the output)")
     parser.add_argument("--timeout", type=float, help="seconds per mutant (default: 3 times "
                                                       "the unmutated run, plus 30, at least 60)")
     parser.add_argument("--baseline-timeout", type=float, default=1800.0,
                         help="seconds for the unmutated run (default 1800)")
     parser.add_argument("--list", action="store_true", help="print the mutants, run nothing")
     parser.add_argument("--list-modules", action="store_true", help="print the table")
-    args = parser.parse_args(argv)
+    argv = list(sys.argv[1:] if argv is None else argv)
+    after = argv[argv.index("--") + 1:] if "--" in argv else None
+    args = parser.parse_args(argv[:argv.index("--")] if after is not None else argv)
+    if after is not None:
+        if not after:
+            parser.error("no pytest arguments after --")
+        if args.tests is not None:
+            parser.error("pass the tests either with --tests or after --, not both")
+        args.tests = after
     if args.list_modules:
         for module, tests in COVERING.items():
             print("%s: %s" % (module, " ".join(tests)))
@@ -318,9 +369,9 @@ def main(argv=None):
                          "--tests" % (module, __file__))
     summary, survived = [], False
     for module in modules:
-        results, _ = check_module(module, args.tests or COVERING[module], args)
+        results, available = check_module(module, args.tests or COVERING[module], args)
         if not args.list:
-            summary += table(module, results) + [""]
+            summary += table(module, results, available, args) + [""]
             survived |= any(o == "survived" for _, o, _ in results)
     if summary:
         print("\n" + "\n".join(summary))

@@ -190,3 +190,29 @@ def test_results_at_the_bucket_boundaries_equal_numpy():
                     got = results[r][k][i]
                     assert got.tobytes() == want.tobytes(), (layout, op, i, r)
             k += 1
+
+
+def test_default_caps_are_the_documented_ones():
+    """docs/api.md: 1 MiB over MPI (and shared memory and threads), 25 MiB
+    over NCCL (and the one-process transport); another name gets MPI's."""
+    mib = 1 << 20
+    assert {name: bucketing.default_bucket_bytes(name)
+            for name in ("mpi", "shm", "threads", "nccl", "local", "another")} == {
+        "mpi": mib, "shm": mib, "threads": mib, "nccl": 25 * mib, "local": 25 * mib,
+        "another": mib}
+
+
+@pytest.mark.parametrize("compiled", [True, False], ids=["compiled", "python"])
+def test_same_items_is_identity_in_order(compiled, monkeypatch):
+    """The fusion cache's test for the very list it hit last: the compiled
+    scan and its Python twin alike."""
+    from commlib.ops import native
+    if not compiled:
+        monkeypatch.setattr(native, "module", lambda: None)
+    elif native.module() is None:
+        pytest.skip("compiled host loops not built")
+    a, b, c = np.zeros(2), np.zeros(2), np.zeros(3)
+    assert bucketing._same_items([a, b, c], (a, b, c)) is True
+    assert bucketing._same_items([], ()) is True
+    for other in ([a, b.copy(), c], [a, c, b], [a, b], [a, b, c, a]):
+        assert bucketing._same_items([a, b, c], tuple(other)) is False, other

@@ -6,7 +6,8 @@ import numpy as np
 import pytest
 
 import commlib
-from commlib.compression import TopK
+from commlib.collective import bucketing
+from commlib.compression import Threshold, TopK
 from commlib.errors import ArrayTypeError, ConsistencyError, PeerError
 from inprocess import run_ranks
 
@@ -63,22 +64,33 @@ def test_all_reduce_every_dtype_op_and_length(n):
 
 @pytest.mark.parametrize("n", [2, 3])
 def test_zero_copy_views_and_repeated_lists(n):
-    shapes = [(3, 5), (1000,), (7,), (64, 64), (1,)]
+    # at 8192 bytes a bucket: the first layout's bucket (0, 1, 2, 4) has an
+    # array reduced in place among its arrays, so it is copied; the
+    # second's (1, 2, 3, 4) lies back to back and is reduced where it lies
+    layouts = [[(3, 5), (1000,), (7,), (64, 64), (1,)], [(64, 64), (3, 5), (1000,), (7,), (1,)]]
+    for shapes, buckets, zero_copy in zip(layouts, [(0, 1, 2, 4), (1, 2, 3, 4)], [False, True]):
+        views = commlib.flat_arrays(shapes, "float32")
+        plan = bucketing.plan_for(views, 8192)
+        assert [b.indices for b in plan.buckets] == [buckets]
+        assert bucketing.PreparedList(views, plan, "numpy", True).zero_copy(0) is zero_copy
 
     def body(comm):
-        views = commlib.flat_arrays(shapes, "float32")
         out = []
-        for step in range(3):                  # the same list: its plan is reused
-            for k, v in enumerate(views):
-                v[...] = comm.rank + step + k
-            comm.all_reduce(views, op="avg")
-            out.append([v.copy() for v in views])
+        for shapes in layouts:
+            views = commlib.flat_arrays(shapes, "float32")
+            for step in range(3):                  # the same list: its plan is reused
+                for k, v in enumerate(views):
+                    v[...] = comm.rank + step + k
+                comm.all_reduce(views, op="avg")
+                out.append([v.copy() for v in views])
         return out
 
     for per_rank in run_ranks(n, body, bucket_bytes=8192):
-        for step, arrays in enumerate(per_rank):
+        assert len(per_rank) == 3 * len(layouts)
+        for i, arrays in enumerate(per_rank):
+            step = i % 3
             for k, a in enumerate(arrays):
-                assert np.all(a == np.float32((n - 1) / 2 + step + k)), (step, k)
+                assert np.all(a == np.float32((n - 1) / 2 + step + k)), (i, k)
 
 
 @pytest.mark.parametrize("n", [2, 3, 4])
@@ -138,12 +150,20 @@ def test_rejected_arguments_reach_every_rank():
         assert "rank 1 rejected its arguments" in got[r][1]
 
 
+def top_k(acc, k):
+    """The indices of the k largest |acc|, ties to the lowest index, ascending."""
+    return np.sort(np.lexsort((np.arange(acc.size), -np.abs(acc)))[:k])
+
+
 @pytest.mark.parametrize("n", [1, 3])
-def test_topk_error_feedback_over_steps(n):
+@pytest.mark.parametrize("make, chosen", [
+    (lambda: TopK(0.05), lambda acc: top_k(acc, 10)),
+    (lambda: Threshold(1.5), lambda acc: np.nonzero(np.abs(acc) > np.float32(1.5))[0])],
+    ids=["topk", "threshold"])
+def test_topk_and_threshold_error_feedback_over_steps(n, make, chosen):
     """Residuals follow each rank's unsent values; a new strategy object per
     call with the same settings continues the same residuals."""
-    size, ratio, steps = 200, 0.05, 4
-    k = int(np.ceil(ratio * size))
+    size, steps = 200, 4
 
     def grads(rank, step):
         return np.random.default_rng([rank, step]).standard_normal(size).astype(np.float32)
@@ -152,7 +172,7 @@ def test_topk_error_feedback_over_steps(n):
         out = []
         for step in range(steps):
             g = [grads(comm.rank, step)]
-            comm.all_reduce(g, op="avg", compression=TopK(ratio))     # a new object each time
+            comm.all_reduce(g, op="avg", compression=make())     # a new object each time
             out.append(g[0])
         return out
 
@@ -162,10 +182,10 @@ def test_topk_error_feedback_over_steps(n):
         want = np.zeros(size, np.float32)
         for r in range(n):
             acc = residual[r] + grads(r, step)
-            keys = np.abs(acc)
-            chosen = np.sort(np.lexsort((np.arange(size), -keys))[:k])   # ties: lowest index
-            want[chosen] += acc[chosen]
-            acc[chosen] = 0
+            picked = chosen(acc)
+            assert picked.size
+            want[picked] += acc[picked]
+            acc[picked] = 0
             residual[r] = acc
         want *= np.float32(1.0 / n)
         for r in range(n):

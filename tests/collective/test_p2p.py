@@ -150,15 +150,121 @@ def test_two_ranks_that_send_first_end_at_the_deadline_on_thread_ranks(first):
         c.close()
 
 
-def test_a_send_nobody_receives_times_out_on_thread_ranks():
+@pytest.mark.parametrize("culprit", [0, 1])
+def test_a_rejected_receive_on_thread_ranks_is_named_on_the_sender(culprit):
+    """The receiving rank rejects its read-only array (ArrayTypeError); the
+    sender raises ConsistencyError quoting that error whole and blaming the
+    receiver alone; both stay usable."""
+    other = 1 - culprit
+    own = ("rank %d: recv(array) from rank %d[0] is read-only; in-place collectives write "
+           "their result into it" % (culprit, other))
+
+    def body(comm):
+        try:
+            if comm.rank == culprit:
+                ro = np.zeros(3)
+                ro.setflags(write=False)
+                comm.recv(ro, other)
+            else:
+                comm.send(np.zeros(3), culprit)
+        except errors.CommlibError as exc:
+            comm.barrier()
+            return type(exc), str(exc), tuple(exc.culprits)
+
+    results = run_ranks(2, body, timeout=30)
+    assert results[culprit] == (errors.ArrayTypeError, own, ())
+    assert results[other] == (
+        errors.ConsistencyError, "rank %d: send after collective #0 was not run for 1 of its 1 "
+        "message(s):\n  rank %d rejected its arguments: %s (its recv from rank %d)"
+        % (other, culprit, own, other), (culprit,))
+
+
+@pytest.mark.parametrize("root", [0, 2])
+def test_a_scatter_root_without_one_array_per_rank_on_thread_ranks(root):
+    """The root raises ArgumentError saying what it passed; every other
+    rank ConsistencyError quoting it and blaming the root."""
+    n = 3
+    given = [([np.zeros(2)] * 2, "a list of 2"), (np.zeros((3, 2)), "ndarray")]
+
+    def body(comm):
+        out = []
+        for arrays, _ in given:
+            try:
+                comm.scatter(arrays if comm.rank == root else None, root=root)
+            except errors.CommlibError as exc:
+                out.append((type(exc), str(exc), tuple(exc.culprits)))
+        return out
+
+    results = run_ranks(n, body, timeout=30)
+    for seq, (_, what) in enumerate(given, 1):
+        own = ("rank %d: scatter: the root's arrays must be a list of %d arrays (one per "
+               "rank), got %s" % (root, n, what))
+        for r in range(n):
+            want = (errors.ArgumentError, own, ()) if r == root else (
+                errors.ConsistencyError, "rank %d: scatter #%d was not run:\n  rank %d "
+                "rejected its arguments: %s" % (r, seq, root, own), (root,))
+            assert results[r][seq - 1] == want, (r, results[r][seq - 1])
+
+
+@pytest.mark.parametrize("culprit", [0, 2])
+def test_bad_roots_and_colours_on_thread_ranks(culprit):
+    """A root out of range or no int, passed by every rank to the rooted
+    calls, and a peer out of range raise ArgumentError on every rank; a negative colour passed by
+    one rank to split raises ArgumentError there and ConsistencyError
+    blaming it on the others."""
+    n = 3
+    calls = [(lambda comm: comm.broadcast_object(1, root=n), "root=3 is out of range for a "
+              "communicator of size 3 (expected 0 <= root < 3)"),
+             (lambda comm: comm.gather(np.zeros(2), root=-1), "root=-1 is out of range for a "
+              "communicator of size 3 (expected 0 <= root < 3)"),
+             (lambda comm: comm.scatter(None, root=True), "root must be an int, got True"),
+             (lambda comm: comm.send(np.zeros(2), n), "send: the peer of ops[0] (send) must "
+              "be a rank, an int with 0 <= peer < 3, got 3"),
+             (lambda comm: comm.recv(np.zeros(2), -1), "recv: the peer of ops[0] (recv) must "
+              "be a rank, an int with 0 <= peer < 3, got -1")]
+
+    def body(comm):
+        out = []
+        for call, _ in calls:
+            with pytest.raises(errors.ArgumentError) as info:
+                call(comm)
+            out.append(str(info.value))
+        try:
+            comm.split(-1 if comm.rank == culprit else 0)
+        except errors.CommlibError as exc:
+            out.append((type(exc), str(exc), tuple(exc.culprits)))
+        return out
+
+    results = run_ranks(n, body, timeout=30)
+    own = "rank %d: split: color must be an int >= 0 or None, got -1" % culprit
+    for r in range(n):
+        assert results[r][:-1] == ["rank %d: %s" % (r, text) for _, text in calls]
+        assert results[r][-1] == ((errors.ArgumentError, own, ()) if r == culprit else (
+            errors.ConsistencyError, "rank %d: split #4 was not run:\n  rank %d rejected its "
+            "arguments: %s" % (r, culprit, own), (culprit,)))
+
+
+@pytest.mark.parametrize("ops, call", [
+    (1, "send to rank 0"),
+    (4, "send to rank 0; recv from rank 0; send to rank 0; recv from rank 0"),
+    (5, "send to rank 0; recv from rank 0; send to rank 0; recv from rank 0; ...")])
+def test_a_send_nobody_receives_times_out_on_thread_ranks(ops, call):
+    """The error names the call's first four messages (then "...") and the
+    peer waited for."""
     comms = communicators(2, timeout=0.5)
+    batch = [P2POp("send" if i % 2 == 0 else "recv", np.zeros(2), 0) for i in range(ops)]
     found = []
     thread = threading.Thread(target=lambda: found.append(
-        pytest.raises(errors.CollectiveTimeoutError, comms[1].send, np.zeros(2), 0)))
+        pytest.raises(errors.CollectiveTimeoutError, comms[1].batch_send_recv, batch)
+        if ops > 1 else pytest.raises(errors.CollectiveTimeoutError, comms[1].send,
+                                      np.zeros(2), 0)))
     thread.start()
     thread.join(30)
     assert not thread.is_alive()
-    assert "send to rank 0" in str(found[0].value) and list(found[0].value.culprits) == [0]
+    text = str(found[0].value)
+    assert "after collective #0 (%s) did not complete before its deadline: waiting for rank 0" \
+        % call in text, text
+    assert list(found[0].value.culprits) == [0]
 
 
 def test_single_process_calls():

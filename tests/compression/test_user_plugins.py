@@ -158,3 +158,112 @@ def test_both_boards_take_the_same_leave_arguments():
     from commlib.faults.board_exchange import ExchangeBoard
     assert list(inspect.signature(ExchangeBoard.leave).parameters) == \
         list(inspect.signature(StatusBoard.leave).parameters)
+
+
+class FirstK(commlib.compression.TopK):
+    """Top-K's count, but the first k entries instead of the largest."""
+
+    def select(self, acc):
+        indices, _ = super().select(acc)          # the built-in selection still works
+        k = indices.size
+        return np.arange(k, dtype=np.int32), acc[:k].copy()
+
+
+class PositiveOnly(commlib.compression.Threshold):
+    """Threshold's entries above it, but only the positive ones."""
+
+    def select(self, acc):
+        indices, values = super().select(acc)
+        keep = values > 0
+        return indices[keep], values[keep]
+
+
+def test_topk_and_threshold_select_as_documented():
+    x = np.array([0.5, -3, 3, 0, -7, 1, 7, 2], np.float32)      # ties: |3| twice, |7| twice
+    indices, values = commlib.compression.TopK(0.5).select(x)   # k = 4: 7 and -7, then 3, -3
+    assert indices.tolist() == [1, 2, 4, 6] and values.tolist() == [-3, 3, -7, 7]
+    indices, values = commlib.compression.TopK(0.375).select(x)  # k = 3: the lower 3 index wins
+    assert indices.tolist() == [1, 4, 6] and values.tolist() == [-3, -7, 7]
+    indices, values = commlib.compression.Threshold(2).select(x)
+    assert indices.tolist() == [1, 2, 4, 6] and values.tolist() == [-3, 3, -7, 7]
+
+
+@pytest.mark.parametrize("make, picks", [
+    (lambda: FirstK(0.25, error_feedback=False), lambda x: np.arange(x.size) < 16),
+    (lambda: PositiveOnly(20.0, error_feedback=False), lambda x: x > 20)])
+def test_a_subclass_that_selects_its_own_way_is_used(make, picks):
+    """A subclass of TopK or Threshold that overrides select() is reduced
+    with its selection, not the built-in fused pass: each rank's picked
+    entries summed, the others zero."""
+    n = 3
+
+    def data(rank):
+        return np.random.default_rng(rank).integers(-50, 50, 64).astype(np.float32)
+
+    def body(comm):
+        x = data(comm.rank)
+        comm.all_reduce(x, op="sum", compression=make())
+        return x
+
+    results = run_ranks(n, body)
+    want = np.zeros(64, np.float32)
+    for r in range(n):
+        x = data(r)
+        want += np.where(picks(x), x, np.float32(0))
+    for r in range(n):
+        assert np.array_equal(results[r], want), (r, results[r], want)
+
+
+def test_topk_select_into_writes_its_selection_or_declines():
+    """select_into (what the GPU path calls to write a record in place):
+    TopK's own selection into arrays of k elements; False, nothing
+    written, for arrays of another size or a subclass with its own select."""
+    x = np.array([0.5, -3, 3, 0, -7, 1, 7, 2], np.float32)
+    indices, values = np.full(4, -9, np.int32), np.full(4, -9, np.float32)
+    assert commlib.compression.TopK(0.5).select_into(x, indices, values) is True
+    assert indices.tolist() == [1, 2, 4, 6] and values.tolist() == [-3, 3, -7, 7]
+    for strategy, k in ((commlib.compression.TopK(0.25), 4), (FirstK(0.5), 4)):
+        indices, values = np.full(k, -9, np.int32), np.full(k, -9, np.float32)
+        assert strategy.select_into(x, indices, values) is False
+        assert (indices == -9).all() and (values == -9).all()
+
+
+class FP16BucketByBucket(commlib.compression.FP16):
+    """FP16 through the base class's reduce_all: its reduce(), one bucket
+    at a time, instead of its own reduce_all (every bucket in one wire)."""
+
+    reduce_all = commlib.compression.Compression.reduce_all
+
+
+@pytest.mark.parametrize("op", ["avg", "sum"])
+def test_half_precision_bucket_by_bucket_equals_all_buckets_at_once(op):
+    """Thread ranks, three buckets and an array reduced in place: FP16's
+    reduce() bucket by bucket gives, bit for bit, what its reduce_all gives,
+    and both the float16 reference (each rank's values, times 1/n when
+    averaging, rounded to float16, summed in rank order in float32 and
+    rounded back at each step)."""
+    n, shapes = 3, [(5,), (3, 7), (40,), (2,), (300,)]
+
+    def inputs(rank):
+        rng = np.random.default_rng(rank)
+        return [rng.standard_normal(s).astype(np.float32) for s in shapes]
+
+    def body(comm):
+        out = []
+        for strategy in (commlib.compression.FP16(), FP16BucketByBucket()):
+            arrays = inputs(comm.rank)
+            comm.all_reduce(arrays, op=op, compression=strategy)
+            out.append(arrays)
+        return out
+
+    results = run_ranks(n, body, bucket_bytes=256)
+    for i in range(len(shapes)):
+        terms = [(x[i] * np.float32(1.0 / n) if op == "avg" else x[i]).astype(np.float16)
+                 for x in map(inputs, range(n))]
+        want = terms[0]
+        for t in terms[1:]:
+            want = (want.astype(np.float32) + t.astype(np.float32)).astype(np.float16)
+        want = want.astype(np.float32)
+        for r in range(n):
+            for got in results[r]:
+                assert got[i].tobytes() == want.tobytes(), (op, i, r)

@@ -3,6 +3,7 @@ board in this process's memory (commlib.faults.board.StatusBoard): what a
 rank publishes when it leaves must not overwrite what its peers still read,
 and a wait for a word a peer has not written yet gives up only at the
 deadline."""
+import re
 import subprocess
 import time
 
@@ -148,3 +149,111 @@ def test_entering_after_a_peer_entered_and_gave_up_raises_at_once(compiled, monk
     with pytest.raises(PeerError, match=r"^rank 0: rank 1 gave up in collective #1 ") as info:
         rank0.enter(waiting(rank0, start + 5), digest)
     assert info.value.culprits == (0,) and time.monotonic() - start < 1
+
+
+def ranks_on_one_board(n):
+    memory = np.zeros(n * board.LINE_BYTES, np.uint8)
+    views = [board.StatusBoard(memory, r, n) for r in range(n)]
+    for view in views:
+        view.join()
+    return views
+
+
+def test_where_names_the_collective_entered_and_whether_the_rank_was_seen_waiting():
+    """A rank's state in messages: the collective of the slot it entered
+    (code and sequence number), and whether it looked at the board while
+    waiting in it since."""
+    rank0, rank1 = two_ranks()
+    barrier = CODES["barrier"]
+    rank1.words[board.STRIDE + board.SLOT + board.SLOT_WORDS:
+                board.STRIDE + board.SLOT + 2 * board.SLOT_WORDS] = (
+        7, 8, barrier, time.monotonic_ns())                  # the slot of collective 1
+    rank1.arrive(1)
+    assert re.fullmatch(r"rank 1 last entered barrier #1 0\.\d s ago, not seen waiting in it "
+                        r"since", rank0.where(1)), rank0.where(1)
+    rank1.check_waiting(Wait(None, 1, barrier, rank1, 1))
+    assert re.fullmatch(r"rank 1 last entered barrier #1 0\.\d s ago, last seen waiting in it "
+                        r"0\.\d s ago", rank0.where(1)), rank0.where(1)
+    assert rank0.where(0) == "rank 0 has not entered any collective"
+
+
+def test_giving_up_marks_the_rank_gone_in_that_collective():
+    rank0, rank1 = two_ranks()
+    error = rank0.give_up(3, ALL_REDUCE, CollectiveTimeoutError, "waited for rank 1", (1,))
+    assert isinstance(error, CollectiveTimeoutError) and error.culprits == (1,)
+    assert str(error) == "rank 0: waited for rank 1"
+    assert rank1.where(0) == "rank 0 gave up in collective #3 (all_reduce #3: waited for rank 1)"
+
+
+@pytest.mark.parametrize("culprit", [0, 2])
+def test_closing_waits_for_every_rank_to_leave_after_the_same_collective(culprit):
+    """Three ranks close after collective 4: each returns once every rank
+    left after it; a rank that has not left ends the wait at its deadline,
+    one that left earlier or died at once, each named (rank 0 too)."""
+    views = ranks_on_one_board(3)
+    for view in views:
+        view.arrive(4)
+        view.leave(4, board.CLOSED)
+    for view in views:
+        view.wait_left(4, time.monotonic() + 5)
+
+    def others_fail(views, kind, pattern):
+        for view in views:
+            if view.rank == culprit:
+                continue
+            with pytest.raises(kind, match=pattern % view.rank) as info:
+                view.wait_left(4, time.monotonic() + 0.05)
+            assert info.value.culprits == (culprit,)
+
+    views = ranks_on_one_board(3)                           # the culprit is still in #4
+    for view in views:
+        view.arrive(4)
+        if view.rank != culprit:
+            view.leave(4, board.CLOSED)
+    others_fail(views, CollectiveTimeoutError,
+                r"^rank %%d: closing after collective #4 timed out waiting for rank %d last "
+                r"entered all_reduce #4 " % culprit)
+
+    views = ranks_on_one_board(3)                           # the culprit left after #2
+    for view in views:
+        view.arrive(2 if view.rank == culprit else 4)
+        view.leave(2 if view.rank == culprit else 4, board.CLOSED)
+    others_fail(views, PeerError, r"^rank %%d: rank %d closed the communicator after "
+                                  r"collective #2; this rank left after collective #4$" % culprit)
+
+    views = ranks_on_one_board(3)                           # the culprit went on to #5
+    for view in views:
+        view.arrive(5 if view.rank == culprit else 4)
+        if view.rank != culprit:
+            view.leave(4, board.CLOSED)
+    others = ", ".join(str(r) for r in range(3) if r != culprit)
+    others_fail(views, PeerError, r"^rank %%d: this rank left after collective #4 but rank %d "
+                                  r"last entered all_reduce #5 .*: uneven number of steps: rank "
+                                  r"%d entered 5 collectives, ranks %s entered 4 collectives; "
+                                  r"blaming rank %d \(every rank must call the same "
+                                  r"collectives\)$" % (culprit, culprit, others, culprit))
+
+    views = ranks_on_one_board(3)                           # the culprit's process ended
+    pid = ended_pid()
+    views[culprit].words[culprit * board.STRIDE + board.PID] = pid
+    for view in views:
+        view.arrive(4)
+        if view.rank != culprit:
+            view.leave(4, board.CLOSED)
+    others_fail(views, PeerError, r"^rank %%d: rank %d \(pid %d\) died before closing$"
+                % (culprit, pid))
+
+
+@pytest.mark.parametrize("counts, culprits", [
+    ({0: 4, 1: 4, 2: 5}, (2,)), ({0: 3, 1: 4, 2: 4, 3: 4}, (0,)), ({0: 4, 1: 5}, (0, 1)),
+    ({0: 1, 1: 2, 2: 3}, (0, 1, 2)), ({0: 2, 1: 2, 2: 3, 3: 3}, (0, 1, 2, 3)),
+    ({0: 6, 1: 7, 2: 6, 3: 8, 4: 6}, (1, 3))])
+def test_uneven_steps_blame_the_ranks_off_the_most_common_count(counts, culprits):
+    assert board.uneven_culprits(counts) == culprits
+
+
+def test_steps_text_lists_the_culprits_first():
+    assert board.steps_text({0: 6, 1: 7, 2: 6}, (1,), 0) == \
+        "rank 1 entered 7 collectives, ranks 0, 2 entered 6 collectives; blaming rank 1"
+    assert board.steps_text({0: 1, 1: 2}, (0,), 0) == \
+        "rank 0 entered 1 collective, rank 1 entered 2 collectives; blaming this rank"

@@ -244,3 +244,63 @@ def test_ranks_that_find_a_peer_closed_as_they_enter_settle_at_once(short):
             assert seconds < board.SETTLE_S, (r, seconds)
     finally:
         close_all(made)
+
+
+def test_addresses_are_this_machines_ipv4_ones_loopback_last():
+    """Against ``ip -4 -o addr``: the (first) address of every interface
+    that has one, once, the loopback ones last."""
+    import shutil
+    import subprocess
+    if shutil.which("ip") is None:
+        pytest.skip("no ip command to list the interfaces' addresses")
+    listed = subprocess.run(["ip", "-4", "-o", "addr", "show"], stdout=subprocess.PIPE,
+                            text=True, timeout=30, check=True).stdout.split("\n")
+    first = {}
+    for line in listed:
+        if " inet " in line:
+            words = line.split()
+            first.setdefault(words[1], words[3].split("/")[0])
+    want = set(first.values())
+    found = peer_watch.addresses()
+    assert sorted(found) == sorted(want) and len(found) == len(set(found))
+    loopback = [a.startswith("127.") for a in found]
+    assert loopback == sorted(loopback), found
+
+
+def test_connections_keep_alive_without_delay():
+    """The TCP options of the copies' connections: keep-alive probes after
+    KEEPALIVE's idle seconds, every so many seconds, so many times; no
+    Nagle delay."""
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    try:
+        peer_watch._keepalive(sock)
+        assert sock.getsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE) == 1
+        assert sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY) == 1
+        for option, value in zip(("TCP_KEEPIDLE", "TCP_KEEPINTVL", "TCP_KEEPCNT"),
+                                 peer_watch.KEEPALIVE):
+            if hasattr(socket, option):
+                assert sock.getsockopt(socket.IPPROTO_TCP, getattr(socket, option)) == value
+    finally:
+        sock.close()
+
+
+def test_a_slots_digest_arrives_as_written_and_its_time_on_the_receivers_clock():
+    """Of a line's words, only the times move onto the receiver's clock
+    (later than the sender's: the transit is in it); the digests and the
+    collective's code arrive as written."""
+    made = boards()
+    try:
+        rank1 = made[1]
+        at = board.SLOT + board.SLOT_WORDS          # the slot of odd collectives
+        written = time.monotonic_ns()
+        rank1._mine[at:at + 4] = (111, 222, ALL_REDUCE, written)
+        rank1.arrive(9)
+        waiting = Wait(None, 9, ALL_REDUCE, rank1, 1)
+        for r in (0, 2):
+            eventually(lambda: rank1.check_waiting(waiting) or
+                       made[r].not_arrived(9) == [0, 2], "rank 1 entered #9, seen by %d" % r)
+            copy = made[r]._lines[1]
+            assert (int(copy[at]), int(copy[at + 1]), int(copy[at + 2])) == (111, 222, ALL_REDUCE)
+            assert int(copy[at + 3]) > written, (r, int(copy[at + 3]) - written)
+    finally:
+        close_all(made)
