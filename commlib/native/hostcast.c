@@ -126,6 +126,20 @@ int commlib_cast_level(int level)
     return simd_level;
 }
 
+Py_ssize_t commlib_half_sum_own(const float *own, float scale, int scaled, char *const *slots,
+                                int nranks, int rank, Py_ssize_t at, uint16_t *out, int fmt,
+                                Py_ssize_t n, Py_ssize_t *sent, Py_ssize_t *found)
+{
+#ifdef CAST_X86
+    if (commlib_cast_level(-1) == COMMLIB_CAST_AVX2 && nranks >= 2)
+        return avx2_block_sum_own(own, scale, scaled, slots, nranks, rank, at, out, fmt, n,
+                                  sent, found);
+#endif
+    (void)own; (void)scale; (void)scaled; (void)slots; (void)nranks; (void)rank; (void)at;
+    (void)out; (void)fmt; (void)n; (void)sent; (void)found;
+    return 0;
+}
+
 static const size_t item_size[] = {4, 2, 2};   /* by format: f32, f16, bf16 */
 
 Py_ssize_t commlib_cast(const void *src, int sfmt, void *dst, int dfmt, Py_ssize_t n,

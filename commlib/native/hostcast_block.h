@@ -118,12 +118,16 @@ static BLOCK_ATTR inline __m128i BLOCK_NAME(_to_bf16_8)(__m256 x, Py_ssize_t *co
     return _mm256_castsi256_si128(r);
 }
 
-static BLOCK_ATTR inline __m256 BLOCK_NAME(_widen8)(const uint16_t *s, int fmt)
+static BLOCK_ATTR inline __m256 BLOCK_NAME(_widen8r)(__m128i h, int fmt)
 {
-    __m128i h = _mm_loadu_si128((const __m128i *)s);
     if (fmt == CAST_F16)
         return _mm256_cvtph_ps(h);
     return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+
+static BLOCK_ATTR inline __m256 BLOCK_NAME(_widen8)(const uint16_t *s, int fmt)
+{
+    return BLOCK_NAME(_widen8r)(_mm_loadu_si128((const __m128i *)s), fmt);
 }
 
 static BLOCK_ATTR inline __m128i BLOCK_NAME(_narrow8)(__m256 x, int fmt, Py_ssize_t *count)
@@ -178,6 +182,40 @@ static BLOCK_ATTR Py_ssize_t BLOCK_NAME(_fast)(const void *src, int sfmt, void *
             __m256 y = BLOCK_NAME(_widen8)(d + i, dfmt);
             _mm_storeu_si128((__m128i *)(d + i),
                              BLOCK_NAME(_narrow8)(_mm256_add_ps(y, x), dfmt, count));
+        }
+    }
+    return i;
+}
+
+/* The rank-order sum of a half-format share, this rank's contribution
+ * rounded from float32 on the way (hostreduce.c's cast_own, op sum): for
+ * the first i elements (a multiple of eight, returned), out[j] =
+ * narrow(...narrow(x0[j] + x1[j]) + ... + x(n-1)[j]), each sum in float32,
+ * where x_rank = narrow(scale * own[j]) and x_q = slots[q][at + j]
+ * otherwise; the inf and NaN of x_rank added to *sent, those of out to
+ * *found. The same bits as a cast into a slot, then commlib_cast's sums. */
+static BLOCK_ATTR Py_ssize_t BLOCK_NAME(_sum_own)(const float *own, float scale, int scaled,
+                                                 char *const *slots, int nranks, int rank,
+                                                 Py_ssize_t at, uint16_t *out, int fmt,
+                                                 Py_ssize_t n, Py_ssize_t *sent,
+                                                 Py_ssize_t *found)
+{
+    const __m256 factor = _mm256_set1_ps(scale);
+    Py_ssize_t i = 0, ignored = 0;
+    for (; i + 8 <= n; i += 8) {
+        __m256 x = _mm256_loadu_ps(own + i);
+        if (scaled)
+            x = _mm256_mul_ps(factor, x);
+        __m256 mine = BLOCK_NAME(_widen8r)(BLOCK_NAME(_narrow8)(x, fmt, sent), fmt);
+        __m256 acc = rank == 0 ? mine
+                               : BLOCK_NAME(_widen8)((const uint16_t *)slots[0] + at + i, fmt);
+        for (int q = 1; q < nranks; ++q) {
+            __m256 sum = _mm256_add_ps(acc, q == rank ? mine : BLOCK_NAME(_widen8)(
+                (const uint16_t *)slots[q] + at + i, fmt));
+            if (q == nranks - 1)
+                _mm_storeu_si128((__m128i *)(out + i), BLOCK_NAME(_narrow8)(sum, fmt, found));
+            else
+                acc = BLOCK_NAME(_widen8r)(BLOCK_NAME(_narrow8)(sum, fmt, &ignored), fmt);
         }
     }
     return i;

@@ -123,22 +123,31 @@ Py_ssize_t commlib_reduce_share(const commlib_span *spans, Py_ssize_t n, Py_ssiz
         for (; lo < hi; lo += step) {
             Py_ssize_t len = hi - lo < step ? hi - lo : step, bytes = len * itemsize;
             char *own = spans[i].data + (lo - at) * own_size;
-            const char *mine = own;
-            if (cast_own) {
-                sent += commlib_cast(own, CAST_F32, narrowed, fmt, len, own_scale,
+            /* a sum cast from float32: eight at a time in one vector pass */
+            Py_ssize_t done = cast_own && op == OP_SUM && !scaled
+                ? commlib_half_sum_own((const float *)own, own_scale, own_scale != 1.0f, slots,
+                                       nranks, rank, lo, (uint16_t *)scratch, fmt, len, &sent,
+                                       &nonfinite)
+                : 0;
+            Py_ssize_t rest = len - done, from = (lo + done) * itemsize;
+            char *acc = scratch + done * itemsize;
+            const char *mine = own + done * own_size;
+            if (rest > 0 && cast_own) {
+                sent += commlib_cast(mine, CAST_F32, narrowed, fmt, rest, own_scale,
                                      own_scale != 1.0f, CAST_OP_NONE, 0);
                 mine = narrowed;
             }
-            combine(type, op, scratch, rank == 0 ? mine : slots[0] + lo * itemsize,
-                    rank == 1 ? mine : slots[1] + lo * itemsize, len);
-            for (int q = 2; q < nranks; ++q)
-                combine(type, op, scratch, scratch, q == rank ? mine : slots[q] + lo * itemsize,
-                        len);
-            if (scaled)
-                scale_floats(type, scratch, len, scale);
-            if (cast_own)
-                nonfinite += commlib_count_nonfinite(scratch, fmt, len);
-            else
+            if (rest > 0) {
+                combine(type, op, acc, rank == 0 ? mine : slots[0] + from,
+                        rank == 1 ? mine : slots[1] + from, rest);
+                for (int q = 2; q < nranks; ++q)
+                    combine(type, op, acc, acc, q == rank ? mine : slots[q] + from, rest);
+                if (scaled)
+                    scale_floats(type, acc, rest, scale);
+                if (cast_own)
+                    nonfinite += commlib_count_nonfinite(acc, fmt, rest);
+            }
+            if (!cast_own)
                 memcpy(own, scratch, (size_t)bytes);
             copy_out(result + lo * itemsize, scratch, (size_t)bytes, streaming);
         }

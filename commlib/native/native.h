@@ -69,6 +69,12 @@ enum { COMMLIB_CAST_PORTABLE, COMMLIB_CAST_AVX2 };
  * next: see streaming.h), the same values. */
 Py_ssize_t commlib_cast(const void *src, int sfmt, void *dst, int dfmt, Py_ssize_t n,
                         float scale, int scaled, int op, int streaming);
+/* The rank-order sum of a half-format share with this rank's part rounded
+ * from float32 (see hostcast_block.h's _sum_own): the count of elements it
+ * did from the start (a multiple of eight; 0 without AVX2 and F16C). */
+Py_ssize_t commlib_half_sum_own(const float *own, float scale, int scaled, char *const *slots,
+                                int nranks, int rank, Py_ssize_t at, uint16_t *out, int fmt,
+                                Py_ssize_t n, Py_ssize_t *sent, Py_ssize_t *found);
 /* The number of inf and NaN among n values of format fmt. */
 Py_ssize_t commlib_count_nonfinite(const void *data, int fmt, Py_ssize_t n);
 /* The code path of commlib_cast: level >= 0 chooses min(level, the best
