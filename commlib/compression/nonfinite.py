@@ -3,9 +3,11 @@ half precision): what to do when a bucket holds NaN or +-inf.
 
 * ``"raise"`` (the default): every rank raises
   :class:`~commlib.errors.NonFiniteError` (``counts``: per rank, how many;
-  ``culprits``: the ranks with a non-zero count) and nothing is written:
-  the arrays and the error-feedback residuals stay as they were, so the
-  caller can skip the step, as a loss scaler does.
+  ``culprits``: the ranks with a non-zero count) and nothing of that
+  bucket is written: its arrays and error-feedback residuals stay as they
+  were, so the caller can skip the step, as a loss scaler does. The call's
+  other buckets complete as ``docs/compression.md`` says (half precision:
+  every finite bucket is written, before and after the failing one).
 * ``"warn"``: the call completes and every rank emits one
   ``RuntimeWarning`` naming the ranks and counts (Python's warning filters
   decide whether repeats are shown).
