@@ -134,12 +134,13 @@ stage() {
     printf '%s\t%s\t%s\n' "$name" "$status" "$(awk "BEGIN { printf \"%.1f\", $t1 - $t0 }")" >> "$DEST/stages.tsv"
 }
 
-# limits: 15 + 30 + 60 + 60 + 150 + 90 + 60 + 45 + 75 + 25 + 40 + 30 + 90 = 770 s;
-# with 3 s to kill each stage that overruns and 10 s of nvidia-smi, 819 s at worst
+# limits: 40 + 30 + 60 + 60 + 150 + 90 + 60 + 45 + 75 + 25 + 40 + 30 + 90 = 795 s;
+# with 3 s to kill each stage that overruns and 10 s of nvidia-smi, 844 s at worst
 # (most stages take a fraction of their limit: the build takes seconds where
 # it is not needed, gpu-step about 30 s; run the script with a command limit
 # of 600 s)
-stage env 15 0 "$PY" -c "
+# env imports torch, a few seconds idle; 15 s ran out on a busy 2-core machine
+stage env 40 0 "$PY" -c "
 import platform, sys; print('python', sys.version.split()[0], platform.platform())
 import numpy; print('numpy', numpy.__version__)
 for m in ('cupy', 'torch', 'mpi4py'):

@@ -3,6 +3,7 @@
 ``@pytest.mark.gpu`` tests need cupy and a CUDA device; on a machine without
 them they are skipped with the reason, never counted as passed.
 """
+import signal
 import sys
 
 import pytest
@@ -16,6 +17,14 @@ sys.path[1:1] = [str(d) for d in IMPORT_DIRS if str(d) not in sys.path]
 
 
 def pytest_configure(config):
+    # a run started in the background of a non-interactive shell (`cmd &`,
+    # nohup) ignores Ctrl-C, and so would every process it starts: the tests
+    # of what Ctrl-C does (tests/transport/test_shaped_link.py, test_nodes.py)
+    # need it delivered, here (KeyboardInterrupt) and in their children
+    # (a Python handler is reset to the default at exec, an ignored signal
+    # stays ignored)
+    if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
     config.addinivalue_line("markers", "gpu: needs cupy and a CUDA GPU")
     # pytest-xdist's --dist loadgroup runs a group's tests in one worker:
     # "nvrtc" shares one NVRTC build per library (tests/ops/nvrtc_builds.py)

@@ -27,13 +27,15 @@ static Py_ssize_t buffer_bytes(PyObject *o, PyArray_Descr *descr, Py_ssize_t ite
     return array_bytes(o, itemsize);
 }
 
-/* The items of `o` when it is a tuple or list (their number in *n), else NULL. */
-static PyObject **sequence_items(PyObject *o, Py_ssize_t *n)
+/* Whether `o` is a tuple or list; then *items are its items (which may be
+ * NULL when it is empty) and *n their number. */
+static int sequence_items(PyObject *o, PyObject ***items, Py_ssize_t *n)
 {
     if (!PyTuple_Check(o) && !PyList_Check(o))
-        return NULL;
+        return 0;
     *n = PySequence_Fast_GET_SIZE(o);
-    return PySequence_Fast_ITEMS(o);
+    *items = PySequence_Fast_ITEMS(o);
+    return 1;
 }
 
 /* The dtype object of the first array of `arrays` (a tuple or list of at
@@ -41,8 +43,8 @@ static PyObject **sequence_items(PyObject *o, Py_ssize_t *n)
 static PyArray_Descr *first_descr(PyObject *arrays)
 {
     Py_ssize_t n = 0;
-    PyObject **items = sequence_items(arrays, &n);
-    if (items == NULL || n < 1 || !PyArray_CheckExact(items[0]))
+    PyObject **items;
+    if (!sequence_items(arrays, &items, &n) || n < 1 || !PyArray_CheckExact(items[0]))
         return NULL;
     return PyArray_DESCR((PyArrayObject *)items[0]);
 }
@@ -52,8 +54,8 @@ static PyArray_Descr *first_descr(PyObject *arrays)
 static int aligned_native(PyObject *arrays)
 {
     Py_ssize_t n;
-    PyObject **items = sequence_items(arrays, &n);
-    if (items == NULL)
+    PyObject **items;
+    if (!sequence_items(arrays, &items, &n))
         return 0;
     for (Py_ssize_t i = 0; i < n; ++i) {
         if (!PyArray_CheckExact(items[i]))
@@ -214,8 +216,8 @@ static PyObject *py_same_items(PyObject *self, PyObject *const *args, Py_ssize_t
     if (check_nargs("same_items", nargs, 2))
         return NULL;
     Py_ssize_t n = 0, m = 0;
-    PyObject **x = sequence_items(args[0], &n), **y = sequence_items(args[1], &m);
-    if (x == NULL || y == NULL || n != m)
+    PyObject **x, **y;
+    if (!sequence_items(args[0], &x, &n) || !sequence_items(args[1], &y, &m) || n != m)
         Py_RETURN_FALSE;
     for (Py_ssize_t i = 0; i < n; ++i)
         if (x[i] != y[i])
@@ -230,8 +232,8 @@ static PyObject *py_first_readonly(PyObject *self, PyObject *const *args, Py_ssi
     if (check_nargs("first_readonly", nargs, 1))
         return NULL;
     Py_ssize_t n;
-    PyObject **x = sequence_items(args[0], &n);
-    if (x == NULL)
+    PyObject **x;
+    if (!sequence_items(args[0], &x, &n))
         return PyLong_FromLong(-2);
     for (Py_ssize_t i = 0; i < n; ++i)
         if (PyArray_Check(x[i]) && !PyArray_ISWRITEABLE((PyArrayObject *)x[i]))
@@ -260,8 +262,8 @@ static PyObject *py_first_overlap(PyObject *self, PyObject *const *args, Py_ssiz
     if (check_nargs("first_overlap", nargs, 1))
         return NULL;
     Py_ssize_t n, m = 0;
-    PyObject **x = sequence_items(args[0], &n);
-    if (x == NULL)
+    PyObject **x;
+    if (!sequence_items(args[0], &x, &n))
         return PyLong_FromLong(-1);
     extent *e = PyMem_Malloc((size_t)(n > 0 ? n : 1) * sizeof(extent));
     if (e == NULL)
