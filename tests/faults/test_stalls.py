@@ -60,8 +60,10 @@ def assert_peers_gave_up(records, late, size, text, culprits):
     timed_out = []
     for r in others(N, late):
         got = find(records, r, "stall", **where)
-        assert got["seconds"] >= STALL_DEADLINE - 0.05, got
         if got["error"] == TIMED_OUT:
+            # its own deadline; a rank told by a peer that gave up may have
+            # entered later than that peer (a busy machine), so sooner
+            assert got["seconds"] >= STALL_DEADLINE - 0.05, got
             assert_raised(got, TIMED_OUT, culprits, STALL_DEADLINE + 5,
                           ["rank %d: %s" % (r, text)])
             timed_out.append(r)
