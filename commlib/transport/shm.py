@@ -440,6 +440,7 @@ class SharedMemoryReducer:
         for a, b in windows:
             length = b - a
             slot = slots[rank][:length]
+            window = flat.pieces(a, b)
             lo, hi = length * rank // n, length * (rank + 1) // n
             skip = (a + lo, a + hi) if direct else (b, b)
             for first, last in ((a, skip[0]), (skip[1], b)):
@@ -452,7 +453,7 @@ class SharedMemoryReducer:
                 self._wait_all(self._seq - 1, wait)
                 if direct:
                     own, share = hostreduce.reduce_share(
-                        [piece for piece, _ in flat.pieces(a, b)], slots, rank, result, lo, hi,
+                        [piece for piece, _ in window], slots, rank, result, lo, hi,
                         op, None, self.streaming, bits, cast_own=factor)
                     sent += own
                 else:
@@ -468,7 +469,7 @@ class SharedMemoryReducer:
             if wire is not None:
                 wire[a:b] = reduced
             elif not (found and guarded):
-                for piece, at in flat.pieces(a, b):
+                for piece, at in window:
                     hostcast.cast_into(reduced[at:at + piece.size], piece)
         if wire is not None and not (found and guarded):
             for piece, at in flat.pieces(0, count):
