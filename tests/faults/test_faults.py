@@ -281,7 +281,10 @@ def test_mpi_error_becomes_a_transport_error():
 
 def test_dropped_communicators_do_not_exhaust_mpi():
     records, _ = run(2, "dropped", timeout=120)
-    assert [find(records, r, "dropped")["left"] for r in range(2)] == [0, 0]
+    got = [find(records, r, "dropped") for r in range(2)]
+    assert [g["left"] for g in got] == [0, 0], got
+    assert all(g["before"] > 100 and g["after"] == g["before"] for g in got), [
+        (g["before"], g["after"]) for g in got]
 
 
 # -- launchers -------------------------------------------------------------------------------

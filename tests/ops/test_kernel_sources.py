@@ -75,14 +75,19 @@ def test_wrappers_name_existing_kernels(source, names, tmp_path):
 
 
 NVRTC_MAJORS = (12, 13)               # the NVRTC of each cupy-cuda wheel (cupy-cuda12x, 13x)
-NVRTC_ARCHS = ("75", "80", "86", "89", "90")
+NVRTC_ARCHS = ("75", "80", "86", "90")
 
 
 def nvrtc_archs(major):
-    """The archs built with the NVRTC of ``major``: every one for the wheels'
-    NVRTC; for the pinned CUDA 13.0 one (the H200 image's), the data-centre
-    GPUs it serves, A100 and H100/H200."""
-    return ("80", "90") if major == "13.0" else NVRTC_ARCHS
+    """The archs built with the NVRTC of ``major`` (12, 13, "13.0", or
+    test_kernel_machine_code's label, "12 (pip)"): the data-centre GPUs,
+    A100 (sm_80) and H100/H200 (sm_90), whose machine code
+    test_kernel_machine_code.py reads; with CUDA 12's (cupy-cuda12x's), also
+    one arch of each other branch of the sources (common.cuh's
+    CL_FULL_SM_BLOCKS: sm_86 for sm_86/89, sm_75 below, where cuda_bf16.hpp
+    also emulates bf16 arithmetic). nvcc's PTX (test_ptx_compiles) covers
+    sm_75 with CUDA 13."""
+    return NVRTC_ARCHS if str(major).split()[0] == "12" else ("80", "90")
 
 
 def nvrtc_libraries():
