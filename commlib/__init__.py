@@ -6,8 +6,7 @@
 
 ``import commlib`` works without cupy, NCCL or a GPU.
 """
-import importlib
-import importlib.util
+from .core.lazy import public_names
 
 #: public name -> the module that defines it (relative to this package), imported on
 #: first use: ``import commlib`` stays cheap for the launcher's processes (a rank's
@@ -27,23 +26,7 @@ _WHERE.update(dict.fromkeys((
     "LaunchError", "NonFiniteError", "PayloadError", "PeerError", "TransportError"), ".errors"))
 
 
-def __getattr__(name):
-    """The package's public names, each imported from its module on first
-    use; a subpackage or module (``commlib.overlap``) too."""
-    module = _WHERE.get(name)
-    if module is None:
-        if name.startswith("__") or importlib.util.find_spec("%s.%s" % (__name__, name)) is None:
-            raise AttributeError("module %r has no attribute %r" % (__name__, name))
-        module = "." + name
-    found = importlib.import_module(module, __name__)
-    value = found if module == "." + name else getattr(found, name)
-    globals()[name] = value
-    return value
-
-
-def __dir__():
-    return sorted(set(globals()) | set(_WHERE))
-
+__getattr__, __dir__ = public_names(__name__, _WHERE, submodules=True)
 
 __version__ = "0.1.0"
 

@@ -136,8 +136,9 @@ def _where(name, i, kind, peer):
     ``batch_send_recv: ops[2] (recv from rank 0)``."""
     towards = "to" if kind == "send" else "from"
     if name == "send_recv":
-        return "batch_send_recv: ops[%d] (%s %s rank %d)" % (i, kind, towards, peer)
-    return "%s(array) %s rank %d" % (kind, towards, peer)
+        return validation.Whole("batch_send_recv: ops[%d] (%s %s rank %d)"
+                                % (i, kind, towards, peer))
+    return validation.Whole("%s(array) %s rank %d" % (kind, towards, peer))
 
 
 def _arrays(session, name, ops):

@@ -48,6 +48,16 @@ def _first(arrays, bad):
     return next(i for i, a in enumerate(arrays) if bad(a))
 
 
+class Whole(str):
+    """The name of an argument that is one array, not a list (``recv(array)
+    from rank 0``): errors name it without an index."""
+
+
+def _item(what, i):
+    """How errors name array ``i`` of the argument ``what``: ``arrays[2]``."""
+    return what if isinstance(what, Whole) else "%s[%d]" % (what, i)
+
+
 def check_arrays(arrays, *, rank, device=None, writeable=True, floating=False,
                  what="arrays"):
     """Validate a list of arrays for one collective call.
@@ -68,8 +78,8 @@ def check_arrays(arrays, *, rank, device=None, writeable=True, floating=False,
         if devs != {device}:
             i = _first(arrays, lambda a: a.device.id != device)
             raise DeviceMismatchError(
-                "rank %d: %s[%d] is on GPU %d but this communicator uses GPU %d"
-                % (rank, what, i, arrays[i].device.id, device))
+                "rank %d: %s is on GPU %d but this communicator uses GPU %d"
+                % (rank, _item(what, i), arrays[i].device.id, device))
     return kind
 
 
@@ -84,13 +94,13 @@ def _check_kind(arrays, rank, what):
     kinds = [_kind(a) for a in arrays]
     if None in kinds:
         i = kinds.index(None)
-        raise ArrayTypeError(_not_an_array("rank %d: %s[%d]" % (rank, what, i), arrays[i]))
+        raise ArrayTypeError(_not_an_array("rank %d: %s" % (rank, _item(what, i)), arrays[i]))
     kind = kinds[0]
     if len(set(kinds)) > 1:
         i = next(i for i, k in enumerate(kinds) if k != kind)
         raise ArrayTypeError(
-            "rank %d: %s[%d] is a %s but %s[0] is a %s; one call takes arrays of one kind"
-            % (rank, what, i, _KINDS[kinds[i]], what, _KINDS[kind]))
+            "rank %d: %s is a %s but %s is a %s; one call takes arrays of one kind"
+            % (rank, _item(what, i), _KINDS[kinds[i]], _item(what, 0), _KINDS[kind]))
     return kind
 
 
@@ -108,15 +118,15 @@ def _check_dtypes(arrays, rank, what, floating):
         if not dtypes.is_supported(dt):
             i = _first(arrays, lambda a: a.dtype == dt)
             order = "" if dt.isnative else " in non-native byte order (%s)" % dt.str
-            raise ArrayTypeError("rank %d: %s[%d] has dtype %s%s; supported dtypes: %s, in "
-                                 "native byte order" % (rank, what, i, dtypes.name_of(dt), order,
+            raise ArrayTypeError("rank %d: %s has dtype %s%s; supported dtypes: %s, in "
+                                 "native byte order" % (rank, _item(what, i), dtypes.name_of(dt), order,
                                                         ", ".join(dtypes.SUPPORTED)))
         if floating and not dtypes.is_floating(dt):
             i = _first(arrays, lambda a: a.dtype == dt)
             raise ArrayTypeError(
-                "rank %d: %s[%d] has integer dtype %s; op='avg' and division=True need a "
+                "rank %d: %s has integer dtype %s; op='avg' and division=True need a "
                 "floating dtype (use op='sum' and divide yourself)"
-                % (rank, what, i, dtypes.name_of(dt)))
+                % (rank, _item(what, i), dtypes.name_of(dt)))
 
 
 def _check_writeable(arrays, rank, what, kind):
@@ -124,22 +134,22 @@ def _check_writeable(arrays, rank, what, kind):
     if not all(map(operator.attrgetter("flags.c_contiguous"), arrays)):
         i = _first(arrays, lambda a: not a.flags.c_contiguous)
         raise ArrayTypeError(
-            "rank %d: %s[%d] (shape %s, strides %s) is not C-contiguous; in-place "
-            "collectives need contiguous memory" % (rank, what, i, arrays[i].shape,
+            "rank %d: %s (shape %s, strides %s) is not C-contiguous; in-place "
+            "collectives need contiguous memory" % (rank, _item(what, i), arrays[i].shape,
                                                     arrays[i].strides))
     if kind == "numpy" and not all(map(operator.attrgetter("flags.writeable"), arrays)):
         i = _first(arrays, lambda a: not a.flags.writeable)
-        raise ArrayTypeError("rank %d: %s[%d] is read-only; in-place collectives write "
-                             "their result into it" % (rank, what, i))
+        raise ArrayTypeError("rank %d: %s is read-only; in-place collectives write "
+                             "their result into it" % (rank, _item(what, i)))
     shared = first_overlap(arrays)
     if shared is not None:
         i, j = shared
         how = ("is the same array as" if arrays[i] is arrays[j] else
                "shares memory with")
-        raise ArgumentError("rank %d: %s[%d] %s %s[%d]; in-place collectives write each "
+        raise ArgumentError("rank %d: %s %s %s; in-place collectives write each "
                             "element once, so every array must have memory of its own (pass "
                             "each array once, and no overlapping views)"
-                            % (rank, what, j, how, what, i))
+                            % (rank, _item(what, j), how, _item(what, i)))
 
 
 def first_overlap(arrays):
@@ -171,8 +181,8 @@ def check_still_writeable(arrays, rank, what="arrays"):
     if first == -2:
         first = next((i for i, a in enumerate(arrays) if not a.flags.writeable), -1)
     if first >= 0:
-        raise ArrayTypeError("rank %d: %s[%d] is read-only; in-place collectives write "
-                             "their result into it" % (rank, what, first))
+        raise ArrayTypeError("rank %d: %s is read-only; in-place collectives write "
+                             "their result into it" % (rank, _item(what, first)))
 
 
 def check_op(op, division, rank):

@@ -115,21 +115,21 @@ an invalid ``COMMLIB_*`` variable, an mpiexec that is not a program or
 belongs to another MPI than mpi4py's, a bad host entry or hostfile line,
 more ranks than slots.
 """
-import importlib
+from ..core.lazy import public_names
 
 #: public name -> the module that defines it (relative to this package)
 _WHERE = {
-    "main": "cli", "build_parser": "cli", "parse_args": "cli",
-    "choose_backend": "cli", "gpu_status": "cli",
-    "ForkedWorkers": "jobs", "MpiJob": "jobs", "ENV_MPIEXEC": "jobs",
-    "common_env": "jobs", "worker_env": "jobs", "LAUNCH_ENV": "jobs",
-    "stderr_is_terminal": "jobs",
-    "PROG": "processes", "WORKER_FLAG": "processes", "RANK_FLAG": "processes",
-    "ENV_PREFIX": "processes",
-    "popen": "processes", "relay": "processes", "start_relays": "processes",
-    "supervise": "supervision", "report": "supervision", "wrong_size": "supervision",
-    "EXIT_TIMEOUT": "supervision", "EXIT_WRONG_SIZE": "supervision",
-    "run_supervisor": "rank", "run_worker": "rank",
+    "main": ".cli", "build_parser": ".cli", "parse_args": ".cli",
+    "choose_backend": ".cli", "gpu_status": ".cli",
+    "ForkedWorkers": ".jobs", "MpiJob": ".jobs", "ENV_MPIEXEC": ".jobs",
+    "common_env": ".jobs", "worker_env": ".jobs", "LAUNCH_ENV": ".jobs",
+    "stderr_is_terminal": ".jobs",
+    "PROG": ".processes", "WORKER_FLAG": ".processes", "RANK_FLAG": ".processes",
+    "ENV_PREFIX": ".processes",
+    "popen": ".processes", "relay": ".processes", "start_relays": ".processes",
+    "supervise": ".supervision", "report": ".supervision", "wrong_size": ".supervision",
+    "EXIT_TIMEOUT": ".supervision", "EXIT_WRONG_SIZE": ".supervision",
+    "run_supervisor": ".rank", "run_worker": ".rank",
     # what ranks record of themselves lies below the launcher, with start-up
     "Record": "..startup.records", "blame": "..startup.records",
     "verdict": "..startup.records", "distinct_tracebacks": "..startup.records",
@@ -141,12 +141,5 @@ _WHERE = {
 __all__ = sorted(_WHERE)
 
 
-def __getattr__(name):
-    """The package's public names, each imported from its module on first
-    use (so that a rank, which imports commlib.startup.records, does not
-    load the launcher itself)."""
-    module = _WHERE.get(name)
-    if module is None:
-        raise AttributeError("module %r has no attribute %r" % (__name__, name))
-    relative = module if module.startswith(".") else "." + module
-    return getattr(importlib.import_module(relative, __name__), name)
+# a rank imports commlib.startup.records and does not load the launcher itself
+__getattr__, __dir__ = public_names(__name__, _WHERE)

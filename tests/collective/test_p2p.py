@@ -156,7 +156,7 @@ def test_a_rejected_receive_on_thread_ranks_is_named_on_the_sender(culprit):
     sender raises ConsistencyError quoting that error whole and blaming the
     receiver alone; both stay usable."""
     other = 1 - culprit
-    own = ("rank %d: recv(array) from rank %d[0] is read-only; in-place collectives write "
+    own = ("rank %d: recv(array) from rank %d is read-only; in-place collectives write "
            "their result into it" % (culprit, other))
 
     def body(comm):
