@@ -184,8 +184,11 @@ def test_thread_transport_peers_give_up_on_a_late_rank(monkeypatch, late, check,
     for r in others(N, late):
         error, culprits, text, seconds, untouched = got[r]
         assert untouched and culprits == [late], got[r]
-        assert THREAD_DEADLINE - 0.05 <= seconds <= THREAD_DEADLINE + 5, got[r]
+        # only a rank that timed out itself is held to the deadline from
+        # below: one told by a peer that gave up may have entered after it
+        assert seconds <= THREAD_DEADLINE + 5, got[r]
         if error == TIMED_OUT:
+            assert THREAD_DEADLINE - 0.05 <= seconds, got[r]
             want = entered(late) if inside else not_arrived(late)
             assert "rank %d: %s" % (r, want) in text, got[r]
         else:

@@ -10,7 +10,8 @@ import pytest
 
 from commlib.core import waiting
 from commlib.errors import ClosedError, CollectiveTimeoutError, PeerError
-from commlib.progress.inflight import MAX_SLEEP_S, MIN_SLEEP_S, InFlight, Pacer, overlap, spans
+from commlib.progress.inflight import (MAX_SLEEP_S, MIN_SLEEP_S, SLEEP_SHARE, InFlight, Pacer,
+                                       overlap, spans)
 from commlib.collective.stats import CommStats
 from commlib.progress.work import Progress
 
@@ -103,12 +104,15 @@ def test_spans_and_overlap():
 def test_pacer_sleeps_a_share_of_the_remaining_time_within_bounds():
     pacer = Pacer()
     assert MIN_SLEEP_S <= pacer.longest_sleep(1 << 20) <= MAX_SLEEP_S     # nothing measured
-    started = time.perf_counter()
-    time.sleep(0.02)
-    pacer.completed(started, 1 << 20)             # ~20 ms per MiB
-    assert pacer.longest_sleep(1 << 20) == MAX_SLEEP_S
+    started = time.perf_counter() - 0.02          # 1 MiB served in 20 ms
+    pacer.completed(started, 1 << 20)
+    served = time.perf_counter() - started        # at least the time the pacer measured
+    assert pacer.longest_sleep(1 << 20) == MAX_SLEEP_S     # an eighth of 20 ms or more
     assert pacer.longest_sleep(0) == MIN_SLEEP_S
-    assert MIN_SLEEP_S < pacer.longest_sleep(100_000) < MAX_SLEEP_S
+    # an eighth of the time 100,000 bytes need at that rate: 0.24 ms at 20 ms a MiB
+    low, high = (SLEEP_SHARE * 100_000 * t / (1 << 20) for t in (0.02, served))
+    assert MIN_SLEEP_S < low < MAX_SLEEP_S
+    assert low <= pacer.longest_sleep(100_000) <= min(high, MAX_SLEEP_S)
 
 
 def test_collectives_in_flight_start_in_order_and_complete_in_order():
