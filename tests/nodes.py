@@ -592,7 +592,8 @@ def run_nodes(layout=(2, 1), code="", timeout=60, env=None, args=(), expect_fail
         if job["reports"]:
             check_world(run.reports, n, "a %s on namespaces" % what)
             _check_placement(run.reports, result["namespaces"], nodes, per_node, run)
-        if expect_fail is not None and (run.returncode != 0) != expect_fail:
+        failed = run.returncode != 0 and not (survivors and _late_notice_only(run))
+        if expect_fail is not None and failed != expect_fail:
             pytest.fail("%s: %s" % (what, run.describe()))
     return runs[0] if single else runs
 
@@ -606,6 +607,18 @@ def _wait_driver(proc, timeout, nodes, per_node):
         dout, derr = proc.communicate()
         pytest.fail("the driver of a %dx%d job did not end 60 s after its job's %s s bound"
                     "\n%s%s" % (nodes, per_node, timeout, dout, derr))
+
+
+def _late_notice_only(run):
+    """Whether hydra's only failure was to tell a node that had already ended
+    that a rank had ended: with ``-disable-auto-cleanup`` it passes each
+    rank's end on to the other nodes (SIGUSR1), and on a busy machine it may
+    take a rank that finalized for one that did not (its exit seen before its
+    finalisation) after another node's ranks had all finished; the write to
+    that node gets EPIPE and mpiexec exits 255 although every rank finished.
+    The ranks' own records (the tests') say whether they did."""
+    return (run.returncode == 255 and "unable to send SIGUSR1 downstream" in run.launcher
+            and "Broken pipe" in run.launcher)
 
 
 def _collect(folder, n, result, namespaces):

@@ -32,7 +32,8 @@ def test_syntax():
 
 
 def test_dry_run_skips_every_gpu_stage(tmp_path):
-    res = _run(["--dry-run", str(tmp_path)])
+    # the output folder from $OUT (the device machine's); the other tests name it
+    res = _run(["--dry-run"], env={"OUT": str(tmp_path)})
     assert res.returncode == 0, res.stdout + res.stderr
     summary = json.loads((tmp_path / "summary.json").read_text())
     status = {s["stage"]: s["status"] for s in summary["stages"]}
@@ -42,12 +43,6 @@ def test_dry_run_skips_every_gpu_stage(tmp_path):
     assert summary["failed"] is False and summary["targets"] == []
     text = (tmp_path / "summary.txt").read_text()
     assert "overall: PASS" in text and text.count("SKIPPED: no GPU") == len(GPU_STAGES)
-
-
-def test_out_variable_names_the_output_dir(tmp_path):
-    res = _run(["--dry-run"], env={"OUT": str(tmp_path / "o")})
-    assert res.returncode == 0, res.stdout + res.stderr
-    assert (tmp_path / "o" / "summary.json").exists()
 
 
 def test_a_failed_stage_fails_the_run_and_the_rest_still_runs(tmp_path):

@@ -234,9 +234,14 @@ def test_gpu_tests_pass_on_the_host_build(host_cupy):
     # run on ResNet-50's shapes in test_pack_kernel_body_resnet50_mixed_dtypes,
     # the wrappers on the pack benchmark's ResNet-50 list (at 1/100 of its
     # sizes) in test_benchmark_gpu_branch_on_the_host_build
+    # two of the four large misaligned casts: one each way, one of each half format
+    skipped = []
+    for case in ("float16-float32-True", "float32-bfloat16-False"):
+        skipped += ["--deselect", "tests/ops/test_ops_cast.py::test_gpu_large_misaligned[%s]" % case]
     res = subprocess.run([sys.executable, "-m", "pytest", "-q", "-m", "gpu", "-x",
                           "-p", "no:cacheprovider", "tests/ops/test_ops_cast.py",
-                          "tests/ops/test_ops_pack.py", "-k", "not resnet50_one_launch"],
+                          "tests/ops/test_ops_pack.py", "-k", "not resnet50_one_launch",
+                          *skipped],
                          cwd=ROOT, env=host_cupy, capture_output=True, text=True, timeout=600)
     tail = res.stdout[-3000:] + res.stderr[-3000:]
     assert res.returncode == 0, tail
@@ -277,7 +282,7 @@ def test_gpu_step_gpu_branch_on_the_host_build(host_cupy, tmp_path):
     # there, so Communicator.single(device=0), and no torch): every commlib
     # variant measured, synchronously and with async_op=True, and checked
     res = subprocess.run([sys.executable, "benchmarks/gpu_step.py", "--device", "gpu",
-                          "--workload", "mnist_cnn", "--repeats", "2", "--warmup", "1",
+                          "--workload", "mnist_cnn", "--repeats", "1", "--warmup", "1",
                           "--no-init-probe", "--no-torch", "--time-limit", "250",
                           "--out", str(tmp_path)],
                          cwd=ROOT, env=host_cupy, capture_output=True, text=True, timeout=300)
@@ -571,7 +576,7 @@ OPS_PER_CALL = {"dense": 2, "fp16": 3, "topk 1%": 5}
 def test_gpu_operations_per_call(host_cupy, tmp_path):
     out = tmp_path / "ops.json"
     res = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "gpu_ops.py"), "--json",
-                          str(out), "--time-repeats", "3", "--time-scale", "20000"], cwd=ROOT,
+                          str(out), "--time-repeats", "1", "--time-scale", "20000"], cwd=ROOT,
                          env=host_cupy, capture_output=True, text=True, timeout=600)
     assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-3000:]
     assert "| strategy | units | launches |" in res.stdout

@@ -495,6 +495,9 @@ def test_a_stalled_rank_is_named_across_nodes():
             size = LARGE if late == 1 and mode == "board" else SMALL
             assert_peers_gave_up(of_mode, late, size, said(late), [late])
             assert_late_learns(of_mode, late, size, [late])
+    # every rank came through to the end of the scenario
+    assert [any(r["what"] == "done" for r in records.get(rank, ())) for rank in range(3)] \
+        == [True] * 3, records
 
 
 # -- the harness cleans up -------------------------------------------------------------------
