@@ -119,8 +119,8 @@ def _check_dtypes(arrays, rank, what, floating):
             i = _first(arrays, lambda a: a.dtype == dt)
             order = "" if dt.isnative else " in non-native byte order (%s)" % dt.str
             raise ArrayTypeError("rank %d: %s has dtype %s%s; supported dtypes: %s, in "
-                                 "native byte order" % (rank, _item(what, i), dtypes.name_of(dt), order,
-                                                        ", ".join(dtypes.SUPPORTED)))
+                                 "native byte order" % (rank, _item(what, i), dtypes.name_of(dt),
+                                                        order, ", ".join(dtypes.SUPPORTED)))
         if floating and not dtypes.is_floating(dt):
             i = _first(arrays, lambda a: a.dtype == dt)
             raise ArrayTypeError(

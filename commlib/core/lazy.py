@@ -6,6 +6,7 @@ the launcher.
 """
 import importlib
 import importlib.util
+import sys
 
 
 def public_names(package, where, submodules=False):
@@ -16,7 +17,6 @@ def public_names(package, where, submodules=False):
     namespace. With ``submodules``, any other name that is a module of the
     package (``commlib.overlap``) is imported as one; every other name
     raises AttributeError."""
-    import sys
 
     def __getattr__(name):
         module = where.get(name)
