@@ -13,9 +13,9 @@ so the ranks issue the same collectives in the same order however their
 """
 import itertools
 import numbers
-import os
 import weakref
 
+from . import settings
 from .errors import ArgumentError
 from .ops.arrays import is_cupy
 from .collective.reduce_state import ReduceState
@@ -57,14 +57,6 @@ def backward_buckets(grads, bucket_bytes, first_bucket_bytes=None):
     return buckets
 
 
-def usable_cores():
-    """CPU cores this process may run on."""
-    try:
-        return len(os.sched_getaffinity(0))
-    except (AttributeError, OSError):
-        return os.cpu_count() or 1
-
-
 def early_start_pays(comm, grads):
     """``overlap="auto"``'s choice: whether starting buckets during the
     backward pass can shorten the step. Not when the arrays are numpy
@@ -75,7 +67,7 @@ def early_start_pays(comm, grads):
     ranks on 2 cores: 2-9 % slower, ``benchmarks/overlap.py``)."""
     if not grads or is_cupy(grads[0]) or comm.transport_for("numpy") != "shm":
         return True
-    return usable_cores() > comm.local_size
+    return settings.usable_cores() > comm.local_size
 
 
 class BackwardReducer:

@@ -28,6 +28,7 @@ STALL_WARNING = "COMMLIB_STALL_WARNING"
 ABORT_ON_ERROR = "COMMLIB_ABORT_ON_ERROR"
 SHM = "COMMLIB_SHM"
 SHM_STORES = "COMMLIB_SHM_STORES"
+WAIT = "COMMLIB_WAIT"
 NATIVE = "COMMLIB_NATIVE"
 #: the mpiexec to start ranks with (else one of the MPI that mpi4py loads is looked for)
 MPIEXEC = "COMMLIB_MPIEXEC"
@@ -64,6 +65,7 @@ DEFAULT_ASYNC_DEPTH = 4
 _TRUE = ("1", "true", "yes", "on")
 _FALSE = ("0", "false", "no", "off")
 _STORES = ("auto", "plain", "streaming")
+_WAITS = ("auto", "spin", "sleep")
 
 
 # -- the table ---------------------------------------------------------------------------
@@ -95,10 +97,12 @@ def _parse_int(low):
     return parse
 
 
-def _parse_choice(text):
-    if text.lower() not in _STORES:
-        raise ValueError
-    return text.lower()
+def _parse_choice(choices):
+    def parse(text):
+        if text.lower() not in choices:
+            raise ValueError
+        return text.lower()
+    return parse
 
 
 def _parse_nccl_id(text):
@@ -139,7 +143,11 @@ VARIABLES = {
     SHM: Variable("single-node all-reduces through shared memory (default on)",
                   _FLAG, _parse_flag),
     SHM_STORES: Variable("the kind of stores into the shared memory (default auto: probed)",
-                         "/".join(_STORES), _parse_choice),
+                         "/".join(_STORES), _parse_choice(_STORES)),
+    WAIT: Variable("how a waiting rank polls: spin (back to back), sleep (20-100 us sleeps "
+                   "between polls after the first 32), auto (default): sleep where the "
+                   "node runs more ranks than a rank has cores", "/".join(_WAITS),
+                   _parse_choice(_WAITS)),
     NATIVE: Variable("the compiled host loops (default on; off: numpy)", _FLAG, _parse_flag),
     MPIEXEC: Variable("the mpiexec commlib.launch starts MPI ranks with (checked there: "
                       "ranks on other machines need not have it)",
@@ -266,6 +274,27 @@ def stall_warning():
 
 def shm_stores():
     return read(SHM_STORES, "auto")
+
+
+def usable_cores():
+    """CPU cores this process may run on."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
+
+
+def waits_sleep(local_size):
+    """Whether a rank of a node of ``local_size`` ranks sleeps between the
+    polls of its waits (``COMMLIB_WAIT``, see
+    :func:`commlib.core.waiting.set_cores_shared`): ``sleep``; ``spin``
+    never; ``auto`` (default) where the ranks outnumber the cores this
+    process may use, so that a waiting rank does not take the core of the
+    rank it waits for."""
+    policy = read(WAIT, "auto")
+    if policy == "auto":
+        return local_size > usable_cores()
+    return policy == "sleep"
 
 
 def async_depth():

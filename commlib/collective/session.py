@@ -21,6 +21,7 @@ from .. import settings, trace
 from ..errors import (ArgumentError, ClosedError, CollectiveTimeoutError, CommlibError,
                       ConsistencyError, NonFiniteError, PayloadError, PeerError, rank_name)
 from .stats import CommStats, TracedTransport
+from ..core import waiting
 from ..core.waiting import Wait
 
 #: errors a collective raises alike on every rank, after which it stays usable
@@ -53,6 +54,7 @@ class Session:
         self.rank, self.size = rank, size
         trace.made(rank)
         self.local_rank, self.local_size = local_rank, local_size
+        waiting.set_cores_shared(settings.waits_sleep(local_size))
         self.device = device
         #: array kind -> the transport that carries it
         self.routes = dict(routes)

@@ -10,7 +10,8 @@ the step has an answer and, every :data:`CHECK_EVERY_S` seconds, lets
 :meth:`Wait.check` raise when the deadline passed or a peer left or died
 (Python runs signal handlers between steps, so Ctrl-C ends a wait). How
 often it looks and whether it sleeps in between depends on the thread
-(:func:`set_relaxed`, :func:`set_background`), never on the step.
+(:func:`set_relaxed`, :func:`set_background`) and on whether the node's
+ranks share cores (:func:`set_cores_shared`), never on the step.
 """
 import os
 import threading
@@ -29,6 +30,8 @@ _SPINS = 2000             # polls of a word before each further poll yields the 
 RELAXED_SPINS = 32
 RELAXED_SLEEP_S = (2e-5, 1e-4)
 _thread = threading.local()
+#: every wait of ``pace="auto"`` sleeps between polls (see set_cores_shared)
+_cores_shared = False
 
 
 def set_relaxed(when):
@@ -43,6 +46,23 @@ def relaxed():
     """Whether this thread's waits are relaxed now (see :func:`set_relaxed`)."""
     when = getattr(_thread, "relaxed", None)
     return when is not None and when()
+
+
+def set_cores_shared(shared):
+    """From now on, when ``shared``, make every wait of this process of
+    ``pace="auto"`` sleep between polls with backoff (:class:`Backoff`), as
+    a relaxed thread's do: the node runs more ranks than they have cores,
+    and a rank that spins takes the core of the rank it waits for. False
+    changes nothing (the communicators of a process each say, and one node
+    crowded is enough); ``COMMLIB_WAIT`` chooses
+    (:func:`commlib.settings.waits_sleep`)."""
+    global _cores_shared
+    _cores_shared = _cores_shared or bool(shared)
+
+
+def cores_shared():
+    """Whether the waits of this process sleep between polls (see :func:`set_cores_shared`)."""
+    return _cores_shared
 
 
 def set_background(poll, longest_sleep=None):
@@ -139,8 +159,9 @@ def until(step, wait, late=None, pace="auto"):
     ``step`` looks once, or spins (in C, without the GIL) for up to
     ``slice_s`` seconds, and returns None while the wait goes on; it may
     raise. Between its calls the thread's :func:`background` poll runs; a
-    relaxed thread (:func:`relaxed`, ``pace="auto"``) or a wait of
-    ``pace="sleep"`` sleeps between them with backoff (:class:`Backoff`),
+    relaxed thread (:func:`relaxed`, ``pace="auto"``), any thread where
+    the cores are shared (:func:`set_cores_shared`, ``pace="auto"``) or a
+    wait of ``pace="sleep"`` sleeps between them with backoff (:class:`Backoff`),
     and its steps get no slice (one look each), as they do while there is a
     background poll; and every :data:`CHECK_EVERY_S` seconds
     ``wait.check(late())`` raises when ``wait``'s deadline passed or a peer
@@ -171,7 +192,8 @@ def until(step, wait, late=None, pace="auto"):
     start = trace.now() if trace.ON and wait is not FOREVER else 0.0
     clock = time.monotonic
     poll = background()
-    backoff = Backoff() if pace == "sleep" or (pace == "auto" and relaxed()) else None
+    always = pace == "sleep" or (pace == "auto" and _cores_shared)
+    backoff = Backoff() if always or (pace == "auto" and relaxed()) else None
     slice_s = 0.0 if backoff is not None or (poll is not None and pace == "auto") \
         else CHECK_EVERY_S
     next_check = clock() + CHECK_EVERY_S
@@ -181,7 +203,7 @@ def until(step, wait, late=None, pace="auto"):
         if poll is not None:
             poll()
         if backoff is not None:
-            backoff.pause(always=pace == "sleep")
+            backoff.pause(always)
         if (slice_s or backoff is not None or steps % _POLLS_PER_CLOCK == 0) \
                 and clock() >= next_check:
             wait.check(None if late is None else late())

@@ -68,9 +68,7 @@ def common_env(base, n):
     if here not in sites and here not in parts:  # not needed (nor wanted) when installed
         env["PYTHONPATH"] = os.pathsep.join(parts + [here])
     if n > 1 and "OMP_NUM_THREADS" not in env:
-        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") \
-            else (os.cpu_count() or 1)
-        env["OMP_NUM_THREADS"] = str(max(1, cores // n))
+        env["OMP_NUM_THREADS"] = str(max(1, settings.usable_cores() // n))
     return env
 
 

@@ -31,7 +31,7 @@ GRADS = [np.zeros(3, np.float32)]
     (2, 2, "threads", True),
 ])
 def test_auto_choice(monkeypatch, cores, local_size, transport, pays):
-    monkeypatch.setattr(overlap, "usable_cores", lambda: cores)
+    monkeypatch.setattr(overlap.settings, "usable_cores", lambda: cores)
     assert overlap.early_start_pays(_Comm(transport, local_size), GRADS) is pays
 
 

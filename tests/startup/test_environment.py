@@ -56,7 +56,7 @@ def clean_env(monkeypatch):
 BAD = [(settings.CHECK, "maybe"), (settings.WATCHDOG_ENABLE, "2"),
        (settings.WATCHDOG_TIMEOUT, "-1"), (settings.NNABLA_WATCHDOG_TIMEOUT, "soon"),
        (settings.STALL_WARNING, "inf"), (settings.ABORT_ON_ERROR, "abc"),
-       (settings.SHM, "yes please"), (settings.SHM_STORES, "fast"), (settings.NATIVE, "-"),
+       (settings.SHM, "yes please"), (settings.SHM_STORES, "fast"), (settings.WAIT, "yield"), (settings.NATIVE, "-"),
        (settings.KERNEL_DIR, "/nonexistent"), (settings.ASYNC_DEPTH, "0"),
        (settings.CUDA_GRAPHS, "maybe"), (settings.NCCL_ID, "abc"), (settings.RANK, "-1"),
        (settings.SIZE, "two"), (settings.LOCAL_RANK, "x"), (settings.LOCAL_SIZE, "0"),
@@ -88,7 +88,7 @@ def test_every_bad_variable_is_named_at_once(clean_env):
 
 def test_good_values_are_read(clean_env):
     for name, value in [(settings.ABORT_ON_ERROR, "Off"), (settings.STALL_WARNING, "no"),
-                        (settings.ASYNC_DEPTH, "2"), (settings.SHM_STORES, "Plain"),
+                        (settings.ASYNC_DEPTH, "2"), (settings.SHM_STORES, "Plain"), (settings.WAIT, "Sleep"),
                         (settings.KERNEL_DIR, str(ROOT / "kernels"))]:
         clean_env.setenv(name, value)
     settings.check_environment()
