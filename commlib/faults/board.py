@@ -243,17 +243,24 @@ class StatusBoard:
     def check_peers(self, seq, what, ranks=None):
         """Raise PeerError (marking this rank gone at ``seq``) when one of
         ``ranks`` (default: every other rank) left before completing
-        collective ``seq`` or its process died."""
+        collective ``seq`` or its process died. A rank that left or died
+        by itself is named before one that gave up because of another (the
+        cause first-hand, whichever rank saw it first)."""
+        gave_up = None
         for r in range(self.size) if ranks is None else ranks:
             if r == self.rank:
                 continue
             gone = self._lines[r, GONE]
             if 0 < gone <= seq:
-                raise self._left(r, seq, what)
-            if self.died(r):
+                if self._lines[r, REASON] != GAVE_UP:
+                    raise self._left(r, seq, what)
+                gave_up = r if gave_up is None else gave_up
+            elif self.died(r):
                 raise self.give_up(seq, what, PeerError,
                                    "%s died while this rank waits in %s"
                                    % (self.who(r), fingerprints.label(what, seq)), (r,))
+        if gave_up is not None:
+            raise self._left(gave_up, seq, what)
 
     def died(self, r):
         """Whether rank ``r``'s process ended (it ran on this node: its

@@ -18,12 +18,16 @@ from commlib.faults import board
 ALL_REDUCE = CODES["all_reduce"]
 
 
-def two_ranks():
-    memory = np.zeros(2 * board.LINE_BYTES, np.uint8)
-    views = [board.StatusBoard(memory, r, 2) for r in range(2)]
+def ranks(n):
+    memory = np.zeros(n * board.LINE_BYTES, np.uint8)
+    views = [board.StatusBoard(memory, r, n) for r in range(n)]
     for view in views:
         view.join()
     return views
+
+
+def two_ranks():
+    return ranks(2)
 
 
 def ended_pid():
@@ -46,6 +50,31 @@ def test_a_rank_that_left_later_and_whose_process_ended_is_named_dead(reason):
                                         r"in all_reduce #1$" % pid) as info:
         rank0.check_peers(1, ALL_REDUCE)
     assert info.value.culprits == (1,)
+
+
+@pytest.mark.parametrize("observer,gave_up,cause", [
+    (0, 1, 2), (0, 2, 1), (2, 0, 1), (1, 3, 0), (3, 0, 2), (1, 0, 3)])
+def test_the_rank_that_left_by_itself_is_named_before_one_that_gave_up(observer, gave_up,
+                                                                       cause):
+    """``cause`` raised and left after collective 2; ``gave_up`` saw it
+    first and gave up in collective 3 blaming it; ``observer``, still
+    waiting in collective 3, names ``cause`` first-hand, whichever of the
+    two comes first in rank order."""
+    views = ranks(4)
+    views[cause].leave(2, board.CLOSED_ON_EXCEPTION, "ValueError")
+    views[gave_up].leave(2, board.GAVE_UP, "all_reduce #3: it left", blame=(cause,))
+    with pytest.raises(PeerError, match=r"^rank %d: rank %d left after an exception after "
+                                        r"collective #2 \(ValueError\) while this rank is in "
+                                        r"all_reduce #3$" % (observer, cause)) as info:
+        views[observer].check_peers(3, ALL_REDUCE)
+    assert info.value.culprits == (cause,)
+    # with only the rank that gave up to see, its blame passes on
+    views = ranks(4)
+    views[gave_up].leave(2, board.GAVE_UP, "all_reduce #3: it left", blame=(cause,))
+    with pytest.raises(PeerError, match=r"^rank %d: rank %d gave up in collective #3 "
+                                        % (observer, gave_up)) as info:
+        views[observer].check_peers(3, ALL_REDUCE)
+    assert info.value.culprits == (cause,)
 
 
 def test_leaving_keeps_the_first_reason_and_blame():
