@@ -4,6 +4,7 @@
 them they are skipped with the reason, never counted as passed.
 """
 import compileall
+import os
 import signal
 import sys
 from pathlib import Path
@@ -16,6 +17,14 @@ from commlib.core import gpu
 
 # every test folder's helpers importable from any test, as in rank programs
 sys.path[1:1] = [str(d) for d in IMPORT_DIRS if str(d) not in sys.path]
+
+# one BLAS thread in every process the tests start (MPI ranks, examples,
+# nested runs) unless the caller chose: on a machine where two test workers
+# each run a job of up to 4 ranks, a BLAS thread pool per rank only
+# oversubscribes the cores (and spinning pool threads take CPU time from the
+# ranks); OpenBLAS reads this before OMP_NUM_THREADS, which the launcher's
+# tests check
+os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 
 
 def pytest_configure(config):
