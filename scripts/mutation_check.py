@@ -70,7 +70,7 @@ COVERING = {
     "commlib/transport/shm.py": [
         "tests/transport/test_shm_reducer.py", "tests/faults/test_stalls.py"],
     "commlib/transport/mpi.py": [
-        "tests/collective/test_collectives.py", "tests/faults/test_stalls.py",
+        "tests/transport/test_mpi_transport.py", "tests/collective/test_collectives.py", "tests/faults/test_stalls.py",
         "tests/faults/test_faults.py", "tests/progress/test_async.py"],
     "commlib/transport/threads.py": [
         "tests/collective/test_p2p.py", "tests/collective/test_frontend.py",
