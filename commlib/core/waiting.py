@@ -163,8 +163,8 @@ def until(step, wait, late=None, pace="auto"):
     the cores are shared (:func:`set_cores_shared`, ``pace="auto"``) or a
     wait of ``pace="sleep"`` sleeps between them with backoff (:class:`Backoff`),
     and its steps get no slice (one look each), as they do while there is a
-    background poll; and every :data:`CHECK_EVERY_S` seconds
-    ``wait.check(late())`` raises when ``wait``'s deadline passed or a peer
+    background poll; and every :data:`CHECK_EVERY_S` seconds, after a
+    step without an answer, ``wait.check(late())`` raises when ``wait``'s deadline passed or a peer
     left or died (``late``: a callable naming the ranks known not to have
     arrived, or None). While tracing, a wait that did not find its answer
     at once is a ``wait for peers`` event of ``wait.rank`` (none for
@@ -204,15 +204,17 @@ def until(step, wait, late=None, pace="auto"):
             poll()
         if backoff is not None:
             backoff.pause(always)
-        if (slice_s or backoff is not None or steps % _POLLS_PER_CLOCK == 0) \
-                and clock() >= next_check:
-            wait.check(None if late is None else late())
-            next_check = clock() + CHECK_EVERY_S
         result = step(slice_s)
         if result is not None:
             if start:
                 trace.peer_wait(wait.rank, start)
             return result
+        # after the step: an answer of its own (an MPI error too) comes
+        # before news of the peers that arrived in the meantime
+        if (slice_s or backoff is not None or steps % _POLLS_PER_CLOCK == 0) \
+                and clock() >= next_check:
+            wait.check(None if late is None else late())
+            next_check = clock() + CHECK_EVERY_S
 
 
 def spin_py(words, target, gone, seq, rank, slice_s):

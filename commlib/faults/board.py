@@ -343,7 +343,13 @@ class StatusBoard:
         when ``r`` gave up blaming another rank, the blame passes on. When
         ``r`` closed or exited (uneven numbers of steps), the blame goes to
         the ranks whose number of collectives differs from the majority's
-        (see :meth:`uneven_culprits`)."""
+        (see :meth:`uneven_culprits`). When ``r`` gave up and a rank that
+        left by itself is on the board too, that rank is named instead (the
+        cause first-hand, whichever rank a wait found first)."""
+        if self._lines[r, REASON] == GAVE_UP:
+            r = next((q for q in range(self.size) if q != self.rank
+                      and 0 < self._lines[q, GONE] <= seq and self._lines[q, REASON] != GAVE_UP),
+                     r)
         reason = int(self._lines[r, REASON])
         uneven = reason in (CLOSED, EXITED, DROPPED)
         if reason == GAVE_UP:       # a rank is never blamed for giving up

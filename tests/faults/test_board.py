@@ -68,6 +68,11 @@ def test_the_rank_that_left_by_itself_is_named_before_one_that_gave_up(observer,
                                         r"all_reduce #3$" % (observer, cause)) as info:
         views[observer].check_peers(3, ALL_REDUCE)
     assert info.value.culprits == (cause,)
+    # a wait that found the rank that gave up first (the flag waits return
+    # the lowest rank gone) names the cause all the same
+    with pytest.raises(PeerError, match=r"^rank %d: rank %d left after an exception "
+                                        % (observer, cause)):
+        views[observer].check_peers(3, ALL_REDUCE, [gave_up])
     # with only the rank that gave up to see, its blame passes on
     views = ranks(4)
     views[gave_up].leave(2, board.GAVE_UP, "all_reduce #3: it left", blame=(cause,))
