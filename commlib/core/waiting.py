@@ -49,8 +49,10 @@ def relaxed():
 
 
 def set_cores_shared(shared):
-    """From now on, when ``shared``, make every wait of this process of
-    ``pace="auto"`` sleep between polls with backoff (:class:`Backoff`), as
+    """From now on, when ``shared``, make every wait of this process but
+    those of ``pace="sleep"``'s own kind sleep between polls with backoff
+    (:class:`Backoff`; ``pace="spin"`` too: its peers follow within
+    microseconds only while each has a core), as
     a relaxed thread's do: the node runs more ranks than they have cores,
     and a rank that spins takes the core of the rank it waits for. False
     changes nothing (the communicators of a process each say, and one node
@@ -160,7 +162,7 @@ def until(step, wait, late=None, pace="auto"):
     ``slice_s`` seconds, and returns None while the wait goes on; it may
     raise. Between its calls the thread's :func:`background` poll runs; a
     relaxed thread (:func:`relaxed`, ``pace="auto"``), any thread where
-    the cores are shared (:func:`set_cores_shared`, ``pace="auto"``) or a
+    the cores are shared (:func:`set_cores_shared`) or a
     wait of ``pace="sleep"`` sleeps between them with backoff (:class:`Backoff`),
     and its steps get no slice (one look each), as they do while there is a
     background poll; and every :data:`CHECK_EVERY_S` seconds, after a
@@ -176,8 +178,9 @@ def until(step, wait, late=None, pace="auto"):
         late: None, or a callable returning the ranks that have not arrived.
         pace: ``"auto"`` (as the thread is), ``"sleep"`` (a wait nobody
             hurries, such as ``close``'s) or ``"spin"`` (never sleeps, full
-            slices: the peers are known to follow within microseconds, as
-            in the shared-memory reducer's synchronisations).
+            slices, unless the cores are shared: the peers are known to
+            follow within microseconds, as in the shared-memory reducer's
+            synchronisations).
 
     Returns:
         What ``step`` returned.
@@ -192,7 +195,7 @@ def until(step, wait, late=None, pace="auto"):
     start = trace.now() if trace.ON and wait is not FOREVER else 0.0
     clock = time.monotonic
     poll = background()
-    always = pace == "sleep" or (pace == "auto" and _cores_shared)
+    always = pace == "sleep" or _cores_shared
     backoff = Backoff() if always or (pace == "auto" and relaxed()) else None
     slice_s = 0.0 if backoff is not None or (poll is not None and pace == "auto") \
         else CHECK_EVERY_S

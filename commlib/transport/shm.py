@@ -282,7 +282,8 @@ class SharedMemoryReducer:
         # never sleeping (see waiting.until): every rank is inside this
         # collective, so the peers' flags follow within microseconds; a
         # progress thread sleeping between these looks paid up to 0.5 ms per
-        # piece (two syncs per 2 MiB)
+        # piece (two syncs per 2 MiB); where the node's ranks outnumber its
+        # cores these waits sleep too (waiting.set_cores_shared)
         waiting.until(step, wait, late=lambda: [self.names[r] for r in range(self.size)
                                                 if flags[r * stride] < seq], pace="spin")
 
