@@ -30,7 +30,7 @@ _SPINS = 2000             # polls of a word before each further poll yields the 
 RELAXED_SPINS = 32
 RELAXED_SLEEP_S = (2e-5, 1e-4)
 _thread = threading.local()
-#: every wait of ``pace="auto"`` sleeps between polls (see set_cores_shared)
+#: every wait sleeps between polls (see set_cores_shared)
 _cores_shared = False
 
 
@@ -49,11 +49,10 @@ def relaxed():
 
 
 def set_cores_shared(shared):
-    """From now on, when ``shared``, make every wait of this process but
-    those of ``pace="sleep"``'s own kind sleep between polls with backoff
-    (:class:`Backoff`; ``pace="spin"`` too: its peers follow within
-    microseconds only while each has a core), as
-    a relaxed thread's do: the node runs more ranks than they have cores,
+    """From now on, when ``shared``, make every wait of this process sleep
+    between polls with backoff (:class:`Backoff`), as a relaxed thread's
+    do, ``pace="spin"`` too (its peers follow within microseconds only
+    while each has a core): the node runs more ranks than they have cores,
     and a rank that spins takes the core of the rank it waits for. False
     changes nothing (the communicators of a process each say, and one node
     crowded is enough); ``COMMLIB_WAIT`` chooses
@@ -161,13 +160,13 @@ def until(step, wait, late=None, pace="auto"):
     ``step`` looks once, or spins (in C, without the GIL) for up to
     ``slice_s`` seconds, and returns None while the wait goes on; it may
     raise. Between its calls the thread's :func:`background` poll runs; a
-    relaxed thread (:func:`relaxed`, ``pace="auto"``), any thread where
-    the cores are shared (:func:`set_cores_shared`) or a
-    wait of ``pace="sleep"`` sleeps between them with backoff (:class:`Backoff`),
+    relaxed thread (:func:`relaxed`, ``pace="auto"``), every thread where
+    the cores are shared (:func:`set_cores_shared`) and a wait of
+    ``pace="sleep"`` sleep between them with backoff (:class:`Backoff`),
     and its steps get no slice (one look each), as they do while there is a
     background poll; and every :data:`CHECK_EVERY_S` seconds, after a
-    step without an answer, ``wait.check(late())`` raises when ``wait``'s deadline passed or a peer
-    left or died (``late``: a callable naming the ranks known not to have
+    step without an answer, ``wait.check(late())`` raises when ``wait``'s
+    deadline passed or a peer left or died (``late``: a callable naming the ranks known not to have
     arrived, or None). While tracing, a wait that did not find its answer
     at once is a ``wait for peers`` event of ``wait.rank`` (none for
     :data:`FOREVER`, which has no rank).
