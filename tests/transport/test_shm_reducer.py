@@ -46,4 +46,5 @@ def test_reducer_argument_errors():
 
 def test_waiting_rank_lets_other_threads_run():
     proc = run_mpi(2, CODE, timeout=60, args=("gil",))
-    assert "ticks while waiting" in proc.stdout
+    assert "thread CPU while waiting" in proc.stdout
+    assert_each_rank(proc.stdout, r"rank (?P<rank>\d+) ok", 2)
