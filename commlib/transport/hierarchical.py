@@ -88,11 +88,19 @@ class HierarchicalTransport(SharedMemoryTransport):
 
     def __init__(self, fallback, node, across, memory, stores="auto",
                  window_bytes=WINDOWS[0]):
-        super().__init__(fallback, memory, stores, node=node, window_bytes=window_bytes)
+        super().__init__(fallback, memory, stores, node=node, window_bytes=window_bytes,
+                         result_bytes=None)
         self.node = node
         self.across = MpiTransport(across, chunk_bytes=window_bytes)
         self.across.rank = fallback.rank     # its errors name this rank by its world rank
         self._private = None                 # the share's copy that MPI reduces
+
+    @staticmethod
+    def bytes_needed(size, window_bytes=WINDOWS[0]):
+        """Bytes of shared memory for ``size`` ranks and windows of
+        ``window_bytes`` (a result region of one window: nothing is cast
+        on the way here)."""
+        return SharedMemoryTransport.bytes_needed(size, window_bytes, None)
 
     def casts(self, parts):
         """Never: the caller casts into a wire (cast on the way is within a node only)."""

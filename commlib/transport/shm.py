@@ -77,6 +77,11 @@ MIN_BYTES = 64 << 10
 #: bytes reduced per round (the slot size): pieces of 1-2 MiB stay
 #: cache-resident and were fastest from 4 to 64 MiB
 WINDOW_BYTES = 2 << 20
+#: bytes of the shared result region: a half-precision all-reduce of several
+#: windows keeps its result there until every window's count of NaN and inf
+#: is known, with no copy of its own (ResNet-50's largest gradient,
+#: 2,359,296 float16 values, fits); longer ones are copied out window by window
+RESULT_BYTES = 8 << 20
 _LINE = 64                # bytes per rank in the control region: its sequence number
 _STORES = {"auto": None, "plain": False, "streaming": True}
 _ALIGN = 4096             # alignment of slots and the result region, bytes
@@ -156,6 +161,9 @@ class SharedMemoryReducer:
     whose ranks all share one node), ``capacity_bytes`` at a time, in
     ``memory``: a zero-filled uint8 numpy array of :meth:`bytes_needed`
     bytes shared by the ranks (:mod:`commlib.startup.shared_segment`).
+    ``result_bytes``: the size of the shared result region, at least
+    ``capacity_bytes`` (the default): where :meth:`all_reduce_cast` keeps a
+    result of several windows.
 
     The constructor is collective over ``comm`` (with ``stores="auto"`` it
     probes the stores). ``comm`` is used only there and, with
@@ -165,7 +173,7 @@ class SharedMemoryReducer:
     """
 
     def __init__(self, comm, memory, capacity_bytes=4 << 20, sync="auto", stores="auto",
-                 names=None):
+                 names=None, result_bytes=None):
         if int(capacity_bytes) <= 0:
             raise ArgumentError("commlib: capacity_bytes must be positive, got %r"
                                 % (capacity_bytes,))
@@ -185,14 +193,16 @@ class SharedMemoryReducer:
         self.rank, self.size = comm.Get_rank(), comm.Get_size()
         self.names = list(range(self.size)) if names is None else list(names)
         self.capacity_bytes = _round_up(int(capacity_bytes), _ALIGN)
+        self.result_bytes = self._result_bytes(self.capacity_bytes, result_bytes)
         self.sync = sync
         self._comm = comm
         self._views = {}          # dtype -> (slots, result), arrays of that dtype
+        self._kept = None         # all_reduce_cast's own copy of a longer result
         self._seq = 0
         #: whether copies into shared memory use streaming stores (x86-64 only)
         self.streaming = bool(_STORES[stores]) and x86
         control = self._control_bytes(self.size)
-        total = self.bytes_needed(self.size, self.capacity_bytes)
+        total = self.bytes_needed(self.size, self.capacity_bytes, self.result_bytes)
         if memory.size < total:
             raise ArgumentError("commlib: the shared-memory reducer needs %d bytes, got %d"
                                 % (total, memory.size))
@@ -209,11 +219,18 @@ class SharedMemoryReducer:
     def _control_bytes(size):
         return _round_up(size * _LINE, _ALIGN)
 
+    @staticmethod
+    def _result_bytes(capacity, result_bytes):
+        return capacity if result_bytes is None else max(capacity,
+                                                         _round_up(int(result_bytes), _ALIGN))
+
     @classmethod
-    def bytes_needed(cls, size, capacity_bytes):
-        """Bytes of shared memory for ``size`` ranks and ``capacity_bytes``."""
+    def bytes_needed(cls, size, capacity_bytes, result_bytes=None):
+        """Bytes of shared memory for ``size`` ranks, ``capacity_bytes``
+        and ``result_bytes``."""
         capacity = _round_up(int(capacity_bytes), _ALIGN)
-        return cls._control_bytes(size) + (size + 1) * capacity
+        return (cls._control_bytes(size) + size * capacity
+                + cls._result_bytes(capacity, result_bytes))
 
     def probe_stores(self, nbytes=4 << 20, rounds=3):
         """Whether streaming stores beat plain ones here and now (collective;
@@ -295,7 +312,7 @@ class SharedMemoryReducer:
             count = self.capacity_bytes // dtype.itemsize
             mem = self._mem
             slots = [mem[at:at + count * dtype.itemsize].view(dtype) for at in self._slots_at]
-            at = self._result_at
+            at, count = self._result_at, self.result_bytes // dtype.itemsize
             result = mem[at:at + count * dtype.itemsize].view(dtype)
             found = self._views[dtype] = (tuple(slots), result)
         return found
@@ -410,7 +427,10 @@ class SharedMemoryReducer:
         :meth:`all_reduce_parts` reduces that format, and the result is cast
         back into ``parts``, unless ``guarded`` and it holds NaN or inf;
         then nothing is written. The compression strategies' wire without
-        a wire buffer: one cast in, one cast out, window by window. With
+        a wire buffer: one cast in, window by window, and one cast out of
+        the result, which stays in the shared result region until every
+        window's count is known (a result longer than ``result_bytes`` is
+        copied out into a buffer of this rank's, window by window). With
         the compiled loops a rank's own share of a window is not cast into
         its slot: the reduction rounds it from ``parts`` as it goes
         (:func:`~commlib.ops.hostreduce.reduce_share`'s ``cast_own``) and
@@ -429,9 +449,11 @@ class SharedMemoryReducer:
         windows = [(a, min(count, a + step)) for a in range(0, count, step)] or [(0, 0)]
         slots, result = self._views_for(storage)
         factor = np.float32(1) if scale is None else np.float32(scale)
-        # a result of several windows waits in a buffer of its own until every
-        # window's count is known (nothing is written before a NaN is known)
-        wire = np.empty(count, storage) if len(windows) > 1 else None
+        # the whole result, kept until every window's count is known (nothing
+        # is written before a NaN is known): the shared result region where it
+        # fits, else a buffer of this rank's that each window is copied into
+        shared = count <= result.size
+        kept = result[:count] if shared else self._own_result(count, storage)
         sent = found = 0
         n, rank, words = self.size, self.rank, self._control
         # this rank's share of each window is cast inside the reduction,
@@ -440,8 +462,10 @@ class SharedMemoryReducer:
                   and all(p.flags.aligned for p in flat.parts))
         for a, b in windows:
             length = b - a
-            slot = slots[rank][:length]
             window = flat.pieces(a, b)
+            reduced = result[a:b] if shared else result[:length]
+            # with one rank the window is cast straight into its result
+            slot = slots[rank][:length] if n > 1 else reduced
             lo, hi = length * rank // n, length * (rank + 1) // n
             skip = (a + lo, a + hi) if direct else (b, b)
             for first, last in ((a, skip[0]), (skip[1], b)):
@@ -454,34 +478,39 @@ class SharedMemoryReducer:
                 self._wait_all(self._seq - 1, wait)
                 if direct:
                     own, share = hostreduce.reduce_share(
-                        [piece for piece, _ in window], slots, rank, result, lo, hi,
+                        [piece for piece, _ in window], slots, rank, reduced, lo, hi,
                         op, None, self.streaming, bits, cast_own=factor)
                     sent += own
                 else:
-                    _reduce_share(slots, result[lo:hi], lo, hi, op, None, bits)
-                    share = hostcast.count_nonfinite(result[lo:hi], fmt)
+                    _reduce_share(slots, reduced[lo:hi], lo, hi, op, None, bits)
+                    share = hostcast.count_nonfinite(reduced[lo:hi], fmt)
                 words[rank * (_LINE // 8) + 1] = share
                 self._wait_all(self._seq, wait)
                 found += int(words[1::_LINE // 8][:n].sum())
-                reduced = result[:length]
             else:
-                reduced = slot
-                found += hostcast.count_nonfinite(slot, fmt)
-            if wire is not None:
-                wire[a:b] = reduced
-            elif not (found and guarded):
-                for piece, at in window:
-                    hostcast.cast_into(reduced[at:at + piece.size], piece)
-        if wire is not None and not (found and guarded):
+                found += hostcast.count_nonfinite(reduced, fmt)
+            if not shared:
+                kept[a:b] = reduced
+        if not (found and guarded):
             for piece, at in flat.pieces(0, count):
-                hostcast.cast_into(wire[at:at + piece.size], piece)
+                hostcast.cast_into(kept[at:at + piece.size], piece)
         return sent, found
+
+    def _own_result(self, count, storage):
+        """This rank's buffer of ``count`` elements of ``storage`` for
+        :meth:`all_reduce_cast`'s results longer than the shared result
+        region (kept between calls, grown as needed)."""
+        nbytes = count * storage.itemsize
+        if self._kept is None or self._kept.size < nbytes:
+            self._kept = np.empty(nbytes, np.uint8)
+        return self._kept[:nbytes].view(storage)
 
     def close(self):
         """Drop this rank's views of the shared memory (local). Idempotent."""
         self._control = None
         self._views.clear()
         self._mem = None
+        self._kept = None
 
 
 class SharedMemoryTransport(Transport):
@@ -494,19 +523,21 @@ class SharedMemoryTransport(Transport):
     None, or the mpi4py communicator of the ranks whose memory is shared
     when they are not all of ``fallback``'s (see
     :class:`~commlib.transport.hierarchical.HierarchicalTransport`);
-    ``window_bytes``: bytes reduced per round. The constructor is
-    collective (the store probe).
+    ``window_bytes``: bytes reduced per round; ``result_bytes``: the
+    shared result region's size (see :data:`RESULT_BYTES`). The constructor
+    is collective (the store probe).
     """
 
     name = "shm"
 
-    def __init__(self, fallback, memory, stores="auto", node=None, window_bytes=WINDOW_BYTES):
+    def __init__(self, fallback, memory, stores="auto", node=None, window_bytes=WINDOW_BYTES,
+                 result_bytes=RESULT_BYTES):
         super().__init__(fallback.rank, fallback.size)
         self.fallback = fallback
         comm = fallback.comm if node is None else node
         names = None if node is None else node.allgather(fallback.rank)
         self.reducer = SharedMemoryReducer(comm, memory, window_bytes, stores=stores,
-                                           names=names)
+                                           names=names, result_bytes=result_bytes)
 
     def _steps(self, op, scale, wait, fmt=None):
         """``(scale, between)`` for the reducer's
@@ -519,9 +550,10 @@ class SharedMemoryTransport(Transport):
         return self.fallback.thread_safe()
 
     @staticmethod
-    def bytes_needed(size, window_bytes=WINDOW_BYTES):
-        """Bytes of shared memory for ``size`` ranks and windows of ``window_bytes``."""
-        return SharedMemoryReducer.bytes_needed(size, window_bytes)
+    def bytes_needed(size, window_bytes=WINDOW_BYTES, result_bytes=RESULT_BYTES):
+        """Bytes of shared memory for ``size`` ranks, windows of
+        ``window_bytes`` and a result region of ``result_bytes``."""
+        return SharedMemoryReducer.bytes_needed(size, window_bytes, result_bytes)
 
     def _takes(self, buf, fmt=None):
         return type(buf) is np.ndarray and buf.nbytes >= MIN_BYTES and (

@@ -22,7 +22,8 @@ def make_reducer(comm, capacity_bytes=4 << 20, **options):
     (collective)."""
     from commlib.startup import bootstrap
     from commlib.transport.shm import SharedMemoryReducer
-    nbytes = SharedMemoryReducer.bytes_needed(comm.Get_size(), max(1, capacity_bytes))
+    nbytes = SharedMemoryReducer.bytes_needed(comm.Get_size(), max(1, capacity_bytes),
+                                              options.get("result_bytes"))
     segment = bootstrap.node_segment(comm, nbytes)
     assert segment is not None, "no shared memory on this node"
     reducer = SharedMemoryReducer(comm, segment.array, capacity_bytes, **options)
@@ -124,9 +125,16 @@ def reduce(sync, *more):
     # itself (all_reduce_cast): the bits of the same wire cast by hostcast and
     # reduced by all_reduce, in one window and over several; the counts of
     # NaN and inf sent and found; guarded, nothing written when one is found
+    # (with a result region of one window every longer result is copied out
+    # of it window by window; with four, results of up to four windows stay
+    # there: at, below and above that boundary)
     from commlib.ops import hostcast
+    wide = make_reducer(comm, capacity_bytes=CAPACITY, sync=sync, result_bytes=4 * CAPACITY)
+    cases = [(red, CAPACITY // 2 - 3, None), (red, 3 * CAPACITY // 2 + 5, 1.0 / n),
+             (wide, 3 * CAPACITY // 2 + 5, 1.0 / n), (wide, 2 * CAPACITY - 1, None),
+             (wide, 2 * CAPACITY, 1.0 / n), (wide, 2 * CAPACITY + 1, None)]
     for fmt, storage in (("float16", np.float16), ("bfloat16", np.uint16)):
-        for total, scale in ((CAPACITY // 2 - 3, None), (3 * CAPACITY // 2 + 5, 1.0 / n)):
+        for reducer, total, scale in cases:
             sizes = [total // 3, 0, total - total // 3 - 7, 7]
             rng = np.random.default_rng([total, rank])
             flat = (rng.standard_normal(total) * 50).astype(np.float32)
@@ -142,7 +150,12 @@ def reduce(sync, *more):
             hostcast.cast_into(wire, want)
             for guarded in (False, True):
                 parts = [x.copy() for x in np.split(flat, np.cumsum(sizes)[:-1])]
-                got = red.all_reduce_cast(parts, fmt, "sum", scale, guarded)
+                reducer._kept = None
+                got = reducer.all_reduce_cast(parts, fmt, "sum", scale, guarded)
+                # a result of several windows kept in shared memory where it fits
+                assert (reducer._kept is None) == (reducer is red and total < CAPACITY // 2
+                                                   or reducer is wide and total <= 2 * CAPACITY
+                                                   ), (total, reducer._kept)
                 found = hostcast.count_nonfinite(wire, fmt)
                 assert got == (sent, found) and found >= 1, (fmt, total, got, sent, found)
                 out = np.concatenate(parts)
@@ -150,9 +163,11 @@ def reduce(sync, *more):
                     assert out.tobytes() == flat.tobytes(), (fmt, total)
                 else:
                     assert out.tobytes() == want.tobytes(), (fmt, total)
-        clean = [np.full(CAPACITY, rank + 1.0, np.float32)]
-        assert red.all_reduce_cast(clean, fmt, "max", None, True) == (0, 0)
-        assert (clean[0] == n).all()
+        for reducer in (red, wide):
+            clean = [np.full(CAPACITY, rank + 1.0, np.float32)]
+            assert reducer.all_reduce_cast(clean, fmt, "max", None, True) == (0, 0)
+            assert (clean[0] == n).all()
+    wide.close()
     # a bucket longer than the window, not numpy, unsupported dtype: declined, untouched
     big = np.ones(CAPACITY // 4 + 1, np.float32)
     assert red.all_reduce_parts((big,), big.size, big.dtype, "sum") is False and (big == 1).all()
