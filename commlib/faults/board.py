@@ -250,10 +250,9 @@ class StatusBoard:
         for r in range(self.size) if ranks is None else ranks:
             if r == self.rank:
                 continue
-            gone = self._lines[r, GONE]
-            if 0 < gone <= seq:
-                if self._lines[r, REASON] != GAVE_UP:
-                    raise self._left(r, seq, what)
+            if self._left_by_itself(r, seq):
+                raise self._left(r, seq, what)
+            if 0 < self._lines[r, GONE] <= seq:
                 gave_up = r if gave_up is None else gave_up
             elif self.died(r):
                 raise self.give_up(seq, what, PeerError,
@@ -347,9 +346,8 @@ class StatusBoard:
         left by itself is on the board too, that rank is named instead (the
         cause first-hand, whichever rank a wait found first)."""
         if self._lines[r, REASON] == GAVE_UP:
-            r = next((q for q in range(self.size) if q != self.rank
-                      and 0 < self._lines[q, GONE] <= seq and self._lines[q, REASON] != GAVE_UP),
-                     r)
+            r = next((q for q in range(self.size)
+                      if q != self.rank and self._left_by_itself(q, seq)), r)
         reason = int(self._lines[r, REASON])
         uneven = reason in (CLOSED, EXITED, DROPPED)
         if reason == GAVE_UP:       # a rank is never blamed for giving up
@@ -366,6 +364,12 @@ class StatusBoard:
         text = "%s while this rank is in %s%s" % (self.where(r), fingerprints.label(what, seq),
                                                   hint)
         return self.give_up(seq, what, PeerError, text, culprits)
+
+    def _left_by_itself(self, r, seq):
+        """Whether rank ``r`` left before completing collective ``seq`` for
+        a reason of its own (closed, exited, dropped, raised), not because
+        it gave up on another rank."""
+        return 0 < self._lines[r, GONE] <= seq and self._lines[r, REASON] != GAVE_UP
 
     def give_up(self, seq, what, kind, text, culprits):
         """Mark this rank gone at ``seq`` and return ``kind`` (an error class)
