@@ -90,7 +90,7 @@ static BLOCK_ATTR Py_ssize_t BLOCK_NAME(_narrow)(const float *v, void *dst, int 
 
 /* float32 results to float16: round to nearest even, NaN canonical; the
  * number of inf and NaN among the eight added to *count */
-static BLOCK_ATTR inline __m128i BLOCK_NAME(_to_half8)(__m256 x, Py_ssize_t *count)
+static BLOCK_ATTR inline __attribute__((always_inline)) __m128i BLOCK_NAME(_to_half8)(__m256 x, Py_ssize_t *count)
 {
     const __m128i exponent = _mm_set1_epi16(0x7C00), magnitude = _mm_set1_epi16(0x7FFF);
     __m128i h = _mm256_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
@@ -102,7 +102,7 @@ static BLOCK_ATTR inline __m128i BLOCK_NAME(_to_half8)(__m256 x, Py_ssize_t *cou
 
 /* float32 results to bfloat16 (round to nearest even on the bits, NaN
  * canonical, inf and NaN counted as the general path counts them) */
-static BLOCK_ATTR inline __m128i BLOCK_NAME(_to_bf16_8)(__m256 x, Py_ssize_t *count)
+static BLOCK_ATTR inline __attribute__((always_inline)) __m128i BLOCK_NAME(_to_bf16_8)(__m256 x, Py_ssize_t *count)
 {
     const __m256i u = _mm256_castps_si256(x);
     const __m256i mag = _mm256_and_si256(u, _mm256_set1_epi32(0x7FFFFFFF));
@@ -118,19 +118,19 @@ static BLOCK_ATTR inline __m128i BLOCK_NAME(_to_bf16_8)(__m256 x, Py_ssize_t *co
     return _mm256_castsi256_si128(r);
 }
 
-static BLOCK_ATTR inline __m256 BLOCK_NAME(_widen8r)(__m128i h, int fmt)
+static BLOCK_ATTR inline __attribute__((always_inline)) __m256 BLOCK_NAME(_widen8r)(__m128i h, int fmt)
 {
     if (fmt == CAST_F16)
         return _mm256_cvtph_ps(h);
     return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
 }
 
-static BLOCK_ATTR inline __m256 BLOCK_NAME(_widen8)(const uint16_t *s, int fmt)
+static BLOCK_ATTR inline __attribute__((always_inline)) __m256 BLOCK_NAME(_widen8)(const uint16_t *s, int fmt)
 {
     return BLOCK_NAME(_widen8r)(_mm_loadu_si128((const __m128i *)s), fmt);
 }
 
-static BLOCK_ATTR inline __m128i BLOCK_NAME(_narrow8)(__m256 x, int fmt, Py_ssize_t *count)
+static BLOCK_ATTR inline __attribute__((always_inline)) __m128i BLOCK_NAME(_narrow8)(__m256 x, int fmt, Py_ssize_t *count)
 {
     return fmt == CAST_F16 ? BLOCK_NAME(_to_half8)(x, count) : BLOCK_NAME(_to_bf16_8)(x, count);
 }
@@ -187,38 +187,109 @@ static BLOCK_ATTR Py_ssize_t BLOCK_NAME(_fast)(const void *src, int sfmt, void *
     return i;
 }
 
+/* float32 to the half format ``fmt`` without counting: NaN canonical;
+ * the lanes that are inf or NaN OR-ed into *special (any bits of a lane
+ * set when it is; 16-bit lanes for float16, the halves of 32-bit lanes
+ * folded together for bfloat16), for a caller that counts only when one
+ * was seen */
+static BLOCK_ATTR inline __attribute__((always_inline)) __m128i BLOCK_NAME(_narrow8m)(__m256 x, int fmt, __m128i *special)
+{
+    if (fmt == CAST_F16) {
+        const __m128i exponent = _mm_set1_epi16(0x7C00), magnitude = _mm_set1_epi16(0x7FFF);
+        __m128i h = _mm256_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+        *special = _mm_or_si128(*special, _mm_cmpeq_epi16(_mm_and_si128(h, exponent), exponent));
+        __m128i nan = _mm_cmpgt_epi16(_mm_and_si128(h, magnitude), exponent);
+        return _mm_blendv_epi8(h, _mm_set1_epi16(0x7E00), nan);
+    }
+    const __m256i u = _mm256_castps_si256(x);
+    const __m256i mag = _mm256_and_si256(u, _mm256_set1_epi32(0x7FFFFFFF));
+    __m256i r = _mm256_add_epi32(u, _mm256_set1_epi32(0x7FFF));
+    r = _mm256_add_epi32(r, _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1)));
+    r = _mm256_srli_epi32(r, 16);
+    __m256i big = _mm256_cmpgt_epi32(mag, _mm256_set1_epi32((int)(BF16_OVERFLOW - 1u)));
+    *special = _mm_or_si128(*special, _mm_or_si128(_mm256_castsi256_si128(big),
+                                                   _mm256_extracti128_si256(big, 1)));
+    __m256i nan = _mm256_cmpgt_epi32(mag, _mm256_set1_epi32(0x7F800000));
+    r = _mm256_blendv_epi8(r, _mm256_set1_epi32(0x7FC0), nan);
+    r = _mm256_permute4x64_epi64(_mm256_packus_epi32(r, r), 0x08);
+    return _mm256_castsi256_si128(r);
+}
+
 /* The rank-order sum of a half-format share, this rank's contribution
  * rounded from float32 on the way (hostreduce.c's cast_own, op sum): for
  * the first i elements (a multiple of eight, returned), out[j] =
  * narrow(...narrow(x0[j] + x1[j]) + ... + x(n-1)[j]), each sum in float32,
  * where x_rank = narrow(scale * own[j]) and x_q = slots[q][at + j]
  * otherwise; the inf and NaN of x_rank added to *sent, those of out to
- * *found. The same bits as a cast into a slot, then commlib_cast's sums. */
-static BLOCK_ATTR Py_ssize_t BLOCK_NAME(_sum_own)(const float *own, float scale, int scaled,
-                                                 char *const *slots, int nranks, int rank,
-                                                 Py_ssize_t at, uint16_t *out, int fmt,
-                                                 Py_ssize_t n, Py_ssize_t *sent,
-                                                 Py_ssize_t *found)
+ * *found. The same bits as a cast into a slot, then commlib_cast's sums.
+ * The loop only notes whether any inf or NaN went by; they are counted
+ * afterwards, in a pass of their own, when one did (rarely). */
+static BLOCK_ATTR inline __attribute__((always_inline)) Py_ssize_t BLOCK_NAME(_sum_own_in)(
+    const float *own, float scale, int scaled, char *const *slots, int nranks, int rank,
+    Py_ssize_t at, uint16_t *out, const int fmt, Py_ssize_t n, Py_ssize_t *sent,
+    Py_ssize_t *found)
 {
     const __m256 factor = _mm256_set1_ps(scale);
-    Py_ssize_t i = 0, ignored = 0;
+    __m128i mine_special = _mm_setzero_si128(), out_special = _mm_setzero_si128();
+    __m128i ignored = _mm_setzero_si128();
+    Py_ssize_t i = 0;
+    if (nranks == 2) {
+        /* one sum: x + y and y + x are the same bits (NaNs are canonical) */
+        const uint16_t *other = (const uint16_t *)slots[1 - rank] + at;
+        for (; i + 8 <= n; i += 8) {
+            __m256 x = _mm256_loadu_ps(own + i);
+            if (scaled)
+                x = _mm256_mul_ps(factor, x);
+            __m256 mine = BLOCK_NAME(_widen8r)(BLOCK_NAME(_narrow8m)(x, fmt, &mine_special),
+                                               fmt);
+            __m256 sum = _mm256_add_ps(mine, BLOCK_NAME(_widen8)(other + i, fmt));
+            _mm_storeu_si128((__m128i *)(out + i), BLOCK_NAME(_narrow8m)(sum, fmt, &out_special));
+        }
+    }
     for (; i + 8 <= n; i += 8) {
         __m256 x = _mm256_loadu_ps(own + i);
         if (scaled)
             x = _mm256_mul_ps(factor, x);
-        __m256 mine = BLOCK_NAME(_widen8r)(BLOCK_NAME(_narrow8)(x, fmt, sent), fmt);
+        __m256 mine = BLOCK_NAME(_widen8r)(BLOCK_NAME(_narrow8m)(x, fmt, &mine_special), fmt);
         __m256 acc = rank == 0 ? mine
                                : BLOCK_NAME(_widen8)((const uint16_t *)slots[0] + at + i, fmt);
         for (int q = 1; q < nranks; ++q) {
             __m256 sum = _mm256_add_ps(acc, q == rank ? mine : BLOCK_NAME(_widen8)(
                 (const uint16_t *)slots[q] + at + i, fmt));
             if (q == nranks - 1)
-                _mm_storeu_si128((__m128i *)(out + i), BLOCK_NAME(_narrow8)(sum, fmt, found));
+                _mm_storeu_si128((__m128i *)(out + i),
+                                 BLOCK_NAME(_narrow8m)(sum, fmt, &out_special));
             else
-                acc = BLOCK_NAME(_widen8r)(BLOCK_NAME(_narrow8)(sum, fmt, &ignored), fmt);
+                acc = BLOCK_NAME(_widen8r)(BLOCK_NAME(_narrow8m)(sum, fmt, &ignored), fmt);
         }
     }
+    if (!_mm_testz_si128(mine_special, mine_special)) {
+        Py_ssize_t count = 0;
+        for (Py_ssize_t j = 0; j < i; j += 8) {
+            __m256 x = _mm256_loadu_ps(own + j);
+            if (scaled)
+                x = _mm256_mul_ps(factor, x);
+            (void)BLOCK_NAME(_narrow8)(x, fmt, &count);
+        }
+        *sent += count;
+    }
+    if (!_mm_testz_si128(out_special, out_special))
+        *found += commlib_count_nonfinite(out, fmt, i);
     return i;
+}
+/* (the loop compiled once per format, so that no test of the format is
+ * left in it) */
+static BLOCK_ATTR Py_ssize_t BLOCK_NAME(_sum_own)(const float *own, float scale, int scaled,
+                                                 char *const *slots, int nranks, int rank,
+                                                 Py_ssize_t at, uint16_t *out, int fmt,
+                                                 Py_ssize_t n, Py_ssize_t *sent,
+                                                 Py_ssize_t *found)
+{
+    if (fmt == CAST_F16)
+        return BLOCK_NAME(_sum_own_in)(own, scale, scaled, slots, nranks, rank, at, out,
+                                       CAST_F16, n, sent, found);
+    return BLOCK_NAME(_sum_own_in)(own, scale, scaled, slots, nranks, rank, at, out, CAST_BF16,
+                                   n, sent, found);
 }
 #endif
 

@@ -165,6 +165,12 @@ def test_own_float32_share_is_cast_in_the_reduction(fmt, op, n):
     wide[:, 5] = np.nan                                  # in every rank's cast
     wide[:, 7] = 3e5 if fmt == "float16" else 3e38       # inf once cast and scaled (float16)
     wide[:, count - 3] = 60000 * 3                       # 60000 each: the float16 sum overflows
+    # and inside the long parts, which the vector loops take eight at a time:
+    # one rank's NaN, every rank's inf, a sum that overflows (float16)
+    for k, at in enumerate(range(9, count - 2, 41)):
+        wide[k % n, at] = np.nan
+        wide[:, at + 1] = 3e5 if fmt == "float16" else 3e38
+        wide[:, at + 2] = 60000 * 3 if k % 2 else wide[:, at + 2]
     half = np.empty((n, count), storage)
     with np.errstate(over="ignore", invalid="ignore"):
         for q in range(n):
