@@ -81,12 +81,8 @@ static BLOCK_ATTR Py_ssize_t BLOCK_NAME(_narrow)(const float *v, void *dst, int 
 }
 
 #ifdef BLOCK_F16C
-/* The commonest casts in one pass, eight elements to a register, each the
- * same bits as the general path below (widen, scale, op, narrow): float32
- * to a half format (the wire of a compressed bucket), a half format to
- * float32 (its result back into the arrays) and sums in a half format (the
- * reduction). Returns how many elements it did (a multiple of eight; 0
- * when the cast is not one of these). */
+/* Eight elements to a register: the helpers of the commonest casts and of
+ * the half-precision share's sum (_fast and _sum_own below). */
 
 /* float32 results to float16: round to nearest even, NaN canonical; the
  * number of inf and NaN among the eight added to *count */
@@ -135,58 +131,6 @@ static BLOCK_ATTR inline __attribute__((always_inline)) __m128i BLOCK_NAME(_narr
     return fmt == CAST_F16 ? BLOCK_NAME(_to_half8)(x, count) : BLOCK_NAME(_to_bf16_8)(x, count);
 }
 
-static BLOCK_ATTR Py_ssize_t BLOCK_NAME(_fast)(const void *src, int sfmt, void *dst, int dfmt,
-                                              Py_ssize_t n, float scale, int scaled, int op,
-                                              int streaming, Py_ssize_t *count)
-{
-    const __m256 factor = _mm256_set1_ps(scale);
-    Py_ssize_t i = 0;
-    if (sfmt == CAST_F32 && dfmt != CAST_F32 && op == CAST_OP_NONE) {
-        const float *s = (const float *)src;
-        uint16_t *d = (uint16_t *)dst;
-        for (; i + 8 <= n; i += 8) {
-            __m256 x = _mm256_loadu_ps(s + i);
-            if (scaled)
-                x = _mm256_mul_ps(factor, x);
-            __m128i h = BLOCK_NAME(_narrow8)(x, dfmt, count);
-            if (streaming)                   /* d + i is 16-byte aligned (commlib_cast) */
-                _mm_stream_si128((__m128i *)(d + i), h);
-            else
-                _mm_storeu_si128((__m128i *)(d + i), h);
-        }
-    } else if (sfmt != CAST_F32 && dfmt == CAST_F32 && op == CAST_OP_NONE) {
-        const uint16_t *s = (const uint16_t *)src;
-        float *d = (float *)dst;
-        const __m256i magnitude = _mm256_set1_epi32(0x7FFFFFFF);
-        const __m256i finite_max = _mm256_set1_epi32(0x7F7FFFFF);
-        const __m256i inf = _mm256_set1_epi32(0x7F800000);
-        const __m256i canonical = _mm256_set1_epi32(0x7FC00000);
-        for (; i + 8 <= n; i += 8) {
-            __m256 x = BLOCK_NAME(_widen8)(s + i, sfmt);
-            if (scaled)
-                x = _mm256_mul_ps(factor, x);
-            __m256i mag = _mm256_and_si256(_mm256_castps_si256(x), magnitude);
-            __m256i special = _mm256_cmpgt_epi32(mag, finite_max);
-            __m256i nan = _mm256_cmpgt_epi32(mag, inf);
-            *count += __builtin_popcount((unsigned)_mm256_movemask_ps(_mm256_castsi256_ps(special)));
-            _mm256_storeu_ps(d + i, _mm256_blendv_ps(x, _mm256_castsi256_ps(canonical),
-                                                     _mm256_castsi256_ps(nan)));
-        }
-    } else if (sfmt != CAST_F32 && dfmt == sfmt && op == CAST_OP_SUM) {
-        const uint16_t *s = (const uint16_t *)src;
-        uint16_t *d = (uint16_t *)dst;
-        for (; i + 8 <= n; i += 8) {
-            __m256 x = BLOCK_NAME(_widen8)(s + i, sfmt);
-            if (scaled)
-                x = _mm256_mul_ps(factor, x);
-            __m256 y = BLOCK_NAME(_widen8)(d + i, dfmt);
-            _mm_storeu_si128((__m128i *)(d + i),
-                             BLOCK_NAME(_narrow8)(_mm256_add_ps(y, x), dfmt, count));
-        }
-    }
-    return i;
-}
-
 /* float32 to the half format ``fmt`` without counting: NaN canonical;
  * the lanes that are inf or NaN OR-ed into *special (any bits of a lane
  * set when it is; 16-bit lanes for float16, the halves of 32-bit lanes
@@ -213,6 +157,93 @@ static BLOCK_ATTR inline __attribute__((always_inline)) __m128i BLOCK_NAME(_narr
     r = _mm256_blendv_epi8(r, _mm256_set1_epi32(0x7FC0), nan);
     r = _mm256_permute4x64_epi64(_mm256_packus_epi32(r, r), 0x08);
     return _mm256_castsi256_si128(r);
+}
+
+/* One of the commonest casts (the formats and op constant once inlined,
+ * see _fast): inf and NaN are noted with a mask and counted afterwards,
+ * in the output, only when one went by. */
+static BLOCK_ATTR inline __attribute__((always_inline)) Py_ssize_t BLOCK_NAME(_fast_in)(
+    const void *src, const int sfmt, void *dst, const int dfmt, Py_ssize_t n, float scale,
+    int scaled, const int op, int streaming, Py_ssize_t *count)
+{
+    const __m256 factor = _mm256_set1_ps(scale);
+    __m128i special = _mm_setzero_si128();
+    Py_ssize_t i = 0;
+    if (sfmt == CAST_F32) {                   /* float32 to a half format */
+        const float *s = (const float *)src;
+        uint16_t *d = (uint16_t *)dst;
+        for (; i + 8 <= n; i += 8) {
+            __m256 x = _mm256_loadu_ps(s + i);
+            if (scaled)
+                x = _mm256_mul_ps(factor, x);
+            __m128i h = BLOCK_NAME(_narrow8m)(x, dfmt, &special);
+            if (streaming)                   /* d + i is 16-byte aligned (commlib_cast) */
+                _mm_stream_si128((__m128i *)(d + i), h);
+            else
+                _mm_storeu_si128((__m128i *)(d + i), h);
+        }
+    } else if (dfmt == CAST_F32) {            /* a half format to float32 */
+        const uint16_t *s = (const uint16_t *)src;
+        float *d = (float *)dst;
+        const __m256i magnitude = _mm256_set1_epi32(0x7FFFFFFF);
+        const __m256i finite_max = _mm256_set1_epi32(0x7F7FFFFF);
+        const __m256i inf = _mm256_set1_epi32(0x7F800000);
+        const __m256i canonical = _mm256_set1_epi32(0x7FC00000);
+        __m256i wide = _mm256_setzero_si256();
+        for (; i + 8 <= n; i += 8) {
+            __m256 x = BLOCK_NAME(_widen8)(s + i, sfmt);
+            if (scaled)
+                x = _mm256_mul_ps(factor, x);
+            __m256i mag = _mm256_and_si256(_mm256_castps_si256(x), magnitude);
+            wide = _mm256_or_si256(wide, _mm256_cmpgt_epi32(mag, finite_max));
+            __m256i nan = _mm256_cmpgt_epi32(mag, inf);
+            _mm256_storeu_ps(d + i, _mm256_blendv_ps(x, _mm256_castsi256_ps(canonical),
+                                                     _mm256_castsi256_ps(nan)));
+        }
+        special = _mm_or_si128(_mm256_castsi256_si128(wide), _mm256_extracti128_si256(wide, 1));
+    } else {                                  /* sums in a half format */
+        const uint16_t *s = (const uint16_t *)src;
+        uint16_t *d = (uint16_t *)dst;
+        for (; i + 8 <= n; i += 8) {
+            __m256 x = BLOCK_NAME(_widen8)(s + i, sfmt);
+            if (scaled)
+                x = _mm256_mul_ps(factor, x);
+            __m256 y = BLOCK_NAME(_widen8)(d + i, dfmt);
+            _mm_storeu_si128((__m128i *)(d + i),
+                             BLOCK_NAME(_narrow8m)(_mm256_add_ps(y, x), dfmt, &special));
+        }
+    }
+    (void)op;
+    if (!_mm_testz_si128(special, special)) {
+        if (streaming)
+            _mm_sfence();
+        *count += commlib_count_nonfinite(dst, dfmt, i);
+    }
+    return i;
+}
+
+/* The commonest casts in one pass, eight elements to a register, each the
+ * same bits as the general path below (widen, scale, op, narrow): float32
+ * to a half format (the wire of a compressed bucket), a half format to
+ * float32 (its result back into the arrays) and sums in a half format (the
+ * reduction). Returns how many elements it did (a multiple of eight; 0
+ * when the cast is not one of these), their inf and NaN added to *count. */
+static BLOCK_ATTR Py_ssize_t BLOCK_NAME(_fast)(const void *src, int sfmt, void *dst, int dfmt,
+                                              Py_ssize_t n, float scale, int scaled, int op,
+                                              int streaming, Py_ssize_t *count)
+{
+#define FAST(S, D, O) BLOCK_NAME(_fast_in)(src, S, dst, D, n, scale, scaled, O, streaming, count)
+    if (op == CAST_OP_NONE && sfmt == CAST_F32 && dfmt != CAST_F32)
+        return dfmt == CAST_F16 ? FAST(CAST_F32, CAST_F16, CAST_OP_NONE)
+                                : FAST(CAST_F32, CAST_BF16, CAST_OP_NONE);
+    if (op == CAST_OP_NONE && sfmt != CAST_F32 && dfmt == CAST_F32)
+        return sfmt == CAST_F16 ? FAST(CAST_F16, CAST_F32, CAST_OP_NONE)
+                                : FAST(CAST_BF16, CAST_F32, CAST_OP_NONE);
+    if (op == CAST_OP_SUM && sfmt != CAST_F32 && dfmt == sfmt)
+        return sfmt == CAST_F16 ? FAST(CAST_F16, CAST_F16, CAST_OP_SUM)
+                                : FAST(CAST_BF16, CAST_BF16, CAST_OP_SUM);
+#undef FAST
+    return 0;
 }
 
 /* The rank-order sum of a half-format share, this rank's contribution
