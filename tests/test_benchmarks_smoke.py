@@ -6,6 +6,8 @@ never asserts on timings.
 import json
 import re
 
+import pytest
+
 from mpirun import ROOT, run_mpi
 
 SCRIPT = ROOT / "benchmarks" / "allreduce.py"
@@ -113,3 +115,25 @@ def test_p2p_benchmark_smoke(tmp_path):
     results = json.loads(out.read_text())
     assert [r["call"] for r in results["results"]] == [r["call"] for r in rows]
     assert all(len(r["samples_ms"]["commlib"]) == 1 for r in results["results"])
+
+
+def test_host_loops_benchmark_smoke():
+    """benchmarks/host_loops.py on an odd length: every loop timed and its
+    output checked against the numpy twins, bit for bit."""
+    import subprocess
+    import sys
+
+    from commlib.ops import native
+    if not native.available():
+        pytest.skip("the compiled host loops are not built")
+    script = ROOT / "benchmarks" / "host_loops.py"
+    proc = subprocess.run([sys.executable, str(script), "--elements", "1003", "--repeats", "2"],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    rows = parse_table(proc.stdout)
+    assert len(rows) == 11 and rows[0]["loop"] == "numpy float32 copy", rows
+    assert [r["loop"] for r in rows if "4 ranks" in r["loop"]] == [
+        "reduce_share float32, 4 ranks", "reduce_share float16, own share cast inside, 4 ranks",
+        "reduce_share bfloat16, own share cast inside, 4 ranks"]
+    for row in rows:
+        assert row["check"] == "ok" and float(row["ns per element"]) > 0, row

@@ -132,16 +132,17 @@ static BLOCK_ATTR inline __attribute__((always_inline)) __m128i BLOCK_NAME(_narr
 }
 
 /* float32 to the half format ``fmt`` without counting: NaN canonical;
- * the lanes that are inf or NaN OR-ed into *special (any bits of a lane
- * set when it is; 16-bit lanes for float16, the halves of 32-bit lanes
- * folded together for bfloat16), for a caller that counts only when one
- * was seen */
-static BLOCK_ATTR inline __attribute__((always_inline)) __m128i BLOCK_NAME(_narrow8m)(__m256 x, int fmt, __m128i *special)
+ * the lanes that are inf or NaN OR-ed into *special, for a caller that
+ * counts only when one was seen (_seen): the low 128 bits' 16-bit lanes for
+ * float16 (the high bits are not defined then), the 32-bit lanes for
+ * bfloat16 */
+static BLOCK_ATTR inline __attribute__((always_inline)) __m128i BLOCK_NAME(_narrow8m)(__m256 x, int fmt, __m256i *special)
 {
     if (fmt == CAST_F16) {
         const __m128i exponent = _mm_set1_epi16(0x7C00), magnitude = _mm_set1_epi16(0x7FFF);
         __m128i h = _mm256_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-        *special = _mm_or_si128(*special, _mm_cmpeq_epi16(_mm_and_si128(h, exponent), exponent));
+        *special = _mm256_or_si256(*special, _mm256_castsi128_si256(
+            _mm_cmpeq_epi16(_mm_and_si128(h, exponent), exponent)));
         __m128i nan = _mm_cmpgt_epi16(_mm_and_si128(h, magnitude), exponent);
         return _mm_blendv_epi8(h, _mm_set1_epi16(0x7E00), nan);
     }
@@ -151,12 +152,20 @@ static BLOCK_ATTR inline __attribute__((always_inline)) __m128i BLOCK_NAME(_narr
     r = _mm256_add_epi32(r, _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1)));
     r = _mm256_srli_epi32(r, 16);
     __m256i big = _mm256_cmpgt_epi32(mag, _mm256_set1_epi32((int)(BF16_OVERFLOW - 1u)));
-    *special = _mm_or_si128(*special, _mm_or_si128(_mm256_castsi256_si128(big),
-                                                   _mm256_extracti128_si256(big, 1)));
+    *special = _mm256_or_si256(*special, big);
     __m256i nan = _mm256_cmpgt_epi32(mag, _mm256_set1_epi32(0x7F800000));
     r = _mm256_blendv_epi8(r, _mm256_set1_epi32(0x7FC0), nan);
     r = _mm256_permute4x64_epi64(_mm256_packus_epi32(r, r), 0x08);
     return _mm256_castsi256_si128(r);
+}
+
+/* Whether a lane of ``special``, OR-ed by _narrow8m for the format
+ * ``fmt`` (or 32-bit lanes for float32), was inf or NaN. */
+static BLOCK_ATTR inline __attribute__((always_inline)) int BLOCK_NAME(_seen)(__m256i special,
+                                                                            int fmt)
+{
+    __m128i low = _mm256_castsi256_si128(special);
+    return fmt == CAST_F16 ? !_mm_testz_si128(low, low) : !_mm256_testz_si256(special, special);
 }
 
 /* One of the commonest casts (the formats and op constant once inlined,
@@ -167,7 +176,7 @@ static BLOCK_ATTR inline __attribute__((always_inline)) Py_ssize_t BLOCK_NAME(_f
     int scaled, const int op, int streaming, Py_ssize_t *count)
 {
     const __m256 factor = _mm256_set1_ps(scale);
-    __m128i special = _mm_setzero_si128();
+    __m256i special = _mm256_setzero_si256();
     Py_ssize_t i = 0;
     if (sfmt == CAST_F32) {                   /* float32 to a half format */
         const float *s = (const float *)src;
@@ -189,18 +198,16 @@ static BLOCK_ATTR inline __attribute__((always_inline)) Py_ssize_t BLOCK_NAME(_f
         const __m256i finite_max = _mm256_set1_epi32(0x7F7FFFFF);
         const __m256i inf = _mm256_set1_epi32(0x7F800000);
         const __m256i canonical = _mm256_set1_epi32(0x7FC00000);
-        __m256i wide = _mm256_setzero_si256();
         for (; i + 8 <= n; i += 8) {
             __m256 x = BLOCK_NAME(_widen8)(s + i, sfmt);
             if (scaled)
                 x = _mm256_mul_ps(factor, x);
             __m256i mag = _mm256_and_si256(_mm256_castps_si256(x), magnitude);
-            wide = _mm256_or_si256(wide, _mm256_cmpgt_epi32(mag, finite_max));
+            special = _mm256_or_si256(special, _mm256_cmpgt_epi32(mag, finite_max));
             __m256i nan = _mm256_cmpgt_epi32(mag, inf);
             _mm256_storeu_ps(d + i, _mm256_blendv_ps(x, _mm256_castsi256_ps(canonical),
                                                      _mm256_castsi256_ps(nan)));
         }
-        special = _mm_or_si128(_mm256_castsi256_si128(wide), _mm256_extracti128_si256(wide, 1));
     } else {                                  /* sums in a half format */
         const uint16_t *s = (const uint16_t *)src;
         uint16_t *d = (uint16_t *)dst;
@@ -214,7 +221,7 @@ static BLOCK_ATTR inline __attribute__((always_inline)) Py_ssize_t BLOCK_NAME(_f
         }
     }
     (void)op;
-    if (!_mm_testz_si128(special, special)) {
+    if (BLOCK_NAME(_seen)(special, dfmt)) {
         if (streaming)
             _mm_sfence();
         *count += commlib_count_nonfinite(dst, dfmt, i);
@@ -261,8 +268,8 @@ static BLOCK_ATTR inline __attribute__((always_inline)) Py_ssize_t BLOCK_NAME(_s
     Py_ssize_t *found)
 {
     const __m256 factor = _mm256_set1_ps(scale);
-    __m128i mine_special = _mm_setzero_si128(), out_special = _mm_setzero_si128();
-    __m128i ignored = _mm_setzero_si128();
+    __m256i mine_special = _mm256_setzero_si256(), out_special = _mm256_setzero_si256();
+    __m256i ignored = _mm256_setzero_si256();
     Py_ssize_t i = 0;
     if (nranks == 2) {
         /* one sum: x + y and y + x are the same bits (NaNs are canonical) */
@@ -294,7 +301,7 @@ static BLOCK_ATTR inline __attribute__((always_inline)) Py_ssize_t BLOCK_NAME(_s
                 acc = BLOCK_NAME(_widen8r)(BLOCK_NAME(_narrow8m)(sum, fmt, &ignored), fmt);
         }
     }
-    if (!_mm_testz_si128(mine_special, mine_special)) {
+    if (BLOCK_NAME(_seen)(mine_special, fmt)) {
         Py_ssize_t count = 0;
         for (Py_ssize_t j = 0; j < i; j += 8) {
             __m256 x = _mm256_loadu_ps(own + j);
@@ -304,7 +311,7 @@ static BLOCK_ATTR inline __attribute__((always_inline)) Py_ssize_t BLOCK_NAME(_s
         }
         *sent += count;
     }
-    if (!_mm_testz_si128(out_special, out_special))
+    if (BLOCK_NAME(_seen)(out_special, fmt))
         *found += commlib_count_nonfinite(out, fmt, i);
     return i;
 }
