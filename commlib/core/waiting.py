@@ -29,6 +29,12 @@ _SPINS = 2000             # polls of a word before each further poll yields the 
 #: longest sleep between polls (seconds)
 RELAXED_SPINS = 32
 RELAXED_SLEEP_S = (2e-5, 1e-4)
+#: where the node's cores are shared (set_cores_shared), polls that yield the
+#: core (sched_yield, Open MPI's mpi_yield_when_idle) between the spins and
+#: the sleeps: a peer waiting for this core runs at once, where a sleep ends
+#: only at the scheduler's next chance (4 ranks on 2 cores: 4 KiB
+#: all-reduces 1.3-1.8 ms with sleeps alone, 0.5 ms; benchmarks/README.md)
+CROWDED_YIELDS = 1000
 _thread = threading.local()
 #: every wait sleeps between polls (see set_cores_shared)
 _cores_shared = False
@@ -84,16 +90,18 @@ def background():
 
 class Backoff:
     """Sleeps of a relaxed wait: none for the first :data:`RELAXED_SPINS`
-    calls, then from ``RELAXED_SLEEP_S[0]`` doubling to ``[1]`` seconds
-    (or longer while the thread's background says so, see
-    :func:`set_background`); none either (and back to the shortest) while
-    the thread is not relaxed (:func:`relaxed`: the caller's thread waits
-    for this work), unless it sleeps ``always``."""
+    calls, then ``yields`` calls that yield the core, then sleeps from
+    ``RELAXED_SLEEP_S[0]`` doubling to ``[1]`` seconds (or longer while
+    the thread's background says so, see :func:`set_background`); none
+    either (and back to the shortest) while the thread is not relaxed
+    (:func:`relaxed`: the caller's thread waits for this work), unless it
+    sleeps ``always``."""
 
-    __slots__ = ("_calls", "_sleep")
+    __slots__ = ("_calls", "_sleep", "_spins")
 
-    def __init__(self):
+    def __init__(self, yields=0):
         self._calls, self._sleep = 0, RELAXED_SLEEP_S[0]
+        self._spins = RELAXED_SPINS + yields
 
     def pause(self, always=False):
         self._calls += 1
@@ -101,6 +109,9 @@ class Backoff:
             return
         if not (always or relaxed()):
             self._sleep = RELAXED_SLEEP_S[0]
+            return
+        if self._calls <= self._spins:
+            os.sched_yield()
             return
         longest = RELAXED_SLEEP_S[1]
         stretch = getattr(_thread, "longest_sleep", None)
@@ -161,8 +172,9 @@ def until(step, wait, late=None, pace="auto"):
     ``slice_s`` seconds, and returns None while the wait goes on; it may
     raise. Between its calls the thread's :func:`background` poll runs; a
     relaxed thread (:func:`relaxed`, ``pace="auto"``), every thread where
-    the cores are shared (:func:`set_cores_shared`) and a wait of
-    ``pace="sleep"`` sleep between them with backoff (:class:`Backoff`),
+    the cores are shared (:func:`set_cores_shared`; a thread that is not
+    relaxed yields its core :data:`CROWDED_YIELDS` times first) and a wait
+    of ``pace="sleep"`` sleep between them with backoff (:class:`Backoff`),
     and its steps get no slice (one look each), as they do while there is a
     background poll; and every :data:`CHECK_EVERY_S` seconds, after a
     step without an answer, ``wait.check(late())`` raises when ``wait``'s
@@ -195,7 +207,9 @@ def until(step, wait, late=None, pace="auto"):
     clock = time.monotonic
     poll = background()
     always = pace == "sleep" or _cores_shared
-    backoff = Backoff() if always or (pace == "auto" and relaxed()) else None
+    # a wait the caller's thread sits in yields its core first on shared cores
+    yields = CROWDED_YIELDS if _cores_shared and pace != "sleep" and not relaxed() else 0
+    backoff = Backoff(yields) if always or (pace == "auto" and relaxed()) else None
     slice_s = 0.0 if backoff is not None or (poll is not None and pace == "auto") \
         else CHECK_EVERY_S
     next_check = clock() + CHECK_EVERY_S

@@ -74,14 +74,21 @@ def test_spinning_polls_back_to_back_with_slices(cores):
     assert slices[0] == 0.0 and set(slices[1:]) == {waiting.CHECK_EVERY_S}
 
 
-@pytest.mark.parametrize("how", ["shared", "sleep"])
+@pytest.mark.parametrize("how", ["shared", "sleep", "shared, relaxed"])
 def test_shared_cores_sleep_between_polls(cores, how):
-    # every poll after the first RELAXED_SPINS sleeps at least the shortest
-    # sleep, doubling up to the longest: a bound on the number of polls
-    # that no spinning wait keeps (it polls back to back)
+    # every poll after the first RELAXED_SPINS (and, on shared cores in a
+    # thread the caller waits in, CROWDED_YIELDS polls that yield the core)
+    # sleeps at least the shortest sleep, doubling up to the longest: a
+    # bound on the number of polls that no spinning wait keeps (it polls
+    # back to back)
+    _, monkeypatch = cores
+    yields = []
+    monkeypatch.setattr(waiting.os, "sched_yield", lambda: yields.append(1))
     wall = 0.2
-    if how == "shared":
+    if how.startswith("shared"):
         waiting.set_cores_shared(True)
+        if how.endswith("relaxed"):      # a progress thread: it sleeps, never yields
+            monkeypatch.setattr(waiting._thread, "relaxed", lambda: True, raising=False)
         slices = _wait_for(wall)
     else:
         slices = _wait_for(wall, pace="sleep")
@@ -89,7 +96,9 @@ def test_shared_cores_sleep_between_polls(cores, how):
     doublings = 0
     while shortest * 2 ** doublings < longest:
         doublings += 1
-    bound = 1 + waiting.RELAXED_SPINS + doublings + wall / longest + 1
+    want = waiting.CROWDED_YIELDS if how == "shared" else 0
+    assert len(yields) == want, (len(yields), want)
+    bound = 1 + waiting.RELAXED_SPINS + want + doublings + wall / longest + 1
     assert set(slices) == {0.0}
     assert len(slices) <= bound, (len(slices), bound)
 
