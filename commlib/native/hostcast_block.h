@@ -84,36 +84,6 @@ static BLOCK_ATTR Py_ssize_t BLOCK_NAME(_narrow)(const float *v, void *dst, int 
 /* Eight elements to a register: the helpers of the commonest casts and of
  * the half-precision share's sum (_fast and _sum_own below). */
 
-/* float32 results to float16: round to nearest even, NaN canonical; the
- * number of inf and NaN among the eight added to *count */
-static BLOCK_ATTR inline __attribute__((always_inline)) __m128i BLOCK_NAME(_to_half8)(__m256 x, Py_ssize_t *count)
-{
-    const __m128i exponent = _mm_set1_epi16(0x7C00), magnitude = _mm_set1_epi16(0x7FFF);
-    __m128i h = _mm256_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m128i special = _mm_cmpeq_epi16(_mm_and_si128(h, exponent), exponent);
-    __m128i nan = _mm_cmpgt_epi16(_mm_and_si128(h, magnitude), exponent);
-    *count += __builtin_popcount((unsigned)_mm_movemask_epi8(special)) / 2;
-    return _mm_blendv_epi8(h, _mm_set1_epi16(0x7E00), nan);
-}
-
-/* float32 results to bfloat16 (round to nearest even on the bits, NaN
- * canonical, inf and NaN counted as the general path counts them) */
-static BLOCK_ATTR inline __attribute__((always_inline)) __m128i BLOCK_NAME(_to_bf16_8)(__m256 x, Py_ssize_t *count)
-{
-    const __m256i u = _mm256_castps_si256(x);
-    const __m256i mag = _mm256_and_si256(u, _mm256_set1_epi32(0x7FFFFFFF));
-    __m256i r = _mm256_add_epi32(u, _mm256_set1_epi32(0x7FFF));
-    r = _mm256_add_epi32(r, _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1)));
-    r = _mm256_srli_epi32(r, 16);
-    __m256i special = _mm256_cmpgt_epi32(mag, _mm256_set1_epi32((int)(BF16_OVERFLOW - 1u)));
-    __m256i nan = _mm256_cmpgt_epi32(mag, _mm256_set1_epi32(0x7F800000));
-    *count += __builtin_popcount((unsigned)_mm256_movemask_ps(_mm256_castsi256_ps(special)));
-    r = _mm256_blendv_epi8(r, _mm256_set1_epi32(0x7FC0), nan);
-    /* the eight 32-bit lanes (each under 0x10000) packed to 16 bits */
-    r = _mm256_permute4x64_epi64(_mm256_packus_epi32(r, r), 0x08);
-    return _mm256_castsi256_si128(r);
-}
-
 static BLOCK_ATTR inline __attribute__((always_inline)) __m256 BLOCK_NAME(_widen8r)(__m128i h, int fmt)
 {
     if (fmt == CAST_F16)
@@ -126,16 +96,11 @@ static BLOCK_ATTR inline __attribute__((always_inline)) __m256 BLOCK_NAME(_widen
     return BLOCK_NAME(_widen8r)(_mm_loadu_si128((const __m128i *)s), fmt);
 }
 
-static BLOCK_ATTR inline __attribute__((always_inline)) __m128i BLOCK_NAME(_narrow8)(__m256 x, int fmt, Py_ssize_t *count)
-{
-    return fmt == CAST_F16 ? BLOCK_NAME(_to_half8)(x, count) : BLOCK_NAME(_to_bf16_8)(x, count);
-}
-
-/* float32 to the half format ``fmt`` without counting: NaN canonical;
- * the lanes that are inf or NaN OR-ed into *special, for a caller that
- * counts only when one was seen (_seen): the low 128 bits' 16-bit lanes for
- * float16 (the high bits are not defined then), the 32-bit lanes for
- * bfloat16 */
+/* float32 to the half format ``fmt``, rounded to nearest even (bfloat16:
+ * on the bits), NaN canonical; the lanes that are inf or NaN OR-ed into
+ * *special, which a caller counts (_specials) only at the end: the low
+ * 128 bits' 16-bit lanes for float16 (the high bits are not defined then),
+ * the 32-bit lanes for bfloat16 */
 static BLOCK_ATTR inline __attribute__((always_inline)) __m128i BLOCK_NAME(_narrow8m)(__m256 x, int fmt, __m256i *special)
 {
     if (fmt == CAST_F16) {
@@ -159,13 +124,15 @@ static BLOCK_ATTR inline __attribute__((always_inline)) __m128i BLOCK_NAME(_narr
     return _mm256_castsi256_si128(r);
 }
 
-/* Whether a lane of ``special``, OR-ed by _narrow8m for the format
- * ``fmt`` (or 32-bit lanes for float32), was inf or NaN. */
-static BLOCK_ATTR inline __attribute__((always_inline)) int BLOCK_NAME(_seen)(__m256i special,
-                                                                            int fmt)
+/* How many lanes of ``special``, OR-ed by _narrow8m for the format ``fmt``
+ * (or 32-bit lanes for float32), were inf or NaN. */
+static BLOCK_ATTR inline __attribute__((always_inline)) int BLOCK_NAME(_specials)(
+    __m256i special, int fmt)
 {
-    __m128i low = _mm256_castsi256_si128(special);
-    return fmt == CAST_F16 ? !_mm_testz_si128(low, low) : !_mm256_testz_si256(special, special);
+    if (fmt == CAST_F16)
+        return __builtin_popcount((unsigned)_mm_movemask_epi8(_mm256_castsi256_si128(special)))
+               / 2;
+    return __builtin_popcount((unsigned)_mm256_movemask_ps(_mm256_castsi256_ps(special)));
 }
 
 /* One of the commonest casts (the formats and op constant once inlined,
@@ -221,7 +188,7 @@ static BLOCK_ATTR inline __attribute__((always_inline)) Py_ssize_t BLOCK_NAME(_f
         }
     }
     (void)op;
-    if (BLOCK_NAME(_seen)(special, dfmt)) {
+    if (BLOCK_NAME(_specials)(special, dfmt)) {
         if (streaming)
             _mm_sfence();
         *count += commlib_count_nonfinite(dst, dfmt, i);
@@ -301,17 +268,17 @@ static BLOCK_ATTR inline __attribute__((always_inline)) Py_ssize_t BLOCK_NAME(_s
                 acc = BLOCK_NAME(_widen8r)(BLOCK_NAME(_narrow8m)(sum, fmt, &ignored), fmt);
         }
     }
-    if (BLOCK_NAME(_seen)(mine_special, fmt)) {
+    if (BLOCK_NAME(_specials)(mine_special, fmt)) {
         Py_ssize_t count = 0;
         for (Py_ssize_t j = 0; j < i; j += 8) {
             __m256 x = _mm256_loadu_ps(own + j);
-            if (scaled)
-                x = _mm256_mul_ps(factor, x);
-            (void)BLOCK_NAME(_narrow8)(x, fmt, &count);
+            __m256i special = _mm256_setzero_si256();
+            (void)BLOCK_NAME(_narrow8m)(scaled ? _mm256_mul_ps(factor, x) : x, fmt, &special);
+            count += BLOCK_NAME(_specials)(special, fmt);
         }
         *sent += count;
     }
-    if (BLOCK_NAME(_seen)(out_special, fmt))
+    if (BLOCK_NAME(_specials)(out_special, fmt))
         *found += commlib_count_nonfinite(out, fmt, i);
     return i;
 }
