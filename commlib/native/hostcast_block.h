@@ -135,12 +135,13 @@ static BLOCK_ATTR inline __attribute__((always_inline)) int BLOCK_NAME(_specials
     return __builtin_popcount((unsigned)_mm256_movemask_ps(_mm256_castsi256_ps(special)));
 }
 
-/* One of the commonest casts (the formats and op constant once inlined,
- * see _fast): inf and NaN are noted with a mask and counted afterwards,
- * in the output, only when one went by. */
+/* One of the commonest casts (the formats constant once inlined, see
+ * _fast; they alone say which cast: float32 to a half format, back, or a
+ * sum in a half format): inf and NaN are noted with a mask and counted
+ * afterwards, in the output, only when one went by. */
 static BLOCK_ATTR inline __attribute__((always_inline)) Py_ssize_t BLOCK_NAME(_fast_in)(
     const void *src, const int sfmt, void *dst, const int dfmt, Py_ssize_t n, float scale,
-    int scaled, const int op, int streaming, Py_ssize_t *count)
+    int scaled, int streaming, Py_ssize_t *count)
 {
     const __m256 factor = _mm256_set1_ps(scale);
     __m256i special = _mm256_setzero_si256();
@@ -187,7 +188,6 @@ static BLOCK_ATTR inline __attribute__((always_inline)) Py_ssize_t BLOCK_NAME(_f
                              BLOCK_NAME(_narrow8m)(_mm256_add_ps(y, x), dfmt, &special));
         }
     }
-    (void)op;
     if (BLOCK_NAME(_specials)(special, dfmt)) {
         if (streaming)
             _mm_sfence();
@@ -206,16 +206,16 @@ static BLOCK_ATTR Py_ssize_t BLOCK_NAME(_fast)(const void *src, int sfmt, void *
                                               Py_ssize_t n, float scale, int scaled, int op,
                                               int streaming, Py_ssize_t *count)
 {
-#define FAST(S, D, O) BLOCK_NAME(_fast_in)(src, S, dst, D, n, scale, scaled, O, streaming, count)
+#define FAST(S, D) BLOCK_NAME(_fast_in)(src, S, dst, D, n, scale, scaled, streaming, count)
     if (op == CAST_OP_NONE && sfmt == CAST_F32 && dfmt != CAST_F32)
-        return dfmt == CAST_F16 ? FAST(CAST_F32, CAST_F16, CAST_OP_NONE)
-                                : FAST(CAST_F32, CAST_BF16, CAST_OP_NONE);
+        return dfmt == CAST_F16 ? FAST(CAST_F32, CAST_F16)
+                                : FAST(CAST_F32, CAST_BF16);
     if (op == CAST_OP_NONE && sfmt != CAST_F32 && dfmt == CAST_F32)
-        return sfmt == CAST_F16 ? FAST(CAST_F16, CAST_F32, CAST_OP_NONE)
-                                : FAST(CAST_BF16, CAST_F32, CAST_OP_NONE);
+        return sfmt == CAST_F16 ? FAST(CAST_F16, CAST_F32)
+                                : FAST(CAST_BF16, CAST_F32);
     if (op == CAST_OP_SUM && sfmt != CAST_F32 && dfmt == sfmt)
-        return sfmt == CAST_F16 ? FAST(CAST_F16, CAST_F16, CAST_OP_SUM)
-                                : FAST(CAST_BF16, CAST_BF16, CAST_OP_SUM);
+        return sfmt == CAST_F16 ? FAST(CAST_F16, CAST_F16)
+                                : FAST(CAST_BF16, CAST_BF16);
 #undef FAST
     return 0;
 }
